@@ -1,0 +1,315 @@
+"""`RequestCache`: the SQLite replay store, a drop-in for datatrove's.
+
+Same file (`<dir>/<rank:05d>/replay.sqlite3`), same table, columns and
+primary key `(doc_id, rollout_idx, payload_hash)`, same methods and return
+values as datatrove's `RequestCache`; a cache either one wrote is read by
+the other. What differs is how it gets there:
+
+- stores are buffered and written by one writer in a single transaction per
+  flush window (group commit, WAL): one commit per window, not per row. A
+  crash loses at most the last window (`flush_interval_ms`, default 50 ms)
+  and never corrupts the file; `flush()` and `close()` return only once
+  everything stored before them is durable (`synchronous=FULL`);
+- lookups are a direct `sqlite3` point query on the caller's thread.
+
+Like datatrove's, a lookup only serves answers a previous run stored (the
+doc ids present when `initialize` ran), so a job that repeats a request in
+one run gets a fresh generation. `replay_same_run=True`, which the proxy
+uses, also serves answers stored in this run, at once, before they are
+committed: the same key then always gets the same answer.
+- the schema grows only through the named migrations in `MIGRATIONS`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sqlite3
+import time
+from typing import Any, NamedTuple
+
+import orjson
+
+from app.hashing import payload_hash
+
+logger = logging.getLogger(__name__)
+
+DB_FILENAME = "replay.sqlite3"
+
+#: Append-only: a migration, once released, is never edited. Each runs once
+#: per file, in order, recorded by name in `inferproxy_migrations`.
+MIGRATIONS: tuple[tuple[str, str], ...] = (
+    (
+        # datatrove's own table: IF NOT EXISTS makes this a no-op on its files.
+        "0001_datatrove_request_cache",
+        """
+        CREATE TABLE IF NOT EXISTS request_cache (
+            chunk_index INTEGER NOT NULL,
+            doc_id TEXT NOT NULL,
+            rollout_idx INTEGER NOT NULL,
+            payload_hash TEXT NOT NULL,
+            result BLOB,
+            error_message TEXT,
+            PRIMARY KEY (doc_id, rollout_idx, payload_hash)
+        );
+        CREATE INDEX IF NOT EXISTS idx_request_cache_chunk ON request_cache(chunk_index);
+        """,
+    ),
+    (
+        # What the HTTP proxy replays besides the body. Nullable or defaulted,
+        # so datatrove's INSERTs, which name their six columns, still work.
+        "0002_http_response_columns",
+        """
+        ALTER TABLE request_cache ADD COLUMN status_code INTEGER;
+        ALTER TABLE request_cache ADD COLUMN content_type TEXT;
+        ALTER TABLE request_cache ADD COLUMN streamed INTEGER NOT NULL DEFAULT 0;
+        """,
+    ),
+)
+
+_INSERT = (
+    # OR REPLACE: the newest answer for a key wins, as in datatrove.
+    "INSERT OR REPLACE INTO request_cache (chunk_index, doc_id, rollout_idx, payload_hash, "
+    "result, error_message, status_code, content_type, streamed) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+_SELECT = "SELECT result, error_message FROM request_cache WHERE doc_id = ? AND rollout_idx = ? AND payload_hash = ?"
+
+
+class CacheWriteError(RuntimeError):
+    """Stored answers could not be made durable; they stay queued and are retried."""
+
+
+class _Row(NamedTuple):
+    chunk_index: int
+    doc_id: str
+    rollout_idx: int
+    payload_hash: str
+    result: bytes | None
+    error_message: str | None
+    status_code: int | None
+    content_type: str | None
+    streamed: int
+
+
+_Key = tuple[str, int, str]
+
+
+def apply_migrations(conn: sqlite3.Connection) -> list[str]:
+    """Bring `conn`'s schema up to date; return the names of the migrations applied now."""
+    conn.execute("CREATE TABLE IF NOT EXISTS inferproxy_migrations (name TEXT PRIMARY KEY, applied_at REAL NOT NULL)")
+    applied: list[str] = []
+    for name, script in MIGRATIONS:
+        # IMMEDIATE takes the write lock first, so two processes opening one
+        # file cannot both decide a migration is missing.
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            if conn.execute("SELECT 1 FROM inferproxy_migrations WHERE name = ?", (name,)).fetchone():
+                conn.execute("COMMIT")
+                continue
+            for statement in filter(str.strip, script.split(";")):
+                conn.execute(statement)
+            conn.execute("INSERT INTO inferproxy_migrations (name, applied_at) VALUES (?, ?)", (name, time.time()))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        applied.append(name)
+    return applied
+
+
+class RequestCache:
+    """SQLite-backed replay of each request's answer, per rank.
+
+    `checkpoints_local_dir=None` disables it: every method is then a no-op
+    and every lookup a miss, as in datatrove.
+    """
+
+    def __init__(
+        self, checkpoints_local_dir: str | None, *, flush_interval_ms: float = 50.0, replay_same_run: bool = False
+    ) -> None:
+        if flush_interval_ms <= 0:
+            raise ValueError(f"flush_interval_ms must be > 0, got {flush_interval_ms}")
+        self.base_dir = checkpoints_local_dir
+        self.enabled = checkpoints_local_dir is not None
+        self.flush_interval = flush_interval_ms / 1000.0
+        self.replay_same_run = replay_same_run
+        self.db_path: str | None = None
+        self._reader: sqlite3.Connection | None = None
+        self._writer: sqlite3.Connection | None = None
+        self._doc_ids_in_cache: set[str] = set()
+        # Stored but not yet committed, and being committed: lookups see both.
+        self._pending: dict[_Key, _Row] = {}
+        self._committing: dict[_Key, _Row] = {}
+        self._has_pending = asyncio.Event()
+        self._write_lock = asyncio.Lock()
+        self._writer_task: asyncio.Task[None] | None = None
+
+    async def initialize(self, rank: int) -> None:
+        """Open (creating or migrating) the rank's cache file and start the writer."""
+        if not self.enabled or self._reader is not None:
+            return
+        assert self.base_dir is not None
+        rank_dir = os.path.join(self.base_dir, f"{rank:05d}")
+        os.makedirs(rank_dir, exist_ok=True)
+        self.db_path = os.path.join(rank_dir, DB_FILENAME)
+        self._writer, self._reader, self._doc_ids_in_cache = await asyncio.to_thread(_open, self.db_path)
+        self._writer_task = asyncio.create_task(self._writer_loop(), name=f"request-cache-writer-{rank}")
+
+    async def close(self, delete_file: bool = False) -> None:
+        """Flush, stop the writer and close the file; idempotent."""
+        if self._reader is None and self._writer is None:
+            return
+        try:
+            await self.flush()
+        finally:
+            if self._writer_task is not None:
+                # Under the lock the writer is not mid-commit, so cancelling it drops no batch.
+                async with self._write_lock:
+                    self._writer_task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await self._writer_task
+                self._writer_task = None
+            for conn in (self._reader, self._writer):
+                if conn is not None:
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.close()
+            self._reader = self._writer = None
+            if delete_file and self.db_path:
+                for suffix in ("", "-wal", "-shm"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(self.db_path + suffix)
+            self.db_path = None
+            self._doc_ids_in_cache.clear()
+            self._pending.clear()
+
+    def prepare_payload(self, payload: dict[str, Any]) -> str:
+        """The payload's cache hash (datatrove's `prepare_payload`)."""
+        return payload_hash(payload)
+
+    async def get_cached_response(
+        self, doc_id: str, rollout_idx: int, *, payload_hash: str
+    ) -> tuple[dict[str, Any] | None, str | None]:
+        """`(result, None)`, `(None, error_message)`, or `(None, None)` on a miss."""
+        if self._reader is None or doc_id not in self._doc_ids_in_cache:
+            return None, None
+        key = (doc_id, rollout_idx, payload_hash)
+        row = self._pending.get(key) or self._committing.get(key)
+        if row is not None:
+            result_blob, error_message = row.result, row.error_message
+        else:
+            found = self._reader.execute(_SELECT, key).fetchone()
+            if found is None:
+                return None, None
+            result_blob, error_message = found
+        return (orjson.loads(result_blob) if result_blob is not None else None), error_message
+
+    async def store_result(
+        self, chunk_index: int, doc_id: str, rollout_idx: int, result: dict[str, Any], *, payload_hash: str
+    ) -> None:
+        """Queue `result` for the next commit; a lookup finds it at once."""
+        if self._reader is None:
+            return
+        blob = orjson.dumps(result)
+        self._queue(_Row(chunk_index, doc_id, rollout_idx, payload_hash, blob, None, None, None, 0))
+
+    async def store_error(
+        self, chunk_index: int, doc_id: str, rollout_idx: int, error_message: str, *, payload_hash: str
+    ) -> None:
+        """Queue an error answer for the next commit; it is replayed as `(None, error_message)`."""
+        if self._reader is None:
+            return
+        self._queue(_Row(chunk_index, doc_id, rollout_idx, payload_hash, None, error_message, None, None, 0))
+
+    async def flush(self) -> None:
+        """Return once everything stored before the call is committed and durable.
+
+        Raises `CacheWriteError` if the disk refuses it (the rows stay queued).
+        """
+        if self._writer is None:
+            return
+        await self._commit(drop_chunk=None)
+
+    async def drop_chunk(self, chunk_index: int) -> None:
+        """Delete every entry of a chunk, including ones stored but not yet committed."""
+        if self._writer is None:
+            return
+        await self._commit(drop_chunk=chunk_index)
+
+    async def mark_document_complete(self, doc_id: str) -> None:
+        """The document is finished: later lookups for it are misses without a query."""
+        if not self.enabled:
+            return
+        self._doc_ids_in_cache.discard(doc_id)
+
+    def _queue(self, row: _Row) -> None:
+        key = (row.doc_id, row.rollout_idx, row.payload_hash)
+        self._pending.pop(key, None)  # re-insert so the dict keeps store order
+        self._pending[key] = row
+        if self.replay_same_run:
+            self._doc_ids_in_cache.add(row.doc_id)
+        self._has_pending.set()
+
+    async def _commit(self, *, drop_chunk: int | None) -> None:
+        async with self._write_lock:
+            if not self._pending and drop_chunk is None:
+                return
+            writer = self._writer
+            assert writer is not None
+            batch, self._pending = self._pending, {}
+            self._committing = batch
+            try:
+                await asyncio.to_thread(_write_batch, writer, list(batch.values()), drop_chunk)
+            except sqlite3.Error as exc:
+                # Keep the rows for the next attempt; anything stored since is newer and wins.
+                self._pending = batch | self._pending
+                if self._pending:
+                    self._has_pending.set()
+                raise CacheWriteError(f"could not commit {len(batch)} cache entries to {self.db_path}: {exc}") from exc
+            finally:
+                self._committing = {}
+
+    async def _writer_loop(self) -> None:
+        backoff = self.flush_interval
+        while True:
+            await self._has_pending.wait()
+            await asyncio.sleep(backoff)
+            self._has_pending.clear()
+            try:
+                await self._commit(drop_chunk=None)
+            except CacheWriteError:
+                logger.exception("request cache commit failed; retrying in %.2f s", backoff)
+                backoff = min(backoff * 2, 5.0)
+            else:
+                backoff = self.flush_interval
+
+
+def _open(db_path: str) -> tuple[sqlite3.Connection, sqlite3.Connection, set[str]]:
+    # isolation_level=None: transactions are explicit, one BEGIN/COMMIT per batch.
+    writer = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False, timeout=30.0)
+    try:
+        writer.execute("PRAGMA journal_mode=WAL")
+        # FULL: a commit is on disk when it returns; with one commit per window it costs little.
+        writer.execute("PRAGMA synchronous=FULL")
+        apply_migrations(writer)
+        reader = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False, timeout=30.0)
+        doc_ids = {row[0] for row in reader.execute("SELECT DISTINCT doc_id FROM request_cache")}
+    except BaseException:
+        writer.close()
+        raise
+    return writer, reader, doc_ids
+
+
+def _write_batch(conn: sqlite3.Connection, rows: list[_Row], drop_chunk: int | None) -> None:
+    conn.execute("BEGIN")
+    try:
+        if rows:
+            conn.executemany(_INSERT, rows)
+        if drop_chunk is not None:
+            conn.execute("DELETE FROM request_cache WHERE chunk_index = ?", (drop_chunk,))
+        conn.execute("COMMIT")
+    except BaseException:
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("ROLLBACK")
+        raise

@@ -1,0 +1,423 @@
+"""`CheckpointManager` and `RequestCache`: datatrove's checkpointing, durable and fast.
+
+The classes keep the constructors, methods, return values, attributes and
+on-disk files of `datatrove.pipeline.inference.checkpointing`, so either can
+stand in for the other and resume the other's checkpoints::
+
+    <checkpoints_local_dir>/<rank:05d>/chunk_<i:05d>.jsonl   one document per line
+    <checkpoints_local_dir>/<rank:05d>/replay.sqlite3        RequestCache
+    <checkpoints_local_dir>/last_chunk/<rank:05d>.txt        last_chunk_index
+
+plus `checkpoint_meta.json`, recording `records_per_chunk` for the resume check.
+
+Where datatrove can lose or repeat work, these do not:
+
+- a document id already written to a chunk is not written or counted again
+  (`write_document` reports it as a duplicate), so a chunk completes on
+  `records_per_chunk` *distinct* documents and never early;
+- appends are fsynced (`fsync="always"`, one fsync shared by concurrent
+  writers) before `write_document` returns, and a failed append leaves no
+  torn line; a torn last line left by a crash is dropped on resume;
+- a completing chunk moves `last_chunk/<rank>.txt` (replaced atomically)
+  *before* its chunk file and cache rows are deleted, so a crash between
+  steps never makes the job generate a finished chunk again;
+- resuming with another `records_per_chunk` fails with a clear error
+  instead of silently shifting every chunk boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import re
+import shutil
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+from app.cache import RequestCache
+from app.documents import Document, DocumentLike, OutputWriter, encode_document, is_removed
+from app.durable import (
+    AppendFile,
+    GroupSync,
+    atomic_write_bytes,
+    fsync_dir,
+    make_dirs_durable,
+    read_jsonl_repairing_tail,
+)
+
+__all__ = [
+    "CheckpointManager",
+    "ChunkCompleteError",
+    "Document",
+    "RecordsPerChunkMismatch",
+    "RequestCache",
+    "WriteOutcome",
+]
+
+logger = logging.getLogger(__name__)
+
+META_FILENAME = "checkpoint_meta.json"
+FsyncPolicy = Literal["always", "never"]
+_CHUNK_FILE = re.compile(r"^chunk_(\d+)\.jsonl$")
+
+
+class ChunkCompleteError(ValueError):
+    """A document was sent to a chunk that is already complete."""
+
+
+class RecordsPerChunkMismatch(ValueError):
+    """The checkpoints were written with another `records_per_chunk`."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteOutcome:
+    """What `write_document` did (datatrove's returns None; callers may ignore this)."""
+
+    written: bool
+    chunk_index: int
+    chunk_count: int
+    chunk_complete: bool
+    last_chunk_index: int
+
+    @property
+    def duplicate(self) -> bool:
+        return not self.written
+
+
+class CheckpointManager:
+    """Groups a rank's documents into chunks on disk and publishes complete chunks in order.
+
+    One instance serves one rank at a time, as in datatrove. `fault` is a
+    test hook called with the name of each step of chunk completion
+    (`output_closed`, `last_chunk_written`, `chunk_file_deleted`,
+    `cache_rows_dropped`); raising from it simulates a crash there.
+    """
+
+    def __init__(
+        self,
+        checkpoints_local_dir: str | None = None,
+        records_per_chunk: int = 6000,
+        request_cache: RequestCache | None = None,
+        *,
+        fsync: FsyncPolicy = "always",
+        document_factory: Callable[[dict[str, Any]], DocumentLike] = Document.from_dict,
+        fault: Callable[[str], None] | None = None,
+    ) -> None:
+        if checkpoints_local_dir is not None:
+            checkpoints_local_dir = checkpoints_local_dir.removeprefix("file://")
+            if "://" in checkpoints_local_dir:
+                raise ValueError(f"checkpoints_local_dir must be a local directory, got {checkpoints_local_dir!r}")
+        if records_per_chunk <= 0:
+            raise ValueError("records_per_chunk must be positive")
+        if fsync not in ("always", "never"):
+            raise ValueError(f"fsync must be 'always' or 'never', got {fsync!r}")
+        self.checkpoints_local_dir = checkpoints_local_dir
+        self.records_per_chunk = records_per_chunk
+        self.request_cache = request_cache
+        self.fsync: FsyncPolicy = fsync
+        self.document_factory = document_factory
+        self.fault = fault
+
+        self.file_locks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self.checkpoint_file_lock = asyncio.Lock()
+        self.per_chunk_counts: Counter[int] = Counter()
+        self.new_completed_chunks: set[int] = set()
+        self.last_chunk_index = -1
+
+        self._chunk_ids: defaultdict[int, set[str]] = defaultdict(set)
+        self._files: dict[int, AppendFile] = {}
+        self._sync = GroupSync()
+        self._meta_checked = False
+
+    # ----------------------------------------------------------------- writing
+
+    async def write_document(
+        self, document: DocumentLike, rank: int, chunk_index: int, output_writer_context: OutputWriter
+    ) -> WriteOutcome:
+        """Checkpoint `document` into `chunk_index` and write it to the output.
+
+        Returns once the line is durable under the fsync policy. A document id
+        already in the chunk is neither written nor counted (`written=False`).
+        Raises `DocumentError` for a document that cannot be serialised,
+        `ChunkCompleteError` for a chunk already complete, `OSError` when the
+        disk refuses the append; in each case nothing is written or counted.
+        """
+        line = encode_document(document)
+        completes = False
+        async with self.file_locks[chunk_index]:
+            ids = self._chunk_ids[chunk_index]
+            duplicate = document.id in ids
+            if not duplicate:
+                self._check_open_chunk(chunk_index)
+                file = await self._append(rank, chunk_index, line) if self.checkpoints_local_dir else None
+                try:
+                    if not is_removed(document):
+                        output_writer_context.write(document, rank=rank, chunk_index=chunk_index)
+                except BaseException:
+                    if file is not None:
+                        file.truncate(file.size - len(line))
+                    raise
+                ids.add(document.id)
+                self.per_chunk_counts[chunk_index] += 1
+                completes = self.checkpoints_local_dir is not None and (
+                    self.per_chunk_counts[chunk_index] == self.records_per_chunk
+                )
+            count = self.per_chunk_counts[chunk_index]
+            file = self._files.get(chunk_index)
+        if file is not None and self.fsync == "always":
+            # Outside the chunk lock, so the chunk's other writers share this fsync.
+            await self._sync.sync(file.fd)
+        if completes:
+            output_writer_context.close_file(
+                output_writer_context._get_output_filename(document, rank, chunk_index=chunk_index)
+            )
+            self._fault("output_closed")
+            self.new_completed_chunks.add(chunk_index)
+            await self.update_last_chunk_index(rank)
+        return WriteOutcome(
+            written=not duplicate,
+            chunk_index=chunk_index,
+            chunk_count=count,
+            chunk_complete=chunk_index <= self.last_chunk_index or chunk_index in self.new_completed_chunks,
+            last_chunk_index=self.last_chunk_index,
+        )
+
+    def _check_open_chunk(self, chunk_index: int) -> None:
+        if (
+            chunk_index <= self.last_chunk_index
+            or chunk_index in self.new_completed_chunks
+            or (self.checkpoints_local_dir is not None and self.per_chunk_counts[chunk_index] >= self.records_per_chunk)
+        ):
+            raise ChunkCompleteError(
+                f"chunk {chunk_index} is already complete (last_chunk_index={self.last_chunk_index}); "
+                f"a document for it belongs to another chunk, or was already written before a restart"
+            )
+
+    async def _append(self, rank: int, chunk_index: int, line: bytes) -> AppendFile:
+        file = self._files.get(chunk_index)
+        if file is None:
+            self._ensure_meta()
+            path = self._chunk_path(rank, chunk_index)
+            created = not os.path.exists(path)
+            if created:
+                await asyncio.to_thread(make_dirs_durable, os.path.dirname(path))
+                logger.info("Creating checkpoint file %s", path)
+            file = self._files[chunk_index] = AppendFile(path)
+            if created and self.fsync == "always":
+                await asyncio.to_thread(fsync_dir, os.path.dirname(path))
+        file.append(line)
+        return file
+
+    # ---------------------------------------------------------------- resuming
+
+    async def parse_existing_checkpoints(self, rank: int, output_writer_context: OutputWriter) -> tuple[int, set[str]]:
+        """Reload the rank's checkpoints, rewrite unfinished chunks to the output writer.
+
+        Returns `(documents_to_skip, processed_ids)`: skip the first
+        `documents_to_skip` input documents, and every later one whose id is
+        in `processed_ids`. Same numbers as datatrove's.
+        """
+        all_ids: set[str] = set()
+        if not self.checkpoints_local_dir:
+            return 0, all_ids
+        self._ensure_meta()
+        should_update = False
+        async with self.checkpoint_file_lock:
+            self.last_chunk_index = max(self.last_chunk_index, self._read_last_chunk(rank))
+            chunks = await asyncio.to_thread(self._read_chunks, rank)
+            for chunk_index, documents in chunks:
+                async with self.file_locks[chunk_index]:
+                    ids = self._chunk_ids[chunk_index]
+                    for document in documents:
+                        if document.id in ids:
+                            continue
+                        if not is_removed(document):
+                            output_writer_context.write(document, rank=rank, chunk_index=chunk_index)
+                        ids.add(document.id)
+                        all_ids.add(document.id)
+                        self.per_chunk_counts[chunk_index] += 1
+                        if self.per_chunk_counts[chunk_index] == self.records_per_chunk:
+                            output_writer_context.close_file(
+                                output_writer_context._get_output_filename(document, rank, chunk_index=chunk_index)
+                            )
+                            self.new_completed_chunks.add(chunk_index)
+                            should_update = True
+        if self.request_cache is not None and self.last_chunk_index >= 0:
+            # A crash between deleting the last chunk's file and dropping its
+            # cache rows leaves those rows behind; nothing will ask for them.
+            await self.request_cache.drop_chunk(self.last_chunk_index)
+        if should_update:
+            await self.update_last_chunk_index(rank)
+        docs_to_skip = (self.last_chunk_index + 1) * self.records_per_chunk if self.last_chunk_index >= 0 else 0
+        return docs_to_skip, all_ids
+
+    def _read_chunks(self, rank: int) -> list[tuple[int, list[DocumentLike]]]:
+        """Decode the rank's unfinished chunk files, validating all before anything is written."""
+        assert self.checkpoints_local_dir is not None
+        rank_dir = os.path.join(self.checkpoints_local_dir, f"{rank:05d}")
+        chunks: list[tuple[int, list[DocumentLike]]] = []
+        for chunk_index, path in _chunk_files(rank_dir):
+            if chunk_index <= self.last_chunk_index:
+                # Left by a crash after last_chunk moved past it: already published.
+                logger.info("Removing %s: chunk %d is already complete", path, chunk_index)
+                os.remove(path)
+                continue
+            documents = [self.document_factory(record) for record in read_jsonl_repairing_tail(path)]
+            distinct = len({document.id for document in documents})
+            if distinct > self.records_per_chunk:
+                raise RecordsPerChunkMismatch(
+                    f"{path} holds {distinct} distinct documents but records_per_chunk is "
+                    f"{self.records_per_chunk}: these checkpoints were written with a larger "
+                    f"records_per_chunk; resume with that value or use a fresh checkpoints dir"
+                )
+            chunks.append((chunk_index, documents))
+        return chunks
+
+    def _read_last_chunk(self, rank: int) -> int:
+        path = self._last_chunk_path(rank)
+        try:
+            with open(path) as f:
+                text = f.read()
+        except FileNotFoundError:
+            return -1
+        except OSError as exc:
+            text = f"<unreadable: {exc}>"
+        try:
+            value = int(text.strip())
+            if value < -1:
+                raise ValueError(value)
+        except ValueError:
+            # Left by a writer that truncated the file and died before writing
+            # it again (datatrove rewrites it in place). The true value is lost;
+            # the only safe lower bound is "no chunk complete": finished chunks
+            # are generated again and their outputs rewritten, none is lost.
+            logger.warning(
+                "%s is empty or unreadable (%r), probably left by a crash while it was rewritten in place; "
+                "resuming as if no chunk were complete: chunks already published will be generated again "
+                "and their output files rewritten",
+                path,
+                text[:80],
+            )
+            return -1
+        return value
+
+    # -------------------------------------------------------------- completing
+
+    async def cleanup_last_chunk(self, rank: int, chunk_index: int) -> None:
+        """Mark the job's last (possibly partial) chunk complete; remove the rank dir once it is reached."""
+        if self.checkpoints_local_dir is None:
+            return
+        self.new_completed_chunks.add(chunk_index)
+        await self.update_last_chunk_index(rank)
+        rank_dir = os.path.join(self.checkpoints_local_dir, f"{rank:05d}")
+        if os.path.exists(rank_dir) and self.last_chunk_index == chunk_index:
+            await self._close_files()
+            shutil.rmtree(rank_dir)
+
+    async def update_last_chunk_index(self, rank: int) -> None:
+        """Advance `last_chunk_index` over every complete chunk that follows it.
+
+        For each chunk, in this order, so that a crash between two steps
+        never loses or repeats a chunk: write `last_chunk/<rank>.txt`
+        (atomically), delete the chunk file, drop the chunk's cache rows.
+        """
+        if self.checkpoints_local_dir is None:
+            return
+        async with self.checkpoint_file_lock:
+            while self.last_chunk_index + 1 in self.new_completed_chunks:
+                chunk_index = self.last_chunk_index + 1
+                await asyncio.to_thread(atomic_write_bytes, self._last_chunk_path(rank), str(chunk_index).encode())
+                self.last_chunk_index = chunk_index
+                self._fault("last_chunk_written")
+                async with self.file_locks[chunk_index]:
+                    file = self._files.pop(chunk_index, None)
+                    if file is not None:
+                        file.close()
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(self._chunk_path(rank, chunk_index))
+                self._fault("chunk_file_deleted")
+                logger.info("Finished chunk %d", chunk_index)
+                self.file_locks.pop(chunk_index, None)
+                self.per_chunk_counts.pop(chunk_index, None)
+                self._chunk_ids.pop(chunk_index, None)
+                self.new_completed_chunks.remove(chunk_index)
+                if self.request_cache is not None:
+                    await self.request_cache.drop_chunk(chunk_index)
+                self._fault("cache_rows_dropped")
+
+    def chunk_index_gen(self) -> Iterator[int]:
+        """0 repeated `records_per_chunk` times, then 1, and so on: the chunk of each input position."""
+        chunk_index = 0
+        while True:
+            for _ in range(self.records_per_chunk):
+                yield chunk_index
+            chunk_index += 1
+
+    async def close(self) -> None:
+        """Make every append durable and close the chunk files; idempotent."""
+        await self._close_files()
+
+    # ----------------------------------------------------------------- helpers
+
+    async def _close_files(self) -> None:
+        files = list(self._files.values())
+        self._files.clear()
+        try:
+            if files and self.fsync == "always":
+                await self._sync.sync(*(file.fd for file in files))
+        finally:
+            for file in files:
+                file.close()
+
+    def _ensure_meta(self) -> None:
+        """Record `records_per_chunk` beside the checkpoints, or check it against the recorded one."""
+        if self._meta_checked:
+            return
+        assert self.checkpoints_local_dir is not None
+        path = os.path.join(self.checkpoints_local_dir, META_FILENAME)
+        try:
+            with open(path, "rb") as f:
+                recorded = orjson.loads(f.read()).get("records_per_chunk")
+        except FileNotFoundError:
+            atomic_write_bytes(path, orjson.dumps({"records_per_chunk": self.records_per_chunk}))
+        else:
+            if recorded != self.records_per_chunk:
+                raise RecordsPerChunkMismatch(
+                    f"the checkpoints in {self.checkpoints_local_dir} were written with "
+                    f"records_per_chunk={recorded}, this run uses records_per_chunk={self.records_per_chunk}: "
+                    f"every chunk boundary would shift. Resume with records_per_chunk={recorded}, "
+                    f"or use a fresh checkpoints dir"
+                )
+        self._meta_checked = True
+
+    def _chunk_path(self, rank: int, chunk_index: int) -> str:
+        assert self.checkpoints_local_dir is not None
+        return os.path.join(self.checkpoints_local_dir, f"{rank:05d}", f"chunk_{chunk_index:05d}.jsonl")
+
+    def _last_chunk_path(self, rank: int) -> str:
+        assert self.checkpoints_local_dir is not None
+        return os.path.join(self.checkpoints_local_dir, "last_chunk", f"{rank:05d}.txt")
+
+    def _fault(self, step: str) -> None:
+        if self.fault is not None:
+            self.fault(step)
+
+
+def _chunk_files(rank_dir: str) -> list[tuple[int, str]]:
+    """`(chunk_index, path)` of every chunk file in a rank dir, by chunk index."""
+    try:
+        names = os.listdir(rank_dir)
+    except FileNotFoundError:
+        return []
+    found = []
+    for name in names:
+        match = _CHUNK_FILE.match(name)
+        if match:
+            found.append((int(match.group(1)), os.path.join(rank_dir, name)))
+    return sorted(found)

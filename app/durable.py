@@ -1,0 +1,220 @@
+"""Files that survive a crash: appends that never leave a torn line behind,
+atomic replacement, and one fsync shared by every concurrent writer.
+
+Rules these helpers keep, so callers do not have to:
+
+- an append either lands whole or the file is cut back to where it was;
+- a replaced file is written under a temporary name, fsynced, renamed over
+  the old one with `os.replace`, and the directory is fsynced;
+- a writer waiting for durability waits for an fsync that started after its
+  write, and concurrent writers share it (group commit).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import logging
+import os
+import tempfile
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+
+logger = logging.getLogger(__name__)
+
+
+def fsync_dir(path: str) -> None:
+    """fsync a directory, so that names created, renamed or removed in it persist."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs_durable(path: str) -> None:
+    """Create `path` and any missing parents, fsyncing each parent that gained an entry."""
+    missing: list[str] = []
+    current = os.path.abspath(path)
+    while not os.path.isdir(current):
+        missing.append(current)
+        current = os.path.dirname(current)
+    for directory in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(directory)
+        fsync_dir(os.path.dirname(directory))
+
+
+def atomic_write_bytes(path: str, data: bytes) -> None:
+    """Replace `path` with `data`: readers see the old content or the new, never a mix."""
+    directory = os.path.dirname(os.path.abspath(path))
+    make_dirs_durable(directory)
+    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as tmp:
+            tmp.write(data)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp_path, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_path)
+        raise
+    fsync_dir(directory)
+
+
+class AppendFile:
+    """An append-only file whose every append is a whole line or nothing.
+
+    The size is tracked so that a failed write (disk full mid-line) is undone
+    with `ftruncate`: the next append can never glue onto half a line.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self.size = os.fstat(self.fd).st_size
+
+    @property
+    def closed(self) -> bool:
+        return self.fd < 0
+
+    def append(self, data: bytes) -> int:
+        """Append `data`; return the offset it starts at. On failure the file is as before."""
+        start = self.size
+        view = memoryview(data)
+        written = 0
+        try:
+            while written < len(data):
+                n = os.write(self.fd, view[written:])
+                if n == 0:
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
+                written += n
+        except BaseException:
+            if written:
+                self.truncate(start)
+            raise
+        self.size = start + written
+        return start
+
+    def truncate(self, size: int) -> None:
+        """Cut the file back to `size` bytes (undo appends after that offset)."""
+        try:
+            os.ftruncate(self.fd, size)
+        except OSError:
+            logger.exception("could not cut %s back to %d bytes after a failed append", self.path, size)
+            raise
+        self.size = size
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+
+def _fsync_all(fds: Iterable[int]) -> None:
+    for fd in fds:
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            # A descriptor closed after a final fsync of its own has nothing left to sync.
+            if exc.errno != errno.EBADF:
+                raise
+
+
+class GroupSync:
+    """One fsync shared by every writer waiting at the same time (group commit).
+
+    `await sync(fd)` returns once an fsync of `fd` that started after the call
+    has finished. Writers arriving while an fsync runs are served together by
+    the next one, so N concurrent writers cost about two fsyncs, not N.
+    """
+
+    def __init__(self) -> None:
+        self._dirty: set[int] = set()
+        self._waiters: list[asyncio.Future[None]] = []
+        self._runner: asyncio.Task[None] | None = None
+
+    async def sync(self, *fds: int) -> None:
+        self._dirty.update(fds)
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        if self._runner is None:
+            self._runner = asyncio.create_task(self._run())
+        # shield: a cancelled caller does not cancel the fsync others share
+        await asyncio.shield(waiter)
+
+    async def _run(self) -> None:
+        try:
+            while self._waiters:
+                waiters, self._waiters = self._waiters, []
+                fds, self._dirty = self._dirty, set()
+                try:
+                    await asyncio.to_thread(_fsync_all, fds)
+                except OSError as exc:
+                    for waiter in waiters:
+                        if not waiter.done():
+                            waiter.set_exception(exc)
+                else:
+                    for waiter in waiters:
+                        if not waiter.done():
+                            waiter.set_result(None)
+        finally:
+            self._runner = None
+
+
+class CorruptFileError(ValueError):
+    """A JSONL file damaged before its last line: not a torn append, so not repaired silently."""
+
+
+def read_jsonl_repairing_tail(path: str) -> list[Any]:
+    """Decode every line of an append-only JSONL file, repairing a torn tail.
+
+    A crash mid-append leaves a last line without its newline, or garbage (a
+    power cut can leave NUL bytes). Such a tail is dropped and the file cut
+    back to its last whole line, so that later appends never glue onto it.
+    A bad line followed by good ones is not a torn append: that raises
+    `CorruptFileError` naming the file and line, and changes nothing.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    records: list[Any] = []
+    offset = 0
+    torn_at: int | None = None
+    torn_line = 0
+    for lineno, line in enumerate(data.split(b"\n"), start=1):
+        start, offset = offset, offset + len(line) + 1
+        whole = offset <= len(data)  # the last piece has no newline after it
+        if not line.strip(b" \t\r\0"):
+            if line and torn_at is None and not whole:
+                torn_at, torn_line = start, lineno
+            continue
+        try:
+            if not whole:
+                raise ValueError("no newline at the end")
+            record = orjson.loads(line)
+        except ValueError:
+            if torn_at is None:
+                torn_at, torn_line = start, lineno
+            continue
+        if torn_at is not None:
+            raise CorruptFileError(
+                f"{path}: line {torn_line} is not valid JSON but whole lines follow it; this is not a torn "
+                f"append from a crash. Move the file aside or repair that line, then restart."
+            )
+        records.append(record)
+    if torn_at is not None:
+        logger.warning(
+            "%s: dropping a torn last line (%d bytes from line %d), left by a crash mid-append",
+            path,
+            len(data) - torn_at,
+            torn_line,
+        )
+        with open(path, "r+b") as f:
+            f.truncate(torn_at)
+            f.flush()
+            os.fsync(f.fileno())
+    return records

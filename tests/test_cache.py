@@ -1,0 +1,219 @@
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+from datatrove.pipeline.inference.checkpointing import RequestCache as DatatroveRequestCache
+
+import app.cache
+from app.cache import MIGRATIONS, CacheWriteError, RequestCache, apply_migrations
+from app.hashing import payload_hash
+
+PAYLOAD = {"messages": [{"role": "user", "content": "hello"}]}
+H = payload_hash(PAYLOAD)
+RESULT = {"text": "world", "finish_reason": "stop", "usage": {"prompt_tokens": 1}, "reasoning": "scratchpad"}
+
+
+async def opened(path: Path, **kwargs: Any) -> RequestCache:
+    cache = RequestCache(str(path), **kwargs)
+    await cache.initialize(0)
+    return cache
+
+
+def rows(path: Path, rank: int = 0) -> list[tuple[Any, ...]]:
+    with sqlite3.connect(path / f"{rank:05d}" / "replay.sqlite3") as conn:
+        return conn.execute(
+            "SELECT chunk_index, doc_id, rollout_idx, payload_hash, result, error_message FROM request_cache "
+            "ORDER BY doc_id, rollout_idx"
+        ).fetchall()
+
+
+async def test_store_and_fetch_across_instances_as_datatrove_does(tmp_path: Path) -> None:
+    cache = await opened(tmp_path)
+    assert await cache.get_cached_response("doc-1", 0, payload_hash=H) == (None, None)
+    await cache.store_result(0, "doc-1", 0, RESULT, payload_hash=H)
+    await cache.store_error(0, "doc-2", 0, "boom", payload_hash=H)
+    await cache.flush()
+
+    resume = await opened(tmp_path)
+    assert await resume.get_cached_response("doc-1", 0, payload_hash=H) == (RESULT, None)
+    assert await resume.get_cached_response("doc-2", 0, payload_hash=H) == (None, "boom")
+    await resume.mark_document_complete("doc-1")
+    assert await resume.get_cached_response("doc-1", 0, payload_hash=H) == (None, None)
+    await resume.drop_chunk(0)
+    await resume.close(delete_file=True)
+    await cache.close()
+    assert not list(tmp_path.glob("*/replay.sqlite3"))
+
+
+async def test_answers_stored_in_this_run_are_not_replayed_by_default(tmp_path: Path) -> None:
+    cache = await opened(tmp_path)
+    await cache.store_result(0, "doc-1", 0, RESULT, payload_hash=H)
+    await cache.flush()
+    assert await cache.get_cached_response("doc-1", 0, payload_hash=H) == (None, None)
+    await cache.close()
+
+
+async def test_replay_same_run_serves_an_answer_before_it_is_committed(tmp_path: Path) -> None:
+    cache = await opened(tmp_path, replay_same_run=True, flush_interval_ms=60_000)
+    await cache.store_result(3, "doc-1", 0, RESULT, payload_hash=H)
+    await cache.store_error(3, "doc-1", 1, "too long", payload_hash=H)
+    assert rows(tmp_path) == []  # nothing committed yet
+    assert await cache.get_cached_response("doc-1", 0, payload_hash=H) == (RESULT, None)
+    assert await cache.get_cached_response("doc-1", 1, payload_hash=H) == (None, "too long")
+    assert await cache.get_cached_response("doc-1", 2, payload_hash=H) == (None, None)
+    await cache.close()
+
+
+async def test_newest_answer_for_a_key_wins(tmp_path: Path) -> None:
+    cache = await opened(tmp_path, replay_same_run=True)
+    await cache.store_result(0, "d", 0, {"v": 1}, payload_hash=H)
+    await cache.flush()
+    await cache.store_error(0, "d", 0, "later error", payload_hash=H)
+    await cache.flush()
+    assert await cache.get_cached_response("d", 0, payload_hash=H) == (None, "later error")
+    assert len(rows(tmp_path)) == 1
+    await cache.close()
+
+
+async def test_stores_between_flushes_are_committed_in_one_transaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batches: list[int] = []
+    real = app.cache._write_batch
+
+    def counting(conn: sqlite3.Connection, batch: list[Any], drop_chunk: int | None) -> None:
+        batches.append(len(batch))
+        real(conn, batch, drop_chunk)
+
+    monkeypatch.setattr(app.cache, "_write_batch", counting)
+    cache = await opened(tmp_path, flush_interval_ms=60_000)
+    for i in range(1000):
+        await cache.store_result(0, f"doc-{i}", 0, {"i": i}, payload_hash=H)
+    await cache.flush()
+    assert batches == [1000]
+    assert len(rows(tmp_path)) == 1000
+    await cache.close()
+
+
+async def test_writer_commits_on_its_own_within_the_flush_window(tmp_path: Path) -> None:
+    cache = await opened(tmp_path, flush_interval_ms=5)
+    await cache.store_result(0, "doc-1", 0, RESULT, payload_hash=H)
+    for _ in range(400):  # bounded wait: up to ~4 s on a loaded machine
+        if rows(tmp_path):
+            break
+        await asyncio.sleep(0.01)
+    assert [r[1] for r in rows(tmp_path)] == ["doc-1"]
+    await cache.close()
+
+
+async def test_drop_chunk_deletes_committed_and_pending_rows_of_that_chunk_only(tmp_path: Path) -> None:
+    cache = await opened(tmp_path, flush_interval_ms=60_000)
+    await cache.store_result(0, "a", 0, {"v": "a"}, payload_hash=H)
+    await cache.flush()
+    await cache.store_result(0, "b", 0, {"v": "b"}, payload_hash=H)  # pending
+    await cache.store_result(1, "c", 0, {"v": "c"}, payload_hash=H)
+    await cache.drop_chunk(0)
+    assert [r[1] for r in rows(tmp_path)] == ["c"]
+    await cache.close()
+
+
+async def test_flush_failure_raises_and_keeps_the_rows_for_the_next_attempt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = app.cache._write_batch
+    calls = 0
+
+    def failing_once(conn: sqlite3.Connection, batch: list[Any], drop_chunk: int | None) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise sqlite3.OperationalError("database or disk is full")
+        real(conn, batch, drop_chunk)
+
+    monkeypatch.setattr(app.cache, "_write_batch", failing_once)
+    cache = await opened(tmp_path, flush_interval_ms=60_000)
+    await cache.store_result(0, "a", 0, {"v": 1}, payload_hash=H)
+    with pytest.raises(CacheWriteError, match="disk is full"):
+        await cache.flush()
+    await cache.store_result(0, "b", 0, {"v": 2}, payload_hash=H)
+    await cache.flush()
+    assert [r[1] for r in rows(tmp_path)] == ["a", "b"]
+    await cache.close()
+
+
+async def test_disabled_cache_is_a_no_op(tmp_path: Path) -> None:
+    cache = RequestCache(None)
+    assert cache.enabled is False
+    await cache.initialize(0)
+    await cache.store_result(0, "a", 0, {"v": 1}, payload_hash=H)
+    await cache.store_error(0, "a", 0, "e", payload_hash=H)
+    assert await cache.get_cached_response("a", 0, payload_hash=H) == (None, None)
+    await cache.flush()
+    await cache.drop_chunk(0)
+    await cache.mark_document_complete("a")
+    await cache.close(delete_file=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_close_is_idempotent_and_delete_file_removes_wal_files(tmp_path: Path) -> None:
+    cache = await opened(tmp_path)
+    await cache.store_result(0, "a", 0, {"v": 1}, payload_hash=H)
+    await cache.close(delete_file=True)
+    await cache.close(delete_file=True)
+    assert os.listdir(tmp_path / "00000") == []
+
+
+def test_migrations_from_a_blank_file_create_datatrove_table_plus_response_columns(tmp_path: Path) -> None:
+    conn = sqlite3.connect(tmp_path / "blank.sqlite3", isolation_level=None)
+    assert apply_migrations(conn) == [name for name, _ in MIGRATIONS]
+    columns = [row[1] for row in conn.execute("PRAGMA table_info(request_cache)")]
+    assert columns == [
+        "chunk_index",
+        "doc_id",
+        "rollout_idx",
+        "payload_hash",
+        "result",
+        "error_message",
+        "status_code",
+        "content_type",
+        "streamed",
+    ]
+    primary_key = sorted((row[5], row[1]) for row in conn.execute("PRAGMA table_info(request_cache)") if row[5])
+    assert [name for _, name in primary_key] == ["doc_id", "rollout_idx", "payload_hash"]
+    assert apply_migrations(conn) == []  # recorded by name: never applied twice
+    conn.close()
+
+
+async def test_a_cache_written_by_datatrove_is_migrated_and_read(tmp_path: Path) -> None:
+    theirs = DatatroveRequestCache(str(tmp_path))
+    await theirs.initialize(0)
+    await theirs.store_result(2, "doc-1", 0, RESULT, payload_hash=H)
+    await theirs.store_error(2, "doc-2", 1, "boom", payload_hash=H)
+    await theirs.close()
+
+    ours = await opened(tmp_path)
+    assert await ours.get_cached_response("doc-1", 0, payload_hash=H) == (RESULT, None)
+    assert await ours.get_cached_response("doc-2", 1, payload_hash=H) == (None, "boom")
+    await ours.drop_chunk(2)
+    assert rows(tmp_path) == []
+    await ours.close()
+
+
+async def test_a_cache_written_by_inferproxy_is_read_by_datatrove(tmp_path: Path) -> None:
+    ours = await opened(tmp_path)
+    await ours.store_result(0, "doc-1", 0, RESULT, payload_hash=H)
+    await ours.store_error(0, "doc-2", 0, "boom", payload_hash=H)
+    await ours.close()
+
+    theirs = DatatroveRequestCache(str(tmp_path))
+    await theirs.initialize(0)
+    assert await theirs.get_cached_response("doc-1", 0, payload_hash=H) == (RESULT, None)
+    assert await theirs.get_cached_response("doc-2", 0, payload_hash=H) == (None, "boom")
+    await theirs.store_result(0, "doc-3", 0, {"x": 1}, payload_hash=H)  # its 6-column INSERT still works
+    await theirs.close()
+    assert [r[1] for r in rows(tmp_path)] == ["doc-1", "doc-2", "doc-3"]
