@@ -94,8 +94,9 @@ class AppendFile:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
                 written += n
         except BaseException:
-            if written:
-                self.truncate(start)
+            # Cut back even when no byte was reported written: a failing
+            # write may still have extended the file.
+            self.truncate(start)
             raise
         self.size = start + written
         return start

@@ -14,9 +14,11 @@ def random_value(rng: random.Random, depth: int = 0) -> Any:
     kinds = ["str", "int", "float", "bool", "none", "unicode"] + (["list", "dict"] if depth < 3 else [])
     kind = rng.choice(kinds)
     if kind == "str":
-        return "".join(rng.choice("abc xyz\n\t\"\\") for _ in range(rng.randint(0, 12)))
+        return "".join(rng.choice('abc xyz\n\t"\\') for _ in range(rng.randint(0, 12)))
     if kind == "unicode":
-        return "".join(chr(rng.choice([0xE9, 0x4E2D, 0x1F600, 0x0416, 0x05D0, 0x200B])) for _ in range(rng.randint(1, 6)))
+        return "".join(
+            chr(rng.choice([0xE9, 0x4E2D, 0x1F600, 0x0416, 0x05D0, 0x200B])) for _ in range(rng.randint(1, 6))
+        )
     if kind == "int":
         return rng.randint(-(2**53), 2**53)
     if kind == "float":
@@ -27,7 +29,9 @@ def random_value(rng: random.Random, depth: int = 0) -> Any:
         return None
     if kind == "list":
         return [random_value(rng, depth + 1) for _ in range(rng.randint(0, 4))]
-    return {f"k{rng.randint(0, 99)}{rng.choice('éz中')}": random_value(rng, depth + 1) for _ in range(rng.randint(0, 5))}
+    return {
+        f"k{rng.randint(0, 99)}{rng.choice('éz中')}": random_value(rng, depth + 1) for _ in range(rng.randint(0, 5))
+    }
 
 
 def chat_payload(rng: random.Random) -> dict[str, Any]:

@@ -1,0 +1,152 @@
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+from pathlib import Path
+
+import pytest
+
+import app.durable
+from app.durable import AppendFile, CorruptFileError, GroupSync, atomic_write_bytes, read_jsonl_repairing_tail
+
+
+def test_append_that_fails_mid_line_leaves_the_file_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "f.jsonl"
+    file = AppendFile(str(path))
+    file.append(b'{"id":"a"}\n')
+    real_write = os.write
+
+    def half_then_enospc(fd: int, data: bytes | memoryview) -> int:
+        if len(data) > 4:
+            return real_write(fd, bytes(data[:4]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(app.durable.os, "write", half_then_enospc)
+    with pytest.raises(OSError, match="No space left"):
+        file.append(b'{"id":"b"}\n')
+    monkeypatch.undo()
+    assert path.read_bytes() == b'{"id":"a"}\n'
+    file.append(b'{"id":"c"}\n')
+    file.close()
+    assert path.read_bytes() == b'{"id":"a"}\n{"id":"c"}\n'
+
+
+def test_append_file_reopened_continues_at_the_end(tmp_path: Path) -> None:
+    path = tmp_path / "f"
+    path.write_bytes(b"x\n")
+    file = AppendFile(str(path))
+    assert file.size == 2
+    assert file.append(b"y\n") == 2
+    file.close()
+    file.close()  # idempotent
+    assert file.closed
+
+
+def test_atomic_write_replaces_the_content_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    path = tmp_path / "sub" / "last.txt"
+    atomic_write_bytes(str(path), b"1")
+    atomic_write_bytes(str(path), b"2")
+    assert path.read_bytes() == b"2"
+    assert os.listdir(path.parent) == ["last.txt"]
+
+
+def test_atomic_write_that_fails_keeps_the_old_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "last.txt"
+    atomic_write_bytes(str(path), b"7")
+
+    def crash(src: str, dst: str) -> None:
+        raise OSError(errno.EIO, "simulated crash before rename")
+
+    monkeypatch.setattr(app.durable.os, "replace", crash)
+    with pytest.raises(OSError, match="simulated"):
+        atomic_write_bytes(str(path), b"8")
+    assert path.read_bytes() == b"7"
+    assert os.listdir(tmp_path) == ["last.txt"]
+
+
+async def test_concurrent_writers_share_one_fsync(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    fsyncs = 0
+    real_fsync = os.fsync
+
+    def counting(fd: int) -> None:
+        nonlocal fsyncs
+        fsyncs += 1
+        real_fsync(fd)
+
+    monkeypatch.setattr(app.durable.os, "fsync", counting)
+    file = AppendFile(str(tmp_path / "f"))
+    group = GroupSync()
+
+    async def writer(i: int) -> None:
+        file.append(f"{i}\n".encode())
+        await group.sync(file.fd)
+
+    await asyncio.gather(*(writer(i) for i in range(64)))
+    file.close()
+    # all 64 arrive before the first fsync starts: one round serves them all
+    assert fsyncs == 1
+
+
+async def test_a_writer_waits_for_an_fsync_that_started_after_its_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    group = GroupSync()
+    file = AppendFile(str(tmp_path / "f"))
+    synced_sizes: list[int] = []
+    real_fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        synced_sizes.append(os.fstat(fd).st_size)
+        real_fsync(fd)
+
+    monkeypatch.setattr(app.durable.os, "fsync", recording)
+    file.append(b"first\n")
+    first = asyncio.create_task(group.sync(file.fd))
+    await asyncio.sleep(0)  # the first round starts
+    file.append(b"second\n")
+    await group.sync(file.fd)
+    await first
+    file.close()
+    assert synced_sizes[-1] == len(b"first\nsecond\n")
+
+
+async def test_fsync_error_reaches_every_waiter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def failing(fd: int) -> None:
+        raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(app.durable.os, "fsync", failing)
+    group = GroupSync()
+    file = AppendFile(str(tmp_path / "f"))
+    results = await asyncio.gather(*(group.sync(file.fd) for _ in range(3)), return_exceptions=True)
+    file.close()
+    assert all(isinstance(r, OSError) for r in results)
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [b'{"id":"c","te', b'{"id":"c"}', b"\0\0\0\0", b'{"id":"c"\0\0\n'],
+    ids=["half-line", "no-newline", "nul-bytes", "garbage-line"],
+)
+def test_torn_last_line_is_dropped_and_the_file_cut_back(tmp_path: Path, tail: bytes) -> None:
+    path = tmp_path / "chunk.jsonl"
+    whole = b'{"id":"a"}\n{"id":"b"}\n'
+    path.write_bytes(whole + tail)
+    assert read_jsonl_repairing_tail(str(path)) == [{"id": "a"}, {"id": "b"}]
+    assert path.read_bytes() == whole
+
+
+def test_blank_lines_are_skipped_and_a_whole_file_is_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "chunk.jsonl"
+    path.write_bytes(b'{"id":"a"}\n\n{"id":"b"}\n')
+    assert read_jsonl_repairing_tail(str(path)) == [{"id": "a"}, {"id": "b"}]
+    assert path.read_bytes() == b'{"id":"a"}\n\n{"id":"b"}\n'
+
+
+def test_a_bad_line_followed_by_good_ones_is_corruption_and_changes_nothing(tmp_path: Path) -> None:
+    path = tmp_path / "chunk.jsonl"
+    content = b'{"id":"a"}\n{"id":\n{"id":"b"}\n'
+    path.write_bytes(content)
+    with pytest.raises(CorruptFileError, match=r"chunk.jsonl: line 2 is not valid JSON"):
+        read_jsonl_repairing_tail(str(path))
+    assert path.read_bytes() == content
