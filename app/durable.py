@@ -145,8 +145,9 @@ class GroupSync:
         self._waiters.append(waiter)
         if self._runner is None:
             self._runner = asyncio.create_task(self._run())
-        # shield: a cancelled caller does not cancel the fsync others share
-        await asyncio.shield(waiter)
+        # A cancelled caller cancels only its own waiter: the fsync runs in
+        # the runner task, which others share, and skips waiters already done.
+        await waiter
 
     async def _run(self) -> None:
         try:
