@@ -1,28 +1,33 @@
-# Everything CI does is here; .ci/run calls these targets in a fresh venv.
+# Every target installs the project into .venv first if needed (from scratch on a fresh machine).
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
 
-.PHONY: install check test bench format
+.PHONY: install check test bench demo format
 
-$(BIN)/python:
+$(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-
-install: $(BIN)/python
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
 
-check:
+install: $(STAMP)
+
+check: $(STAMP)
 	$(BIN)/ruff format --check app tests bench
 	$(BIN)/ruff check app tests bench
 	$(BIN)/mypy
 
-format:
+format: $(STAMP)
 	$(BIN)/ruff format app tests bench
 	$(BIN)/ruff check --fix app tests bench
 
-test:
+test: $(STAMP)
 	$(BIN)/pytest
 
-bench:
+demo: $(STAMP)
+	$(BIN)/inferproxy demo
+
+bench: $(STAMP)
 	$(BIN)/python bench/bench_library.py

@@ -1,0 +1,44 @@
+"""The README's main command, run as a user runs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+
+def inferproxy(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_demo_kills_restarts_and_reports_exactly_once_output_with_replays(tmp_path: Path) -> None:
+    done = inferproxy("demo", "--documents=400", "--records-per-chunk=20", "--kills=3", "--seed=5", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.count("killed with SIGKILL") == 3
+    assert "run 4: resumed" in out
+    assert "documents published:   400, each exactly once with its 2 rollouts (checked)" in out
+    assert "chunks published:      20 output files" in out
+    assert len(list((tmp_path / "inferproxy-data/demo/output").glob("*.jsonl"))) == 20
+    assert not (tmp_path / "inferproxy-data/demo/checkpoints/00000").exists()  # cleaned up once finished
+
+
+def test_demo_refuses_to_clear_a_directory_it_did_not_create(tmp_path: Path) -> None:
+    (tmp_path / "mine.txt").write_text("precious")
+    done = inferproxy("demo", f"--workdir={tmp_path}", cwd=tmp_path)
+    assert done.returncode == 1
+    assert "was not created by `inferproxy demo`" in done.stderr
+    assert (tmp_path / "mine.txt").read_text() == "precious"
+
+
+def test_a_bad_flag_value_says_what_to_fix(tmp_path: Path) -> None:
+    done = inferproxy("demo", "--documents=0", cwd=tmp_path)
+    assert done.returncode == 2
+    assert "--documents: must be an integer > 0, got 0" in done.stderr
+    assert not (tmp_path / "inferproxy-data").exists()
