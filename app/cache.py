@@ -28,6 +28,7 @@ import logging
 import os
 import sqlite3
 import time
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import orjson
@@ -75,6 +76,20 @@ _INSERT = (
     "result, error_message, status_code, content_type, streamed) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _SELECT = "SELECT result, error_message FROM request_cache WHERE doc_id = ? AND rollout_idx = ? AND payload_hash = ?"
+_SELECT_RESPONSE = (
+    "SELECT result, error_message, status_code, content_type, streamed FROM request_cache "
+    "WHERE doc_id = ? AND rollout_idx = ? AND payload_hash = ?"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredResponse:
+    """An HTTP answer as the proxy replays it: status, body bytes and content type, unchanged."""
+
+    status: int
+    body: bytes
+    content_type: str
+    streamed: bool = False
 
 
 class CacheWriteError(RuntimeError):
@@ -221,6 +236,46 @@ class RequestCache:
         if self._reader is None:
             return
         self._queue(_Row(chunk_index, doc_id, rollout_idx, payload_hash, None, error_message, None, None, 0))
+
+    def get_response(self, doc_id: str, rollout_idx: int, payload_hash: str) -> StoredResponse | None:
+        """The proxy's lookup: the stored HTTP answer for the key, or None. Synchronous: one point query."""
+        if self._reader is None or doc_id not in self._doc_ids_in_cache:
+            return None
+        key = (doc_id, rollout_idx, payload_hash)
+        row = self._pending.get(key) or self._committing.get(key)
+        if row is not None:
+            result, status, content_type, streamed = row.result, row.status_code, row.content_type, row.streamed
+        else:
+            found = self._reader.execute(_SELECT_RESPONSE, key).fetchone()
+            if found is None:
+                return None
+            result, _, status, content_type, streamed = found
+        if result is None:
+            return None  # an error datatrove stored as text: not an HTTP answer to replay
+        if status is None:  # a result datatrove stored: its JSON, as a 200
+            status, content_type = 200, "application/json"
+        return StoredResponse(status, bytes(result), content_type or "application/json", bool(streamed))
+
+    def store_response(
+        self, chunk_index: int, doc_id: str, rollout_idx: int, payload_hash: str, response: StoredResponse
+    ) -> None:
+        """Queue an HTTP answer for the next commit (an error answer also fills `error_message`)."""
+        if self._reader is None:
+            return
+        error = response.body.decode("utf-8", "replace") if response.status >= 400 else None
+        self._queue(
+            _Row(
+                chunk_index,
+                doc_id,
+                rollout_idx,
+                payload_hash,
+                response.body,
+                error,
+                response.status,
+                response.content_type,
+                int(response.streamed),
+            )
+        )
 
     async def flush(self) -> None:
         """Return once everything stored before the call is committed and durable.

@@ -1,6 +1,11 @@
 """The `inferproxy` command.
 
-inferproxy demo [--documents N] [--rollouts R] [--kills K] ...   the quickstart
+    inferproxy serve [--config FILE] [--upstream URL]... [--port 8080] ...   the caching proxy
+    inferproxy fake-upstream [--port 8000] [--latency-ms 0]                  a vLLM-shaped simulator
+    inferproxy demo [--documents N] [--rollouts R] [--kills K] ...           the quickstart
+
+Every `serve` flag is a field of `app.settings.Settings`, also read from
+`INFERPROXY_<NAME>` and from the TOML file given with `--config`.
 """
 
 from __future__ import annotations
@@ -8,10 +13,15 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import typing
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
 
 from app import __version__, demo
+from app.settings import Settings
 
 
 def _positive(text: str) -> int:
@@ -26,6 +36,28 @@ def _non_negative(text: str) -> int:
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
     return value
+
+
+def flag_name(field: str) -> str:
+    return "--" + field.replace("_", "-")
+
+
+def _settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per Settings field; values are validated by Settings, which names what is wrong."""
+    parser.add_argument("--config", type=Path, default=None, help="TOML file with settings (keys as field names)")
+    for name, info in Settings.model_fields.items():
+        annotation = info.annotation
+        origin = typing.get_origin(annotation)
+        kwargs: dict[str, Any] = {"default": None, "help": info.description, "dest": name}
+        if origin is list or (
+            typing.get_args(annotation) and typing.get_origin(typing.get_args(annotation)[0]) is list
+        ):
+            kwargs["action"] = "append"
+            kwargs["metavar"] = "VALUE"
+            kwargs["help"] = f"{info.description} (repeat the flag for several)"
+        elif origin is typing.Literal:
+            kwargs["choices"] = list(typing.get_args(annotation))
+        parser.add_argument(flag_name(name), **kwargs)
 
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"inferproxy {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
+    serve_parser = commands.add_parser("serve", help="run the caching proxy in front of vLLM/SGLang")
+    _settings_arguments(serve_parser)
+
+    fake = commands.add_parser("fake-upstream", help="run a vLLM-shaped OpenAI-compatible simulator")
+    fake.add_argument("--host", default="127.0.0.1")
+    fake.add_argument("--port", type=_non_negative, default=8000)
+    fake.add_argument("--latency-ms", type=float, default=0.0, help="delay before every answer")
+    fake.add_argument("--model", default="fake-model", help="the one model name served")
+
     demo_parser = commands.add_parser("demo", help="kill a batch job with SIGKILL, restart it, check the output")
     _demo_arguments(demo_parser)
     demo_parser.add_argument("--kills", type=_non_negative, default=demo.DemoOptions().kills)
@@ -53,8 +94,59 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.main import create_app
+
+    flags = {name: getattr(args, name) for name in Settings.model_fields}
+    try:
+        settings = Settings.load(args.config, **flags)
+    except (ValidationError, FileNotFoundError, ValueError) as exc:
+        print(f"inferproxy serve: invalid settings:\n{exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        loop="uvloop",
+        http="httptools",
+        lifespan="on",
+        access_log=False,
+        server_header=False,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+def fake_upstream(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from app.fake_upstream import FakeUpstream
+
+    app = FakeUpstream(latency_ms=args.latency_ms, model=args.model)
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        loop="uvloop",
+        http="httptools",
+        access_log=False,
+        server_header=False,
+        log_level="warning",
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    if args.command == "fake-upstream":
+        return fake_upstream(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     options = demo.DemoOptions(
         workdir=args.workdir,

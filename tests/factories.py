@@ -81,3 +81,19 @@ def write_chunk_file(root: str | os.PathLike[str], chunk_index: int, ids: list[s
             f.write(json.dumps({"text": f"text of {doc_id}", "id": doc_id, "media": [], "metadata": {}}).encode())
             f.write(b"\n")
     return path
+
+
+def chat_request(**overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "fake-model", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8}
+    body.update(overrides)
+    return body
+
+
+def completion_request(**overrides: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "fake-model", "prompt": "Once upon a time", "max_tokens": 8}
+    body.update(overrides)
+    return body
+
+
+def doc_headers(doc_id: str = "doc-1", rollout_idx: int = 0, **extra: str) -> dict[str, str]:
+    return {"X-Doc-Id": doc_id, "X-Rollout-Idx": str(rollout_idx), **extra}

@@ -1,0 +1,93 @@
+"""The few raw-ASGI helpers the hot paths use instead of a framework's request/response objects."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+import orjson
+from starlette.responses import Response
+
+from app.errors import BadRequest, PayloadTooLarge, ProxyError
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+Headers = list[tuple[bytes, bytes]]
+
+JSON_HEADERS: Headers = [(b"content-type", b"application/json")]
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body; `PayloadTooLarge` as soon as it is known to exceed `limit`."""
+    declared = header(scope, b"content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise BadRequest(f"Content-Length must be an integer, got {declared!r}", param="Content-Length")
+        if int(declared) > limit:
+            raise PayloadTooLarge(f"the request body is {int(declared)} bytes; the limit is {limit} (max_body_bytes)")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body exceeds {limit} bytes (max_body_bytes)")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+async def send_bytes(send: Send, status: int, headers: Headers, body: bytes) -> None:
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: Send, error: ProxyError, extra_headers: Headers | None = None) -> None:
+    """The proxy's own error, as the OpenAI envelope with the error's status."""
+    headers = [*JSON_HEADERS, *(extra_headers or [])]
+    if error.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send_bytes(send, error.status, headers, error.body())
+
+
+async def lifespan_noop(receive: Receive, send: Send) -> None:
+    """Answer the lifespan protocol for an app that holds no resources."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+class JSONResponse(Response):
+    """A framework response rendered by orjson (for the few routes that go through FastAPI)."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)

@@ -1,0 +1,84 @@
+"""The proxy's own errors, each with its HTTP status, rendered as the OpenAI error envelope.
+
+    ProxyError                  500 internal_error
+    ├── BadRequest              400 invalid_request_error   (a header, the body, a document)
+    ├── Unauthorized            401 authentication_error
+    ├── NotFound                404 not_found_error
+    ├── ChunkConflict           409 conflict_error           (chunk already complete)
+    ├── PayloadTooLarge         413 invalid_request_error
+    ├── UpstreamUnreachable     502 upstream_error
+    ├── ServiceUnavailable      503 service_unavailable
+    ├── UpstreamTimeout         504 upstream_timeout
+    └── InsufficientStorage     507 insufficient_storage     (disk full: nothing was written)
+
+Answers from the upstream pass through verbatim; only errors the proxy
+itself produces use this envelope:
+`{"error": {"message", "type", "param", "code"}}`.
+"""
+
+from __future__ import annotations
+
+import orjson
+
+
+class ProxyError(Exception):
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+    def body(self) -> bytes:
+        return error_body(self.message, type_=self.type, param=self.param, code=self.status)
+
+
+class BadRequest(ProxyError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class Unauthorized(ProxyError):
+    status = 401
+    type = "authentication_error"
+
+
+class NotFound(ProxyError):
+    status = 404
+    type = "not_found_error"
+
+
+class ChunkConflict(ProxyError):
+    status = 409
+    type = "conflict_error"
+
+
+class PayloadTooLarge(ProxyError):
+    status = 413
+    type = "invalid_request_error"
+
+
+class UpstreamUnreachable(ProxyError):
+    status = 502
+    type = "upstream_error"
+
+
+class ServiceUnavailable(ProxyError):
+    status = 503
+    type = "service_unavailable"
+
+
+class UpstreamTimeout(ProxyError):
+    status = 504
+    type = "upstream_timeout"
+
+
+class InsufficientStorage(ProxyError):
+    status = 507
+    type = "insufficient_storage"
+
+
+def error_body(message: str, *, type_: str, param: str | None = None, code: int | str) -> bytes:
+    """The OpenAI error envelope, as bytes."""
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})

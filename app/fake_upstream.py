@@ -1,0 +1,278 @@
+"""`inferproxy fake-upstream`: a vLLM-shaped OpenAI-compatible server for demos, tests and benchmarks.
+
+Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`
+(both with SSE streaming and `stream_options.include_usage`), `POST /v1/embeddings`,
+`GET /health`; errors in vLLM's envelope. Every generation draws new words,
+so two generations of one payload differ, as with sampling at temperature > 0.
+
+Faults are asked for per request, in the body, under the key `fake_upstream`
+(vLLM ignores unknown fields; the key is part of the payload hash):
+
+    {"status": 500}                  answer this error instead
+    {"status": 503, "fail_times": 2, "retry_after": 1}
+                                     the first 2 identical requests fail, then it answers
+    {"latency_ms": 200}              before the first byte (also `--latency-ms`)
+    {"chunk_delay_ms": 50}           between streamed chunks (a slow stream)
+    {"disconnect_after_chunks": 3}   drop the connection mid-stream
+
+`GET /_fake/stats` counts requests and generations and shows the last
+request's headers; `POST /_fake/reset` zeroes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import time
+from collections import Counter
+from typing import Any
+
+import orjson
+
+from app.asgi import JSON_HEADERS as JSON
+from app.asgi import Receive, Scope, Send, lifespan_noop, send_bytes
+from app.hashing import payload_hash
+
+MAX_MODEL_LEN = 8192
+WORDS = [
+    "the",
+    "a",
+    "model",
+    "token",
+    "answer",
+    "data",
+    "batch",
+    "chunk",
+    "rollout",
+    "sample",
+    "proxy",
+    "cache",
+    "replay",
+    "resume",
+    "gpu",
+    "fast",
+    "because",
+    "therefore",
+    "however",
+    "question",
+    "result",
+    "document",
+    "output",
+    "writes",
+    "reads",
+    "every",
+    "each",
+]
+SSE = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+
+
+class FakeUpstream:
+    """The ASGI app. `latency_ms` delays every answer; `model` is the one model served."""
+
+    def __init__(self, *, latency_ms: float = 0.0, model: str = "fake-model") -> None:
+        self.latency = latency_ms / 1000.0
+        self.model = model
+        self.requests = 0
+        self.generations = 0
+        self.last_headers: dict[str, str] = {}
+        self._attempts: Counter[str] = Counter()
+        self._ids = itertools.count()
+        self._rng = random.Random()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan_noop(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if not path.startswith("/_fake/"):
+            self.requests += 1
+            self.last_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        if method == "GET" and path == "/v1/models":
+            await send_bytes(send, 200, JSON, self.models())
+        elif method == "GET" and path == "/health":
+            await send_bytes(send, 200, JSON, b"")
+        elif method == "GET" and path == "/_fake/stats":
+            stats = {"requests": self.requests, "generations": self.generations, "last_headers": self.last_headers}
+            await send_bytes(send, 200, JSON, orjson.dumps(stats))
+        elif method == "POST" and path == "/_fake/reset":
+            self.requests = self.generations = 0
+            self._attempts.clear()
+            await send_bytes(send, 200, JSON, b"{}")
+        elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
+            await self.generate(path, await _read_body(receive), send)
+        else:
+            await send_bytes(send, 404, JSON, vllm_error(f"Not Found: {method} {path}", "NotFoundError", 404))
+
+    def models(self) -> bytes:
+        card = {
+            "id": self.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "vllm",
+            "root": self.model,
+            "parent": None,
+            "max_model_len": MAX_MODEL_LEN,
+        }
+        return orjson.dumps({"object": "list", "data": [card]})
+
+    async def generate(self, path: str, raw: bytes, send: Send) -> None:
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            await send_bytes(send, 400, JSON, vllm_error(f"Invalid JSON body: {exc}", "BadRequestError", 400))
+            return
+        if not isinstance(body, dict):
+            await send_bytes(send, 400, JSON, vllm_error("The body must be a JSON object", "BadRequestError", 400))
+            return
+        fault = body.get("fake_upstream") or {}
+        await asyncio.sleep(float(fault.get("latency_ms", self.latency * 1000)) / 1000.0)
+        status = int(fault.get("status", 200))
+        if status != 200 and self._attempts[payload_hash(body)] < int(fault.get("fail_times", 1 << 30)):
+            self._attempts[payload_hash(body)] += 1
+            headers = list(JSON)
+            if "retry_after" in fault:
+                headers.append((b"retry-after", str(fault["retry_after"]).encode()))
+            await send_bytes(
+                send, status, headers, vllm_error(f"injected failure {status}", "InternalServerError", status)
+            )
+            return
+        error = self.validate(path, body)
+        if error is not None:
+            await send_bytes(send, error[0], JSON, error[1])
+            return
+        self.generations += 1
+        if path == "/v1/embeddings":
+            await send_bytes(send, 200, JSON, self.embeddings(body))
+        elif body.get("stream"):
+            await self.stream(path, body, fault, send)
+        else:
+            await send_bytes(send, 200, JSON, self.completion(path, body))
+
+    def validate(self, path: str, body: dict[str, Any]) -> tuple[int, bytes] | None:
+        model = body.get("model", self.model)
+        if model != self.model:
+            return 404, vllm_error(f"The model `{model}` does not exist.", "NotFoundError", 404)
+        if path == "/v1/chat/completions" and not isinstance(body.get("messages"), list):
+            return 400, vllm_error("messages: Field required", "BadRequestError", 400)
+        if path == "/v1/completions" and "prompt" not in body:
+            return 400, vllm_error("prompt: Field required", "BadRequestError", 400)
+        max_tokens = body.get("max_tokens", body.get("max_completion_tokens", 16))
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            return 400, vllm_error("max_tokens must be at least 1", "BadRequestError", 400)
+        if max_tokens + self.prompt_tokens(body) > MAX_MODEL_LEN:
+            requested = max_tokens + self.prompt_tokens(body)
+            message = (
+                f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
+                f"{requested} tokens. Please reduce the length of the messages or completion."
+            )
+            return 400, vllm_error(message, "BadRequestError", 400)
+        return None
+
+    @staticmethod
+    def prompt_tokens(body: dict[str, Any]) -> int:
+        prompt = body.get("messages", body.get("prompt", body.get("input", "")))
+        return max(1, len(orjson.dumps(prompt)) // 4)
+
+    def words(self, body: dict[str, Any]) -> list[str]:
+        count = min(int(body.get("max_tokens", body.get("max_completion_tokens", 16))), 4096)
+        return [self._rng.choice(WORDS) for _ in range(count)]
+
+    def usage(self, body: dict[str, Any], completion: int) -> dict[str, Any]:
+        prompt = self.prompt_tokens(body)
+        return {"prompt_tokens": prompt, "total_tokens": prompt + completion, "completion_tokens": completion}
+
+    def completion(self, path: str, body: dict[str, Any]) -> bytes:
+        n = int(body.get("n", 1))
+        chat = path == "/v1/chat/completions"
+        choices, produced = [], 0
+        for index in range(n):
+            words = self.words(body)
+            produced += len(words)
+            text = " ".join(words)
+            finish = "length"
+            if chat:
+                message: dict[str, Any] = {
+                    "role": "assistant",
+                    "content": text,
+                    "tool_calls": [],
+                    "reasoning_content": None,
+                }
+                choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": finish})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish})
+        answer = {
+            "id": f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids):x}{self._rng.getrandbits(48):012x}",
+            "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()),
+            "model": self.model,
+            "choices": choices,
+            "usage": self.usage(body, produced),
+        }
+        return orjson.dumps(answer)
+
+    async def stream(self, path: str, body: dict[str, Any], fault: dict[str, Any], send: Send) -> None:
+        chat = path == "/v1/chat/completions"
+        answer_id = f"{'chatcmpl' if chat else 'cmpl'}-{next(self._ids):x}{self._rng.getrandbits(48):012x}"
+        created = int(time.time())
+        obj = "chat.completion.chunk" if chat else "text_completion"
+        delay = float(fault.get("chunk_delay_ms", 0)) / 1000.0
+        cut_after = fault.get("disconnect_after_chunks")
+        words = self.words(body)
+
+        def event(choice: dict[str, Any], **extra: Any) -> bytes:
+            chunk = {"id": answer_id, "object": obj, "created": created, "model": self.model, "choices": [choice]}
+            return b"data: " + orjson.dumps({**chunk, **extra}) + b"\n\n"
+
+        await send({"type": "http.response.start", "status": 200, "headers": SSE})
+        events = []
+        if chat:
+            events.append(event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}))
+        for i, word in enumerate(words):
+            piece = word if i == 0 else " " + word
+            last = "length" if i == len(words) - 1 else None
+            choice = {"index": 0, "delta": {"content": piece}} if chat else {"index": 0, "text": piece}
+            events.append(event({**choice, "logprobs": None, "finish_reason": last}))
+        if (body.get("stream_options") or {}).get("include_usage"):
+            usage = {"id": answer_id, "object": obj, "created": created, "model": self.model, "choices": []}
+            events.append(b"data: " + orjson.dumps({**usage, "usage": self.usage(body, len(words))}) + b"\n\n")
+        events.append(b"data: [DONE]\n\n")
+        for sent, data in enumerate(events):
+            if cut_after is not None and sent >= int(cut_after):
+                raise ConnectionAbortedError("injected mid-stream disconnect")  # the server drops the connection
+            if delay and sent:
+                await asyncio.sleep(delay)
+            await send({"type": "http.response.body", "body": data, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    def embeddings(self, body: dict[str, Any]) -> bytes:
+        inputs = body.get("input", "")
+        items = inputs if isinstance(inputs, list) else [inputs]
+        data = [
+            {"index": i, "object": "embedding", "embedding": [round(self._rng.uniform(-1, 1), 6) for _ in range(8)]}
+            for i in range(len(items))
+        ]
+        answer = {
+            "id": f"embd-{next(self._ids):x}",
+            "object": "list",
+            "created": int(time.time()),
+            "model": self.model,
+            "data": data,
+            "usage": {**self.usage(body, 0), "completion_tokens": 0},
+        }
+        return orjson.dumps(answer)
+
+
+def vllm_error(message: str, type_: str, code: int) -> bytes:
+    return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)

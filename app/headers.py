@@ -1,0 +1,78 @@
+"""Request headers -> a frozen `RequestKey` (contract §3).
+
+Every bad value raises `BadRequest` naming the header in `param` and saying
+what a good value looks like; the request is then neither forwarded nor
+stored. Only the integer rank and chunk index ever reach a file path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from app.errors import BadRequest
+
+MAX_DOC_ID_BYTES = 1024
+MAX_RANK = 99_999
+
+
+@dataclass(frozen=True, slots=True)
+class RequestKey:
+    """Who a request works for. `doc_id=None`: not cacheable (X-Cache: BYPASS)."""
+
+    doc_id: str | None
+    rollout_idx: int = 0
+    chunk_index: int | None = None
+    rank: int = 0
+    no_cache: bool = False
+    no_store: bool = False
+
+
+def parse_request_key(headers: list[tuple[bytes, bytes]]) -> RequestKey:
+    """Parse raw ASGI headers (lower-case names) into a `RequestKey`."""
+    doc_id: str | None = None
+    rollout_idx = 0
+    chunk_index: int | None = None
+    rank = 0
+    no_cache = no_store = False
+    for name, value in headers:
+        if not name.startswith((b"x-", b"cache-control")):
+            continue
+        if name == b"x-doc-id":
+            doc_id = parse_doc_id(value)
+        elif name == b"x-rollout-idx":
+            rollout_idx = parse_int(value, "X-Rollout-Idx")
+        elif name == b"x-chunk-index":
+            chunk_index = parse_int(value, "X-Chunk-Index")
+        elif name == b"x-rank":
+            rank = parse_rank(value)
+        elif name == b"cache-control":
+            directives = {d.strip().lower() for d in value.decode("latin-1").split(",")}
+            no_cache = no_cache or "no-cache" in directives
+            no_store = no_store or "no-store" in directives
+    return RequestKey(doc_id, rollout_idx, chunk_index, rank, no_cache, no_store)
+
+
+def parse_doc_id(value: bytes) -> str:
+    if not value:
+        raise BadRequest("X-Doc-Id must not be empty; omit the header to bypass the cache", param="X-Doc-Id")
+    if len(value) > MAX_DOC_ID_BYTES:
+        raise BadRequest(f"X-Doc-Id must be at most {MAX_DOC_ID_BYTES} bytes, got {len(value)}", param="X-Doc-Id")
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("X-Doc-Id must be UTF-8 text", param="X-Doc-Id") from None
+    if any(ord(c) < 32 or ord(c) == 127 for c in text):
+        raise BadRequest(f"X-Doc-Id must not contain control characters, got {text!r}", param="X-Doc-Id")
+    return text
+
+
+def parse_int(value: bytes, header: str, *, maximum: int | None = None) -> int:
+    text = value.decode("latin-1").strip()
+    limit = f" and <= {maximum}" if maximum is not None else ""
+    if not text.isascii() or not text.isdigit() or (maximum is not None and int(text) > maximum):
+        raise BadRequest(f"{header} must be an integer >= 0{limit}, got {text!r}", param=header)
+    return int(text)
+
+
+def parse_rank(value: bytes) -> int:
+    return parse_int(value, "X-Rank", maximum=MAX_RANK)

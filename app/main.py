@@ -1,0 +1,110 @@
+"""`create_app(settings)`: the ASGI application `inferproxy serve` runs.
+
+Where a request goes:
+
+- `/v1/*`: `app.routes.proxy` (raw ASGI, ahead of the framework: the hot path);
+- `/healthz`, `/readyz`, `/stats`: `app.routes.ops`;
+- everything passes `--api-key` authentication first, except `/healthz`.
+
+The lifespan opens the upstream pool and the per-rank caches into one
+`Services` on `app.state.services`, and closes them (flushing every cache)
+on shutdown.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException
+
+from app import __version__
+from app.asgi import ASGIApp, ClientGone, JSONResponse, Receive, Scope, Send, header, send_error
+from app.errors import ProxyError, Unauthorized, error_body
+from app.routes import ops
+from app.routes.proxy import handle_v1
+from app.services import CacheRegistry, Services
+from app.settings import Settings
+from app.upstream import UpstreamPool
+
+logger = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with AsyncExitStack() as stack:
+            pool = UpstreamPool(
+                settings.upstream,
+                retries=settings.upstream_retries,
+                backoff_s=settings.retry_backoff_s,
+                connect_timeout_s=settings.connect_timeout_s,
+                read_timeout_s=settings.read_timeout_s,
+                api_key=settings.upstream_api_key,
+                health_interval_s=settings.health_interval_s,
+            )
+            await pool.start()
+            stack.push_async_callback(pool.close)
+            caches = CacheRegistry(settings.checkpoints_dir, flush_interval_ms=settings.flush_interval_ms)
+            stack.push_async_callback(caches.close)
+            app.state.services = Services(settings=settings, pool=pool, caches=caches)
+            logger.info("inferproxy %s forwarding to %s", __version__, ", ".join(settings.upstream))
+            yield
+
+    app = FastAPI(title="inferproxy", version=__version__, lifespan=lifespan, default_response_class=JSONResponse)
+    app.include_router(ops.router)
+    app.add_middleware(ProxyMiddleware, api_key=settings.api_key)
+
+    @app.exception_handler(ProxyError)
+    async def proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
+        return JSONResponse(orjson.loads(exc.body()), status_code=exc.status)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
+        message = f"{exc.detail}: {request.method} {request.url.path}"
+        body = error_body(message, type_=kind, code=exc.status_code)
+        return JSONResponse(orjson.loads(body), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        param = ".".join(str(part) for part in first.get("loc", ()))
+        body = error_body(f"{param}: {first.get('msg')}", type_="invalid_request_error", param=param, code=400)
+        return JSONResponse(orjson.loads(body), status_code=400)
+
+    return app
+
+
+class ProxyMiddleware:
+    """Authentication for everything but `/healthz`, then `/v1/*` straight to the proxy hot path."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path: str = scope["path"]
+        if self.expected is not None and path != "/healthz":
+            given = header(scope, b"authorization") or b""
+            if not hmac.compare_digest(given, self.expected):
+                reason = "missing" if not given else "wrong"
+                await send_error(send, Unauthorized(f"the Authorization header is {reason}: send Bearer <api key>"))
+                return
+        if path.startswith("/v1/"):
+            try:
+                await handle_v1(scope["app"].state.services, scope, receive, send)
+            except ClientGone:
+                logger.debug("client left before its request was read: %s", path)
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,202 @@
+"""`/v1/*`: the caching proxy (contract §3-4), on raw ASGI for speed.
+
+`POST /v1/chat/completions` and `POST /v1/completions` are looked up by
+`(rank, doc_id, rollout_idx, payload_hash)`: a hit is replayed unchanged
+(status, body bytes, content type); a miss is forwarded, passed back as it
+arrives (SSE chunk by chunk) and stored if cacheable; identical requests in
+flight share one upstream call. Every other `/v1/*` route is forwarded
+unchanged and not cached.
+
+A hit costs a header scan, a JSON parse and hash, and one SQLite point
+query: no framework request/response objects, no routing tables.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import orjson
+
+from app.asgi import Headers, Receive, Scope, Send, read_body, send_bytes, send_error
+from app.cache import RequestCache, StoredResponse
+from app.errors import BadRequest, ProxyError
+from app.hashing import payload_hash
+from app.headers import RequestKey, parse_request_key
+from app.services import Services
+from app.upstream import UpstreamResponse, response_headers
+
+logger = logging.getLogger(__name__)
+
+CACHEABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+NO_CHUNK = -1  # the chunk_index stored for requests without X-Chunk-Index: never dropped by a chunk
+_PASSED_ON = frozenset({b"retry-after"})
+
+
+async def handle_v1(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+    try:
+        if scope["method"] == "POST" and scope["path"] in CACHEABLE_PATHS:
+            await cacheable(services, scope, receive, send)
+        else:
+            await forward_uncached(services, scope, receive, send)
+    except ProxyError as error:
+        await send_error(send, error, [(b"x-cache", b"BYPASS")])
+
+
+async def cacheable(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+    key = parse_request_key(scope["headers"])
+    body = await read_body(scope, receive, services.settings.max_body_bytes)
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body must be a JSON object: {exc}") from None
+    if not isinstance(payload, dict):
+        raise BadRequest(f"the request body must be a JSON object, got a JSON {type(payload).__name__}")
+    digest = payload_hash(payload)
+    if key.doc_id is None:
+        services.stats["bypass"] += 1
+        await forward(services, scope, receive, send, key, digest, body, b"BYPASS", cache=None)
+        return
+    cache = await services.caches.get(key.rank)
+    flight_key = (key.rank, key.doc_id, key.rollout_idx, digest)
+    if not key.no_cache:
+        while True:
+            hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
+            if hit is not None:
+                services.stats["hit"] += 1
+                await send_stored(send, hit, b"HIT", digest)
+                return
+            flight = services.flights.get(flight_key)
+            if flight is None:
+                break
+            # shield: a follower whose client leaves must not cancel the leader's future
+            shared = await asyncio.shield(flight)
+            if shared is not None:
+                services.stats["coalesced"] += 1
+                await send_stored(send, shared, b"COALESCED", digest)
+                return
+            # the leader got no whole answer (its client left mid-stream): look again, maybe lead
+    state = b"REFRESH" if key.no_cache else b"MISS"
+    services.stats["refresh" if key.no_cache else "miss"] += 1
+    future: asyncio.Future[StoredResponse | None] = asyncio.get_running_loop().create_future()
+    if not key.no_cache:
+        services.flights[flight_key] = future
+    answer: StoredResponse | None = None
+    try:
+        answer = await forward(services, scope, receive, send, key, digest, body, state, cache=cache)
+    finally:
+        if services.flights.get(flight_key) is future:
+            del services.flights[flight_key]
+        future.set_result(answer)
+
+
+async def forward(
+    services: Services,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    key: RequestKey,
+    digest: str,
+    body: bytes,
+    state: bytes,
+    *,
+    cache: RequestCache | None,
+) -> StoredResponse | None:
+    """Forward to the upstream and pass the answer back as it arrives.
+
+    Returns the whole answer when one was received (whatever its status),
+    None when there was none (upstream unreachable, stream cut short);
+    stores it when it is cacheable.
+    """
+    pool = services.pool
+    ours: Headers = [(b"x-cache", state), (b"x-payload-hash", digest.encode())]
+    try:
+        async with pool.request(
+            "POST", scope["path"], headers=pool.upstream_headers(scope["headers"]), body=body
+        ) as upstream:
+            content_type = upstream.content_type
+            headers: Headers = [(b"content-type", content_type.encode("latin-1")), *ours]
+            headers += [(k, v) for k, v in response_headers(upstream.headers) if k in _PASSED_ON]
+            if content_type.startswith("text/event-stream"):
+                data = await stream_through(upstream, receive, send, headers)
+                if data is None:
+                    return None
+                answer = StoredResponse(upstream.status, data, content_type, streamed=True)
+                whole = data.rstrip().endswith(b"data: [DONE]")
+            else:
+                data = await upstream.read()
+                answer = StoredResponse(upstream.status, data, content_type)
+                await send_bytes(send, upstream.status, headers, data)
+                whole = True
+    except ProxyError as error:
+        services.stats[f"error_{error.status}"] += 1
+        await send_error(send, error, ours)
+        return None
+    if (
+        cache is not None
+        and key.doc_id is not None
+        and whole
+        and not key.no_store
+        and cacheable_status(answer.status, services.settings.cache_error_statuses)
+    ):
+        chunk_index = NO_CHUNK if key.chunk_index is None else key.chunk_index
+        cache.store_response(chunk_index, key.doc_id, key.rollout_idx, digest, answer)
+    return answer if whole else None
+
+
+async def stream_through(upstream: UpstreamResponse, receive: Receive, send: Send, headers: Headers) -> bytes | None:
+    """Pass an SSE answer on chunk by chunk; return all of it, or None if the client left."""
+    await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+    gone = asyncio.ensure_future(_disconnected(receive))
+    pieces: list[bytes] = []
+    try:
+        async for chunk in upstream.iter_chunks():
+            if gone.done():
+                upstream.abort()  # nobody is listening: stop the generation
+                return None
+            pieces.append(chunk)
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+        # The upstream died mid-answer. The status line is gone already: end the
+        # response without its terminating chunk so that the client sees a cut.
+        logger.warning("the upstream stream broke off after %d chunks: %s", len(pieces), exc)
+        raise StreamBrokeOff from exc
+    finally:
+        gone.cancel()
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    return b"".join(pieces)
+
+
+class StreamBrokeOff(Exception):
+    """The upstream's stream ended before its answer did; the client's connection is dropped."""
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def cacheable_status(status: int, error_statuses: list[int]) -> bool:
+    return 200 <= status < 300 or status in error_statuses
+
+
+async def send_stored(send: Send, answer: StoredResponse, state: bytes, digest: str) -> None:
+    headers: Headers = [
+        (b"content-type", answer.content_type.encode("latin-1")),
+        (b"x-cache", state),
+        (b"x-payload-hash", digest.encode()),
+    ]
+    await send_bytes(send, answer.status, headers, answer.body)
+
+
+async def forward_uncached(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+    """Any other `/v1/*` request: forwarded unchanged (method, query, body, status, streaming)."""
+    body = await read_body(scope, receive, services.settings.max_body_bytes)
+    pool = services.pool
+    target = scope["path"] + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
+    async with pool.request(scope["method"], target, headers=pool.upstream_headers(scope["headers"]), body=body) as up:
+        await send({"type": "http.response.start", "status": up.status, "headers": response_headers(up.headers)})
+        async for chunk in up.iter_chunks():
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -1,0 +1,130 @@
+"""All of inferproxy's settings, in one pydantic-settings class.
+
+Precedence: command-line flag > `INFERPROXY_<NAME>` environment variable >
+TOML file (`--config`, keys as the field names) > default. Lists read from
+the environment take JSON or commas: `INFERPROXY_UPSTREAM=http://a:8000,http://b:8000`.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    TomlConfigSettingsSource,
+)
+
+_CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("inferproxy_config_file", default=None)
+
+MiB = 1024 * 1024
+
+
+class Settings(BaseSettings):
+    """Every setting of `inferproxy serve`; each line of the README's configuration table is one field."""
+
+    model_config = SettingsConfigDict(env_prefix="INFERPROXY_", extra="forbid", validate_default=True)
+
+    host: str = Field("127.0.0.1", description="address to listen on")
+    port: int = Field(8080, ge=0, le=65535, description="port to listen on")
+    upstream: Annotated[list[str], NoDecode] = Field(
+        default_factory=lambda: ["http://127.0.0.1:8000"],
+        description="upstream server root(s), e.g. http://127.0.0.1:8000; several mean replicas",
+    )
+    checkpoints_dir: Path = Field(Path("inferproxy-data/checkpoints"), description="request caches and checkpoints")
+    output: str = Field("inferproxy-data/output", description="where published chunks go (a path or fsspec URL)")
+    records_per_chunk: int = Field(6000, gt=0, description="documents per chunk")
+    api_key: str | None = Field(None, description="clients must send `Authorization: Bearer KEY`")
+    upstream_api_key: str | None = Field(None, description="sent upstream as `Authorization: Bearer KEY`")
+    cache_error_statuses: Annotated[list[int], NoDecode] = Field(
+        default_factory=lambda: [400], description="error statuses cached and replayed like answers"
+    )
+    upstream_retries: int = Field(3, ge=0, le=20, description="retries on connection errors and 502/503/504")
+    retry_backoff_s: float = Field(0.5, gt=0, description="first retry delay; doubles each retry, with jitter")
+    connect_timeout_s: float = Field(10.0, gt=0, description="upstream connect timeout")
+    read_timeout_s: float = Field(900.0, gt=0, description="upstream silence allowed mid-answer (long generations)")
+    max_body_bytes: int = Field(32 * MiB, gt=0, description="larger request bodies get 413")
+    flush_interval_ms: float = Field(50.0, gt=0, description="cache group-commit window: the most a crash loses")
+    fsync: Literal["always", "never"] = Field("always", description="checkpoint durability policy")
+    health_interval_s: float = Field(5.0, gt=0, description="how often an unhealthy replica is probed")
+    shutdown_grace_s: float = Field(30.0, ge=0, description="time in-flight requests get to finish on SIGTERM")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
+
+    @field_validator("upstream", mode="before")
+    @classmethod
+    def _split_upstreams(cls, value: Any) -> Any:
+        return _split(value)
+
+    @field_validator("cache_error_statuses", mode="before")
+    @classmethod
+    def _split_statuses(cls, value: Any) -> Any:
+        return _split(value)
+
+    @field_validator("upstream")
+    @classmethod
+    def _normalise_upstreams(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError("at least one upstream is needed, e.g. http://127.0.0.1:8000")
+        roots = []
+        for url in value:
+            root = url.strip().rstrip("/").removesuffix("/v1")
+            if not root.startswith(("http://", "https://")):
+                raise ValueError(f"an upstream is an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
+            roots.append(root)
+        return roots
+
+    @field_validator("cache_error_statuses")
+    @classmethod
+    def _cacheable_errors_only(cls, value: list[int]) -> list[int]:
+        never = {401, 403, 404, 408, 409, 429}
+        for status in value:
+            if not 400 <= status <= 499 or status in never:
+                raise ValueError(
+                    f"cache_error_statuses may hold 4xx statuses other than {sorted(never)} "
+                    f"(they depend on time or credentials, not on the request), got {status}"
+                )
+        return sorted(set(value))
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        sources: tuple[PydanticBaseSettingsSource, ...] = (init_settings, env_settings)
+        config_file = _CONFIG_FILE.get()
+        if config_file is not None:
+            sources += (TomlConfigSettingsSource(settings_cls, toml_file=config_file),)
+        return sources
+
+    @classmethod
+    def load(cls, config_file: Path | None = None, **flags: Any) -> Settings:
+        """Settings from flags (those not None), the environment, the TOML file and defaults."""
+        if config_file is not None and not config_file.is_file():
+            raise FileNotFoundError(f"config file {config_file} does not exist")
+        token = _CONFIG_FILE.set(config_file)
+        try:
+            return cls(**{name: value for name, value in flags.items() if value is not None})
+        finally:
+            _CONFIG_FILE.reset(token)
+
+
+def _split(value: Any) -> Any:
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            import json
+
+            return json.loads(text)
+        return [part.strip() for part in text.split(",") if part.strip()]
+    if isinstance(value, int):
+        return [value]
+    return value

@@ -1,0 +1,95 @@
+"""Real servers on free loopback ports, inside the test's event loop or as processes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import httpx
+import uvicorn
+
+from app.fake_upstream import FakeUpstream
+from app.main import create_app
+from app.settings import Settings
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+@contextlib.asynccontextmanager
+async def serve_in_loop(app: Any) -> AsyncIterator[str]:
+    """Serve an ASGI app with uvicorn on a free port, in this event loop; yield its URL."""
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error", lifespan="on", access_log=False)
+    server = uvicorn.Server(config)
+    server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
+    task = asyncio.create_task(server.serve())
+    while not server.started:
+        if task.done():
+            task.result()
+        await asyncio.sleep(0.001)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        await task
+
+
+@contextlib.asynccontextmanager
+async def fake_upstream(**kwargs: Any) -> AsyncIterator[tuple[str, FakeUpstream]]:
+    upstream = FakeUpstream(**kwargs)
+    async with serve_in_loop(upstream) as url:
+        yield url, upstream
+
+
+@contextlib.asynccontextmanager
+async def proxy_client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """The proxy app in-process (lifespan included), reached through httpx's ASGI transport."""
+    app = create_app(settings)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://proxy", timeout=30) as client:
+            yield client
+
+
+def wait_for_http(url: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url, timeout=1.0).status_code < 500:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"{url} did not answer within {timeout} s")
+
+
+@contextlib.contextmanager
+def process(*args: str, env: dict[str, str] | None = None, cwd: str | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """`inferproxy ARGS...` as a real process; killed at the end if still running."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", *args],
+        env={**os.environ, **(env or {})},
+        cwd=cwd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        if proc.stderr is not None:
+            proc.stderr.close()

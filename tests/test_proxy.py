@@ -1,0 +1,301 @@
+"""The caching proxy in-process, against the fake upstream on a loopback port (contract §3-4)."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from app.hashing import payload_hash
+from app.routes.proxy import StreamBrokeOff
+from app.settings import Settings
+from tests.factories import chat_request, completion_request, doc_headers
+from tests.servers import fake_upstream, free_port, proxy_client
+
+
+class Env:
+    def __init__(self, client: httpx.AsyncClient, upstream_url: str) -> None:
+        self.client = client
+        self.upstream_url = upstream_url
+
+    async def upstream_stats(self) -> dict[str, Any]:
+        async with httpx.AsyncClient() as c:
+            stats: dict[str, Any] = (await c.get(self.upstream_url + "/_fake/stats")).json()
+            return stats
+
+    async def chat(self, body: dict[str, Any] | None = None, **headers: str) -> httpx.Response:
+        return await self.client.post("/v1/chat/completions", json=body or chat_request(), headers=headers)
+
+
+def settings(tmp_path: Path, upstream: str | list[str], **overrides: Any) -> Settings:
+    upstreams = [upstream] if isinstance(upstream, str) else upstream
+    defaults: dict[str, Any] = {"retry_backoff_s": 0.001, "checkpoints_dir": tmp_path / "ckpt"}
+    return Settings(upstream=upstreams, **{**defaults, **overrides})
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    async with fake_upstream() as (url, _), proxy_client(settings(tmp_path, url)) as client:
+        yield Env(client, url)
+
+
+async def test_second_identical_request_is_served_from_cache(env: Env) -> None:
+    first = await env.chat(**doc_headers())
+    second = await env.chat(**doc_headers())
+    assert first.status_code == second.status_code == 200
+    assert (first.headers["x-cache"], second.headers["x-cache"]) == ("MISS", "HIT")
+    assert second.content == first.content
+    assert second.headers["content-type"] == first.headers["content-type"] == "application/json"
+    assert first.headers["x-payload-hash"] == second.headers["x-payload-hash"] == payload_hash(chat_request())
+    assert (await env.upstream_stats())["generations"] == 1
+
+
+async def test_key_order_and_whitespace_do_not_matter(env: Env) -> None:
+    await env.chat(**doc_headers())
+    reordered = orjson.dumps(dict(reversed(list(chat_request().items()))))
+    again = await env.client.post(
+        "/v1/chat/completions",
+        content=b"  " + reordered + b"\n",
+        headers={**doc_headers(), "content-type": "application/json"},
+    )
+    assert again.headers["x-cache"] == "HIT"
+
+
+async def test_another_rollout_draws_a_new_sample(env: Env) -> None:
+    first = await env.chat(**doc_headers(rollout_idx=0))
+    other = await env.chat(**doc_headers(rollout_idx=1))
+    assert other.headers["x-cache"] == "MISS"
+    assert other.json()["choices"] != first.json()["choices"]
+
+
+async def test_without_doc_id_requests_bypass_the_cache(env: Env) -> None:
+    first = await env.chat()
+    second = await env.chat()
+    assert first.headers["x-cache"] == second.headers["x-cache"] == "BYPASS"
+    assert first.content != second.content
+    assert (await env.upstream_stats())["generations"] == 2
+
+
+async def test_no_cache_refreshes_the_stored_answer(env: Env) -> None:
+    await env.chat(**doc_headers())
+    refreshed = await env.chat(**doc_headers(**{"Cache-Control": "no-cache"}))
+    assert refreshed.headers["x-cache"] == "REFRESH"
+    after = await env.chat(**doc_headers())
+    assert after.headers["x-cache"] == "HIT"
+    assert after.content == refreshed.content
+
+
+async def test_no_store_answers_are_not_kept(env: Env) -> None:
+    await env.chat(**doc_headers(**{"Cache-Control": "no-store"}))
+    assert (await env.chat(**doc_headers())).headers["x-cache"] == "MISS"
+
+
+async def test_a_400_from_upstream_is_cached_and_replayed_without_a_second_call(env: Env) -> None:
+    too_long = chat_request(max_tokens=100_000)
+    first = await env.chat(too_long, **doc_headers())
+    second = await env.chat(too_long, **doc_headers())
+    assert first.status_code == second.status_code == 400
+    assert "maximum context length" in first.json()["error"]["message"]
+    assert second.headers["x-cache"] == "HIT"
+    assert second.content == first.content
+    assert (await env.upstream_stats())["requests"] == 1
+
+
+@pytest.mark.parametrize("status", [500, 404, 429, 401])
+async def test_errors_outside_cache_error_statuses_are_never_stored(env: Env, status: int) -> None:
+    body = chat_request(fake_upstream={"status": status})
+    first = await env.chat(body, **doc_headers())
+    second = await env.chat(body, **doc_headers())
+    assert first.status_code == second.status_code == status
+    assert second.headers["x-cache"] == "MISS"
+    assert (await env.upstream_stats())["requests"] == 2
+
+
+async def test_answers_are_stored_in_the_rank_file_under_the_chunk_given(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, _), proxy_client(settings(tmp_path, url)) as client:
+        await client.post(
+            "/v1/completions",
+            json=completion_request(),
+            headers=doc_headers("a", **{"X-Rank": "3", "X-Chunk-Index": "7"}),
+        )
+        await client.post("/v1/completions", json=completion_request(), headers=doc_headers("b", **{"X-Rank": "3"}))
+        assert (await client.get("/stats")).json()["ranks"] == [3]
+    with sqlite3.connect(tmp_path / "ckpt" / "00003" / "replay.sqlite3") as conn:
+        rows = conn.execute("SELECT doc_id, chunk_index FROM request_cache ORDER BY doc_id").fetchall()
+    assert rows == [("a", 7), ("b", -1)]
+    assert not (tmp_path / "ckpt" / "00000").exists()
+
+
+async def test_bad_header_values_are_refused_naming_the_header_and_nothing_is_forwarded(env: Env) -> None:
+    cases = {
+        "X-Rollout-Idx": "abc",
+        "X-Chunk-Index": "-1",
+        "X-Rank": "100000",
+        "X-Doc-Id": "",
+    }
+    for name, value in cases.items():
+        answer = await env.chat(**{**doc_headers(), name: value})
+        assert answer.status_code == 400, name
+        assert answer.json()["error"]["param"] == name
+        assert answer.json()["error"]["type"] == "invalid_request_error"
+    assert (await env.upstream_stats())["requests"] == 0
+
+
+@pytest.mark.parametrize("body", [b"not json", b"[1, 2]", b'"text"', b""])
+async def test_a_body_that_is_not_a_json_object_is_refused(env: Env, body: bytes) -> None:
+    answer = await env.client.post("/v1/completions", content=body, headers=doc_headers())
+    assert answer.status_code == 400
+    assert "must be a JSON object" in answer.json()["error"]["message"]
+    assert (await env.upstream_stats())["requests"] == 0
+
+
+async def test_a_body_over_max_body_bytes_is_refused_with_413(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, upstream), proxy_client(settings(tmp_path, url, max_body_bytes=1000)) as c:
+        answer = await c.post("/v1/completions", json=completion_request(prompt="x" * 2000), headers=doc_headers())
+        assert answer.status_code == 413
+        assert "max_body_bytes" in answer.json()["error"]["message"]
+        assert upstream.requests == 0
+
+
+async def test_a_stream_is_replayed_byte_for_byte_as_event_stream(env: Env) -> None:
+    body = completion_request(stream=True, stream_options={"include_usage": True})
+    first = await env.client.post("/v1/completions", json=body, headers=doc_headers())
+    second = await env.client.post("/v1/completions", json=body, headers=doc_headers())
+    assert first.headers["content-type"].startswith("text/event-stream")
+    assert second.headers["content-type"] == first.headers["content-type"]
+    assert second.headers["x-cache"] == "HIT"
+    assert second.content == first.content
+    assert first.content.rstrip().endswith(b"data: [DONE]")
+    assert b'"usage"' in first.content
+
+
+async def test_a_stream_cut_short_by_the_upstream_is_not_stored(env: Env) -> None:
+    body = completion_request(stream=True, fake_upstream={"disconnect_after_chunks": 3})
+    # the client's connection is dropped mid-body (in-process, the transport re-raises why)
+    with pytest.raises((httpx.HTTPError, StreamBrokeOff)):
+        await env.client.post("/v1/completions", json=body, headers=doc_headers())
+    second = await env.client.post("/v1/completions", json=completion_request(stream=True), headers=doc_headers())
+    assert second.headers["x-cache"] == "MISS"
+
+
+async def test_identical_requests_in_flight_share_one_upstream_call(tmp_path: Path) -> None:
+    async with fake_upstream(latency_ms=200) as (url, upstream), proxy_client(settings(tmp_path, url)) as client:
+        answers = await asyncio.gather(
+            *(client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers()) for _ in range(8))
+        )
+        assert sorted(a.headers["x-cache"] for a in answers) == ["COALESCED"] * 7 + ["MISS"]
+        assert len({a.content for a in answers}) == 1
+        assert upstream.generations == 1
+
+
+async def test_503_with_retry_after_is_retried_until_it_succeeds(env: Env) -> None:
+    body = chat_request(fake_upstream={"status": 503, "fail_times": 2, "retry_after": 0})
+    answer = await env.chat(body, **doc_headers())
+    assert answer.status_code == 200
+    assert (await env.upstream_stats())["requests"] == 3
+
+
+async def test_a_503_that_persists_is_passed_on_after_the_last_retry(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, upstream), proxy_client(settings(tmp_path, url, upstream_retries=2)) as c:
+        body = chat_request(fake_upstream={"status": 503, "retry_after": 0})
+        answer = await c.post("/v1/chat/completions", json=body, headers=doc_headers())
+        assert answer.status_code == 503
+        assert answer.headers["retry-after"] == "0"
+        assert upstream.requests == 3
+
+
+async def test_an_unreachable_upstream_gives_502_with_the_envelope(tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with proxy_client(settings(tmp_path, dead, upstream_retries=2)) as client:
+        answer = await client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers())
+        assert answer.status_code == 502
+        error = answer.json()["error"]
+        assert error["type"] == "upstream_error"
+        assert "unreachable after 3 tries" in error["message"]
+        assert (await client.get("/readyz")).status_code == 503
+
+
+async def test_a_failed_replica_is_skipped_for_the_healthy_one(tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with fake_upstream() as (url, upstream), proxy_client(settings(tmp_path, [dead, url])) as client:
+        answers = [await client.post("/v1/completions", json=completion_request()) for _ in range(6)]
+        assert [a.status_code for a in answers] == [200] * 6
+        assert upstream.generations == 6
+        replicas = {r["url"]: r["healthy"] for r in (await client.get("/stats")).json()["upstreams"]}
+        assert replicas == {dead: False, url: True}
+        assert (await client.get("/readyz")).status_code == 200
+
+
+async def test_other_v1_routes_are_forwarded_unchanged_and_not_cached(env: Env) -> None:
+    models = await env.client.get("/v1/models", params={"x": "1"})
+    assert models.status_code == 200
+    assert models.json()["data"][0]["id"] == "fake-model"
+    embeddings = await env.client.post(
+        "/v1/embeddings", json={"model": "fake-model", "input": ["a", "b"]}, headers=doc_headers()
+    )
+    assert len(embeddings.json()["data"]) == 2
+    assert "x-cache" not in embeddings.headers
+    missing = await env.client.get("/v1/nothing-here")
+    assert missing.status_code == 404
+    assert missing.json()["error"]["type"] == "NotFoundError"  # the upstream's own envelope, verbatim
+
+
+async def test_api_key_guards_everything_but_healthz_and_is_not_forwarded(tmp_path: Path) -> None:
+    async with (
+        fake_upstream() as (url, upstream),
+        proxy_client(settings(tmp_path, url, upstream_api_key="upstream-secret", api_key="client-secret")) as c,
+    ):
+        assert (await c.get("/healthz")).status_code == 200
+        for auth in (None, "Bearer wrong"):
+            headers = {"Authorization": auth} if auth else {}
+            refused = await c.post("/v1/completions", json=completion_request(), headers=headers)
+            assert refused.status_code == 401
+            assert refused.json()["error"]["type"] == "authentication_error"
+            assert (await c.get("/readyz", headers=headers)).status_code == 401
+        ok = await c.post(
+            "/v1/completions", json=completion_request(), headers={"Authorization": "Bearer client-secret"}
+        )
+        assert ok.status_code == 200
+        assert upstream.last_headers["authorization"] == "Bearer upstream-secret"
+        assert "x-doc-id" not in upstream.last_headers
+
+
+async def test_every_error_the_proxy_makes_is_the_openai_envelope(tmp_path: Path) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with proxy_client(settings(tmp_path, dead, upstream_retries=0, max_body_bytes=50, api_key="k")) as c:
+        auth = {"Authorization": "Bearer k"}
+        answers = [
+            await c.post("/v1/completions", json={}, headers={"Authorization": "Bearer no"}),
+            await c.post("/v1/completions", json={}, headers={**auth, "X-Rank": "x"}),
+            await c.post("/v1/completions", content=b"[]", headers=auth),
+            await c.post("/v1/completions", json={"prompt": "x" * 100}, headers=auth),
+            await c.post("/v1/completions", json={}, headers=auth),
+            await c.get("/nope", headers=auth),
+            await c.get("/readyz", headers=auth),
+        ]
+        assert [a.status_code for a in answers] == [401, 400, 400, 413, 502, 404, 503]
+        for answer in answers:
+            error = answer.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}
+            assert error["code"] == answer.status_code
+            assert error["message"]
+
+
+async def test_answers_survive_a_restart_of_the_proxy(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, upstream):
+        async with proxy_client(settings(tmp_path, url)) as client:
+            first = await client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers())
+        async with proxy_client(settings(tmp_path, url)) as client:
+            again = await client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers())
+        assert again.headers["x-cache"] == "HIT"
+        assert again.content == first.content
+        assert upstream.generations == 1
+    with sqlite3.connect(tmp_path / "ckpt" / "00000" / "replay.sqlite3") as conn:
+        row = conn.execute("SELECT chunk_index, status_code, content_type, streamed FROM request_cache").fetchone()
+    assert row == (-1, 200, "application/json", 0)
