@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
+from app.durable import make_dirs_durable
 from app.hashing import payload_hash
 
 logger = logging.getLogger(__name__)
@@ -167,7 +168,7 @@ class RequestCache:
             return
         assert self.base_dir is not None
         rank_dir = os.path.join(self.base_dir, f"{rank:05d}")
-        os.makedirs(rank_dir, exist_ok=True)
+        await asyncio.to_thread(make_dirs_durable, rank_dir)
         self.db_path = os.path.join(rank_dir, DB_FILENAME)
         self._writer, self._reader, self._doc_ids_in_cache = await asyncio.to_thread(_open, self.db_path)
         self._writer_task = asyncio.create_task(self._writer_loop(), name=f"request-cache-writer-{rank}")
@@ -235,6 +236,9 @@ class RequestCache:
         """Queue an error answer for the next commit; it is replayed as `(None, error_message)`."""
         if self._reader is None:
             return
+        if isinstance(error_message, str):
+            # An upstream's message may carry undecodable bytes as lone surrogates: keep the text, not the failure.
+            error_message = error_message.encode("utf-8", "replace").decode("utf-8")
         self._queue(_Row(chunk_index, doc_id, rollout_idx, payload_hash, None, error_message, None, None, 0))
 
     def get_response(self, doc_id: str, rollout_idx: int, payload_hash: str) -> StoredResponse | None:
@@ -299,6 +303,7 @@ class RequestCache:
         self._doc_ids_in_cache.discard(doc_id)
 
     def _queue(self, row: _Row) -> None:
+        _check_row(row)
         key = (row.doc_id, row.rollout_idx, row.payload_hash)
         self._pending.pop(key, None)  # re-insert so the dict keeps store order
         self._pending[key] = row
@@ -308,22 +313,36 @@ class RequestCache:
 
     async def _commit(self, *, drop_chunk: int | None) -> None:
         async with self._write_lock:
-            if not self._pending and drop_chunk is None:
-                return
             writer = self._writer
-            assert writer is not None
+            if writer is None or (not self._pending and drop_chunk is None):
+                return  # closed meanwhile, or nothing to do
             batch, self._pending = self._pending, {}
             self._committing = batch
-            try:
-                await asyncio.to_thread(_write_batch, writer, list(batch.values()), drop_chunk)
-            except sqlite3.Error as exc:
+            work = asyncio.ensure_future(asyncio.to_thread(_write_batch, writer, list(batch.values()), drop_chunk))
+            cancelled = False
+            # The thread cannot be cancelled: hold the lock until it is done, so
+            # that no second commit ever runs on the same connection.
+            while not work.done():
+                try:
+                    await asyncio.shield(work)
+                except asyncio.CancelledError:
+                    cancelled = True
+                except Exception:
+                    break
+            self._committing = {}
+            error = work.exception()
+            if error is not None:
                 # Keep the rows for the next attempt; anything stored since is newer and wins.
                 self._pending = batch | self._pending
                 if self._pending:
                     self._has_pending.set()
-                raise CacheWriteError(f"could not commit {len(batch)} cache entries to {self.db_path}: {exc}") from exc
-            finally:
-                self._committing = {}
+            if cancelled:
+                raise asyncio.CancelledError
+            if error is not None:
+                raise CacheWriteError(
+                    f"could not commit {len(batch)} cache entries to {self.db_path}: {error}; they stay queued "
+                    f"and are retried (is the disk full or read-only?)"
+                ) from error
 
     async def _writer_loop(self) -> None:
         backoff = self.flush_interval
@@ -333,11 +352,29 @@ class RequestCache:
             self._has_pending.clear()
             try:
                 await self._commit(drop_chunk=None)
-            except CacheWriteError:
+            except Exception:  # the writer must outlive any one failure
                 logger.exception("request cache commit failed; retrying in %.2f s", backoff)
                 backoff = min(backoff * 2, 5.0)
             else:
                 backoff = self.flush_interval
+
+
+_INT64 = range(-(2**63), 2**63)
+
+
+def _check_row(row: _Row) -> None:
+    """Refuse at store time what SQLite would refuse at commit time, where it would fail a whole batch."""
+    for name in ("chunk_index", "rollout_idx"):
+        value = getattr(row, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value not in _INT64:
+            raise TypeError(f"{name} must be a 64-bit integer, got {value!r}")
+    for name in ("doc_id", "payload_hash"):
+        value = getattr(row, name)
+        if not isinstance(value, str):
+            raise TypeError(f"{name} must be a str, got {type(value).__name__} {value!r}")
+        value.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError here, naming the character
+    if row.error_message is not None and not isinstance(row.error_message, str):
+        raise TypeError(f"error_message must be a str, got {type(row.error_message).__name__}")
 
 
 def _open(db_path: str) -> tuple[sqlite3.Connection, sqlite3.Connection, set[str]]:

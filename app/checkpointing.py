@@ -44,6 +44,7 @@ from app.cache import RequestCache
 from app.documents import Document, DocumentLike, OutputWriter, encode_document, is_removed
 from app.durable import (
     AppendFile,
+    CorruptFileError,
     GroupSync,
     atomic_write_bytes,
     fsync_dir,
@@ -52,6 +53,7 @@ from app.durable import (
 )
 
 __all__ = [
+    "CheckpointDurabilityError",
     "CheckpointManager",
     "ChunkCompleteError",
     "Document",
@@ -73,6 +75,10 @@ class ChunkCompleteError(ValueError):
 
 class RecordsPerChunkMismatch(ValueError):
     """The checkpoints were written with another `records_per_chunk`."""
+
+
+class CheckpointDurabilityError(OSError):
+    """An fsync failed: this manager refuses further work until the job restarts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +140,13 @@ class CheckpointManager:
         self._files: dict[int, AppendFile] = {}
         self._sync = GroupSync()
         self._meta_checked = False
+        # The output file of each chunk with documents, to close when it completes.
+        self._outputs: dict[int, tuple[OutputWriter, str]] = {}
+        # Chunks with all their documents, not yet published (their output not closed).
+        self._ready: set[int] = set()
+        self._publish_lock = asyncio.Lock()
+        self._broken: BaseException | None = None
+        self._warned_duplicates: set[int] = set()
 
     # ----------------------------------------------------------------- writing
 
@@ -149,37 +162,43 @@ class CheckpointManager:
         disk refuses the append; in each case nothing is written or counted.
         """
         line = encode_document(document)
-        completes = False
+        self._check_usable()
+        if self.checkpoints_local_dir is None:
+            # datatrove's behaviour without checkpoints: output only, nothing remembered.
+            if not is_removed(document):
+                output_writer_context.write(document, rank=rank, chunk_index=chunk_index)
+            self.per_chunk_counts[chunk_index] += 1
+            return WriteOutcome(True, chunk_index, self.per_chunk_counts[chunk_index], False, -1)
         async with self.file_locks[chunk_index]:
             ids = self._chunk_ids[chunk_index]
             duplicate = document.id in ids
-            if not duplicate:
+            if duplicate:
+                self._warn_duplicate(document.id, chunk_index)
+            else:
                 self._check_open_chunk(chunk_index)
-                file = await self._append(rank, chunk_index, line) if self.checkpoints_local_dir else None
+                file = await self._append(rank, chunk_index, line)
                 try:
                     if not is_removed(document):
                         output_writer_context.write(document, rank=rank, chunk_index=chunk_index)
                 except BaseException:
-                    if file is not None:
-                        file.truncate(file.size - len(line))
+                    file.truncate(file.size - len(line))
                     raise
+                if chunk_index not in self._outputs:
+                    name = output_writer_context._get_output_filename(document, rank, chunk_index=chunk_index)
+                    self._outputs[chunk_index] = (output_writer_context, name)
                 ids.add(document.id)
                 self.per_chunk_counts[chunk_index] += 1
-                completes = self.checkpoints_local_dir is not None and (
-                    self.per_chunk_counts[chunk_index] == self.records_per_chunk
-                )
+                if self.per_chunk_counts[chunk_index] == self.records_per_chunk:
+                    # Decided here, under the lock: a caller cancelled below cannot lose it.
+                    self._ready.add(chunk_index)
             count = self.per_chunk_counts[chunk_index]
-            file = self._files.get(chunk_index)
-        if file is not None and self.fsync == "always":
+            file_to_sync = self._files.get(chunk_index)
+        if file_to_sync is not None and self.fsync == "always":
             # Outside the chunk lock, so the chunk's other writers share this fsync.
-            await self._sync.sync(file.fd)
-        if completes:
-            output_writer_context.close_file(
-                output_writer_context._get_output_filename(document, rank, chunk_index=chunk_index)
-            )
-            self._fault("output_closed")
-            self.new_completed_chunks.add(chunk_index)
-            await self.update_last_chunk_index(rank)
+            await self._durable(file_to_sync)
+        if self._ready:
+            # Shielded: once started, publishing finishes even if this caller is cancelled.
+            await asyncio.shield(self._publish_ready(rank))
         return WriteOutcome(
             written=not duplicate,
             chunk_index=chunk_index,
@@ -188,11 +207,40 @@ class CheckpointManager:
             last_chunk_index=self.last_chunk_index,
         )
 
+    def _check_usable(self) -> None:
+        if self._broken is not None:
+            raise CheckpointDurabilityError(
+                f"a checkpoint file could not be made durable earlier ({self._broken}); what was acknowledged "
+                f"since may not be on disk. Restart the job: it resumes from what the disk holds"
+            ) from self._broken
+
+    async def _durable(self, file: AppendFile) -> None:
+        try:
+            await self._sync.sync(file)
+        except OSError as exc:
+            # After a failed fsync the kernel may have dropped the pages: the only
+            # safe state is the one a restart reads back (as PostgreSQL does).
+            self._broken = exc
+            self._check_usable()
+
+    def _warn_duplicate(self, doc_id: str, chunk_index: int) -> None:
+        if chunk_index in self._warned_duplicates or chunk_index in self._ready:
+            return
+        self._warned_duplicates.add(chunk_index)
+        logger.warning(
+            "document id %r was written to chunk %d again and counted once; if the input repeats ids "
+            "(rather than a write being retried), chunk %d will not reach %d distinct documents",
+            doc_id,
+            chunk_index,
+            chunk_index,
+            self.records_per_chunk,
+        )
+
     def _check_open_chunk(self, chunk_index: int) -> None:
         if (
             chunk_index <= self.last_chunk_index
             or chunk_index in self.new_completed_chunks
-            or (self.checkpoints_local_dir is not None and self.per_chunk_counts[chunk_index] >= self.records_per_chunk)
+            or self.per_chunk_counts[chunk_index] >= self.records_per_chunk
         ):
             raise ChunkCompleteError(
                 f"chunk {chunk_index} is already complete (last_chunk_index={self.last_chunk_index}); "
@@ -208,11 +256,38 @@ class CheckpointManager:
             if created:
                 await asyncio.to_thread(make_dirs_durable, os.path.dirname(path))
                 logger.info("Creating checkpoint file %s", path)
-            file = self._files[chunk_index] = AppendFile(path)
+            file = AppendFile(path)
             if created and self.fsync == "always":
-                await asyncio.to_thread(fsync_dir, os.path.dirname(path))
+                try:
+                    await asyncio.to_thread(fsync_dir, os.path.dirname(path))
+                except BaseException:
+                    file.close()
+                    raise
+            self._files[chunk_index] = file
         file.append(line)
         return file
+
+    async def _publish_ready(self, rank: int) -> None:
+        """Publish every chunk that has all its documents, then advance `last_chunk_index`.
+
+        A chunk's output is closed only after its checkpoint is durable, and
+        always before `last_chunk` moves past it. A chunk whose output fails to
+        close stays ready and is retried by the next write or cleanup.
+        """
+        async with self._publish_lock:
+            for chunk_index in sorted(self._ready):
+                file = self._files.get(chunk_index)
+                if file is not None and self.fsync == "always":
+                    await self._durable(file)
+                output = self._outputs.get(chunk_index)
+                if output is not None:
+                    writer, name = output
+                    writer.close_file(name)
+                    del self._outputs[chunk_index]
+                self._fault("output_closed")
+                self._ready.discard(chunk_index)
+                self.new_completed_chunks.add(chunk_index)
+        await self.update_last_chunk_index(rank)
 
     # ---------------------------------------------------------------- resuming
 
@@ -226,8 +301,8 @@ class CheckpointManager:
         all_ids: set[str] = set()
         if not self.checkpoints_local_dir:
             return 0, all_ids
+        self._check_usable()
         self._ensure_meta()
-        should_update = False
         async with self.checkpoint_file_lock:
             self.last_chunk_index = max(self.last_chunk_index, self._read_last_chunk(rank))
             chunks = await asyncio.to_thread(self._read_chunks, rank)
@@ -239,21 +314,20 @@ class CheckpointManager:
                             continue
                         if not is_removed(document):
                             output_writer_context.write(document, rank=rank, chunk_index=chunk_index)
+                        if chunk_index not in self._outputs:
+                            name = output_writer_context._get_output_filename(document, rank, chunk_index=chunk_index)
+                            self._outputs[chunk_index] = (output_writer_context, name)
                         ids.add(document.id)
                         all_ids.add(document.id)
                         self.per_chunk_counts[chunk_index] += 1
                         if self.per_chunk_counts[chunk_index] == self.records_per_chunk:
-                            output_writer_context.close_file(
-                                output_writer_context._get_output_filename(document, rank, chunk_index=chunk_index)
-                            )
-                            self.new_completed_chunks.add(chunk_index)
-                            should_update = True
+                            self._ready.add(chunk_index)
         if self.request_cache is not None and self.last_chunk_index >= 0:
             # A crash between deleting the last chunk's file and dropping its
             # cache rows leaves those rows behind; nothing will ask for them.
             await self.request_cache.drop_chunk(self.last_chunk_index)
-        if should_update:
-            await self.update_last_chunk_index(rank)
+        if self._ready:
+            await asyncio.shield(self._publish_ready(rank))
         docs_to_skip = (self.last_chunk_index + 1) * self.records_per_chunk if self.last_chunk_index >= 0 else 0
         return docs_to_skip, all_ids
 
@@ -268,7 +342,14 @@ class CheckpointManager:
                 logger.info("Removing %s: chunk %d is already complete", path, chunk_index)
                 os.remove(path)
                 continue
-            documents = [self.document_factory(record) for record in read_jsonl_repairing_tail(path)]
+            documents = []
+            for number, record in enumerate(read_jsonl_repairing_tail(path), start=1):
+                if not isinstance(record, dict) or not isinstance(record.get("id"), str):
+                    raise CorruptFileError(
+                        f"{path}: record {number} is not a document (a JSON object with a string id): "
+                        f"{str(record)[:80]!r}. Move the file aside or repair that line, then restart"
+                    )
+                documents.append(self.document_factory(record))
             distinct = len({document.id for document in documents})
             if distinct > self.records_per_chunk:
                 raise RecordsPerChunkMismatch(
@@ -310,15 +391,31 @@ class CheckpointManager:
     # -------------------------------------------------------------- completing
 
     async def cleanup_last_chunk(self, rank: int, chunk_index: int) -> None:
-        """Mark the job's last (possibly partial) chunk complete; remove the rank dir once it is reached."""
+        """Mark the job's last (possibly partial) chunk complete; remove the rank dir once it is reached.
+
+        The chunk's output is closed first, so a crash can never leave
+        `last_chunk` past a chunk whose output was not published.
+        """
         if self.checkpoints_local_dir is None:
             return
-        self.new_completed_chunks.add(chunk_index)
-        await self.update_last_chunk_index(rank)
+        self._check_usable()
+        self._ready.add(chunk_index)
+        await asyncio.shield(self._publish_ready(rank))
         rank_dir = os.path.join(self.checkpoints_local_dir, f"{rank:05d}")
-        if os.path.exists(rank_dir) and self.last_chunk_index == chunk_index:
-            await self._close_files()
-            shutil.rmtree(rank_dir)
+        if self.last_chunk_index == chunk_index:
+            if os.path.exists(rank_dir):
+                await self._close_files()
+                shutil.rmtree(rank_dir)
+            return
+        waiting = sorted(c for c in range(self.last_chunk_index + 1, chunk_index) if c not in self.new_completed_chunks)
+        logger.warning(
+            "the job ended but chunks %s are incomplete (%s of %d documents): some documents failed or the "
+            "input repeats ids. Their checkpoints stay in %s, so a restart retries what is missing",
+            waiting,
+            ", ".join(str(self.per_chunk_counts[c]) for c in waiting),
+            self.records_per_chunk,
+            rank_dir,
+        )
 
     async def update_last_chunk_index(self, rank: int) -> None:
         """Advance `last_chunk_index` over every complete chunk that follows it.
@@ -329,6 +426,10 @@ class CheckpointManager:
         """
         if self.checkpoints_local_dir is None:
             return
+        # Shielded: a cancelled caller does not stop a chunk half-way through these steps.
+        await asyncio.shield(self._advance(rank))
+
+    async def _advance(self, rank: int) -> None:
         async with self.checkpoint_file_lock:
             while self.last_chunk_index + 1 in self.new_completed_chunks:
                 chunk_index = self.last_chunk_index + 1
@@ -346,6 +447,8 @@ class CheckpointManager:
                 self.file_locks.pop(chunk_index, None)
                 self.per_chunk_counts.pop(chunk_index, None)
                 self._chunk_ids.pop(chunk_index, None)
+                self._outputs.pop(chunk_index, None)
+                self._warned_duplicates.discard(chunk_index)
                 self.new_completed_chunks.remove(chunk_index)
                 if self.request_cache is not None:
                     await self.request_cache.drop_chunk(chunk_index)
@@ -370,7 +473,7 @@ class CheckpointManager:
         self._files.clear()
         try:
             if files and self.fsync == "always":
-                await self._sync.sync(*(file.fd for file in files))
+                await self._sync.sync(*files)
         finally:
             for file in files:
                 file.close()
@@ -383,9 +486,24 @@ class CheckpointManager:
         path = os.path.join(self.checkpoints_local_dir, META_FILENAME)
         try:
             with open(path, "rb") as f:
-                recorded = orjson.loads(f.read()).get("records_per_chunk")
+                meta = orjson.loads(f.read())
+            recorded = meta["records_per_chunk"]
         except FileNotFoundError:
+            if os.path.isdir(os.path.join(self.checkpoints_local_dir, "last_chunk")):
+                logger.warning(
+                    "%s holds checkpoints but no %s (written by datatrove or an older inferproxy): "
+                    "trusting records_per_chunk=%d and recording it; a different value would shift every chunk",
+                    self.checkpoints_local_dir,
+                    META_FILENAME,
+                    self.records_per_chunk,
+                )
+            make_dirs_durable(self.checkpoints_local_dir)
             atomic_write_bytes(path, orjson.dumps({"records_per_chunk": self.records_per_chunk}))
+        except (ValueError, TypeError, KeyError) as exc:
+            raise CorruptFileError(
+                f"{path} is not a JSON object with records_per_chunk ({exc}); write "
+                f'{{"records_per_chunk": N}} with the value the checkpoints were written with'
+            ) from exc
         else:
             if recorded != self.records_per_chunk:
                 raise RecordsPerChunkMismatch(

@@ -70,17 +70,21 @@ class AppendFile:
     """An append-only file whose every append is a whole line or nothing.
 
     The size is tracked so that a failed write (disk full mid-line) is undone
-    with `ftruncate`: the next append can never glue onto half a line.
+    with `ftruncate`: the next append can never glue onto half a line. While
+    a `GroupSync` round is fsyncing the file, `close()` is deferred to the end
+    of that round, so a descriptor is never closed (or reused) under an fsync.
     """
 
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
         self.size = os.fstat(self.fd).st_size
+        self._pins = 0
+        self._close_requested = False
 
     @property
     def closed(self) -> bool:
-        return self.fd < 0
+        return self.fd < 0 or self._close_requested
 
     def append(self, data: bytes) -> int:
         """Append `data`; return the offset it starts at. On failure the file is as before."""
@@ -111,36 +115,39 @@ class AppendFile:
         self.size = size
 
     def close(self) -> None:
-        if self.fd >= 0:
+        """Close now, or at the end of the fsync round using the descriptor; idempotent."""
+        self._close_requested = True
+        if self._pins == 0 and self.fd >= 0:
             fd, self.fd = self.fd, -1
             os.close(fd)
 
+    def _pin(self) -> int:
+        self._pins += 1
+        return self.fd
 
-def _fsync_all(fds: Iterable[int]) -> None:
-    for fd in fds:
-        try:
-            os.fsync(fd)
-        except OSError as exc:
-            # A descriptor closed after a final fsync of its own has nothing left to sync.
-            if exc.errno != errno.EBADF:
-                raise
+    def _unpin(self) -> None:
+        self._pins -= 1
+        if self._close_requested:
+            self.close()
 
 
 class GroupSync:
     """One fsync shared by every writer waiting at the same time (group commit).
 
-    `await sync(fd)` returns once an fsync of `fd` that started after the call
-    has finished. Writers arriving while an fsync runs are served together by
-    the next one, so N concurrent writers cost about two fsyncs, not N.
+    `await sync(file)` returns once an fsync of `file` that started after the
+    call has finished. Writers arriving while an fsync runs are served
+    together by the next one, so N concurrent writers cost about two fsyncs,
+    not N. An fsync error reaches every writer of that round.
     """
 
     def __init__(self) -> None:
-        self._dirty: set[int] = set()
+        self._dirty: dict[int, AppendFile] = {}
         self._waiters: list[asyncio.Future[None]] = []
         self._runner: asyncio.Task[None] | None = None
 
-    async def sync(self, *fds: int) -> None:
-        self._dirty.update(fds)
+    async def sync(self, *files: AppendFile) -> None:
+        for file in files:
+            self._dirty[id(file)] = file
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         if self._runner is None:
@@ -153,10 +160,12 @@ class GroupSync:
         try:
             while self._waiters:
                 waiters, self._waiters = self._waiters, []
-                fds, self._dirty = self._dirty, set()
+                files = [f for f in self._dirty.values() if f.fd >= 0]
+                self._dirty = {}
+                fds = [f._pin() for f in files]
                 try:
                     await asyncio.to_thread(_fsync_all, fds)
-                except OSError as exc:
+                except BaseException as exc:  # every waiter learns of it; none hangs
                     for waiter in waiters:
                         if not waiter.done():
                             waiter.set_exception(exc)
@@ -164,8 +173,16 @@ class GroupSync:
                     for waiter in waiters:
                         if not waiter.done():
                             waiter.set_result(None)
+                finally:
+                    for file in files:
+                        file._unpin()
         finally:
             self._runner = None
+
+
+def _fsync_all(fds: Iterable[int]) -> None:
+    for fd in fds:
+        os.fsync(fd)
 
 
 class CorruptFileError(ValueError):

@@ -217,3 +217,101 @@ async def test_a_cache_written_by_inferproxy_is_read_by_datatrove(tmp_path: Path
     await theirs.store_result(0, "doc-3", 0, {"x": 1}, payload_hash=H)  # its 6-column INSERT still works
     await theirs.close()
     assert [r[1] for r in rows(tmp_path)] == ["doc-1", "doc-2", "doc-3"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((0, None, 0), "doc_id must be a str"),
+        ((0, "d", "1"), "rollout_idx must be a 64-bit integer"),
+        ((2**64, "d", 0), "chunk_index must be a 64-bit integer"),
+    ],
+)
+async def test_a_key_sqlite_cannot_store_is_refused_at_store_time(
+    tmp_path: Path, args: tuple[Any, Any, Any], message: str
+) -> None:
+    cache = await opened(tmp_path)
+    await cache.store_result(0, "good", 0, {"v": 1}, payload_hash=H)
+    with pytest.raises(TypeError, match=message):
+        await cache.store_result(args[0], args[1], args[2], {"v": 2}, payload_hash=H)
+    await cache.flush()  # the good row is not held hostage by the bad one
+    assert [r[1] for r in rows(tmp_path)] == ["good"]
+    await cache.close()
+
+
+async def test_an_error_message_with_undecodable_bytes_is_stored(tmp_path: Path) -> None:
+    cache = await opened(tmp_path)
+    await cache.store_error(0, "d", 0, "upstream said \udcff", payload_hash=H)
+    await cache.close()
+    assert rows(tmp_path)[0][5] == "upstream said ?"
+
+
+async def test_any_failure_in_a_commit_keeps_the_rows_and_the_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = app.cache._write_batch
+    calls = 0
+
+    def flaky(conn: sqlite3.Connection, batch: list[Any], drop_chunk: int | None) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("something unexpected")
+        real(conn, batch, drop_chunk)
+
+    monkeypatch.setattr(app.cache, "_write_batch", flaky)
+    cache = await opened(tmp_path, flush_interval_ms=1)
+    await cache.store_result(0, "a", 0, {"v": 1}, payload_hash=H)
+    for _ in range(500):  # bounded: the writer retries on its own
+        if rows(tmp_path):
+            break
+        await asyncio.sleep(0.01)
+    assert [r[1] for r in rows(tmp_path)] == ["a"]
+    assert cache._writer_task is not None
+    assert not cache._writer_task.done()
+    await cache.close()
+
+
+async def test_a_cancelled_flush_keeps_the_lock_until_its_commit_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    real = app.cache._write_batch
+    running = 0
+    overlap = False
+    gate = threading.Event()
+
+    def slow(conn: sqlite3.Connection, batch: list[Any], drop_chunk: int | None) -> None:
+        nonlocal running, overlap
+        running += 1
+        overlap = overlap or running > 1
+        gate.wait(2)
+        real(conn, batch, drop_chunk)
+        running -= 1
+
+    monkeypatch.setattr(app.cache, "_write_batch", slow)
+    cache = await opened(tmp_path, flush_interval_ms=60_000)
+    await cache.store_result(0, "first", 0, {"v": 1}, payload_hash=H)
+    flush = asyncio.create_task(cache.flush())
+    await asyncio.sleep(0.05)
+    flush.cancel()
+    await cache.store_result(0, "second", 0, {"v": 2}, payload_hash=H)
+    second = asyncio.create_task(cache.flush())
+    await asyncio.sleep(0.05)
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await flush
+    await second
+    assert not overlap
+    assert [r[1] for r in rows(tmp_path)] == ["first", "second"]
+    await cache.close()
+
+
+async def test_drop_chunk_racing_close_is_harmless(tmp_path: Path) -> None:
+    cache = await opened(tmp_path)
+    await cache.store_result(3, "a", 0, {"v": 1}, payload_hash=H)
+    results = await asyncio.gather(cache.close(), cache.drop_chunk(3), return_exceptions=True)
+    assert results == [None, None]
+    await cache.drop_chunk(3)  # after close: nothing to do, nothing raised
+    assert [r[1] for r in rows(tmp_path)] in ([], ["a"])  # whichever ran first

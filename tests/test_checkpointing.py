@@ -367,3 +367,94 @@ async def test_fsync_never_does_not_sync_chunk_files(
     await asyncio.gather(*(cm.write_document(doc, 0, 0, writer) for doc in documents(10)))
     assert calls == []
     assert len(chunk_ids(tmp_path, 0)) == 11
+
+
+async def test_the_final_chunk_is_published_before_last_chunk_moves(tmp_path: Path) -> None:
+    # A job killed right after cleanup_last_chunk (before its writer's exit) must not lose its last chunk.
+    from app.output import ChunkOutputWriter
+
+    cm = manager(tmp_path / "ckpt", 2)
+    writer = ChunkOutputWriter(str(tmp_path / "out"))
+    await write_all(cm, documents(3), writer)
+    await cm.cleanup_last_chunk(0, 1)
+    writer.abandon()  # the process dies here: nothing the writer still holds is published
+    assert sorted(os.listdir(tmp_path / "out")) == ["00000_chunk_0.jsonl", "00000_chunk_1.jsonl"]
+    assert (tmp_path / "out" / "00000_chunk_1.jsonl").read_text().count("\n") == 1
+
+
+async def test_repeated_ids_in_the_input_are_reported_and_the_checkpoint_kept(
+    tmp_path: Path, writer: RecordingWriter, caplog: pytest.LogCaptureFixture
+) -> None:
+    cm = manager(tmp_path, 3)
+    with caplog.at_level(logging.WARNING):
+        for doc_id, chunk_index in [("a", 0), ("b", 0), ("a", 0), ("c", 1)]:
+            await cm.write_document(document(doc_id), 0, chunk_index, writer)
+        await cm.cleanup_last_chunk(0, 1)
+    assert "document id 'a' was written to chunk 0 again and counted once" in caplog.text
+    assert "chunks [0] are incomplete (2 of 3 documents)" in caplog.text
+    assert os.path.exists(chunk_path(tmp_path, 0))
+
+
+async def test_a_failed_fsync_stops_the_manager_until_a_restart(
+    tmp_path: Path, writer: RecordingWriter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cm = manager(tmp_path, 10)
+    await cm.write_document(document("a"), 0, 0, writer)
+
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(app.durable.os, "fsync", eio)
+    with pytest.raises(OSError, match="could not be made durable"):
+        await cm.write_document(document("b"), 0, 0, writer)
+    monkeypatch.undo()
+    with pytest.raises(OSError, match="Restart the job"):
+        await cm.write_document(document("c"), 0, 0, writer)
+    assert await manager(tmp_path, 10).parse_existing_checkpoints(0, RecordingWriter()) == (0, {"a", "b"})
+
+
+async def test_a_completing_write_cancelled_while_it_waits_for_fsync_still_completes_the_chunk(
+    tmp_path: Path, writer: RecordingWriter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cm = manager(tmp_path, 2)
+    await cm.write_document(document("a"), 0, 0, writer)
+    release = asyncio.Event()
+    real_sync = cm._sync.sync
+
+    async def slow_sync(*files: Any) -> None:
+        await release.wait()
+        await real_sync(*files)
+
+    monkeypatch.setattr(cm._sync, "sync", slow_sync)
+    completing = asyncio.create_task(cm.write_document(document("b"), 0, 0, writer))
+    await asyncio.sleep(0.01)
+    completing.cancel()
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await completing
+    await cm.write_document(document("c"), 0, 1, writer)  # the next write publishes what is ready
+    assert cm.last_chunk_index == 0
+    assert writer.closed == ["00000_chunk_0.jsonl"]
+
+
+async def test_without_a_checkpoints_dir_repeated_ids_all_reach_the_output(writer: RecordingWriter) -> None:
+    cm = CheckpointManager(None, records_per_chunk=2)
+    for _ in range(3):
+        await cm.write_document(document("same"), 0, 0, writer)
+    assert [w[0] for w in writer.writes] == ["same"] * 3
+    assert cm._chunk_ids == {}
+
+
+@pytest.mark.parametrize("line", [b'{"text": "no id"}\n', b"[1, 2]\n", b'{"id": 7}\n'])
+async def test_a_chunk_line_that_is_not_a_document_is_named_with_its_file(tmp_path: Path, line: bytes) -> None:
+    write_chunk_file(tmp_path, 0, ["a"])
+    with open(chunk_path(tmp_path, 0), "ab") as f:
+        f.write(line)
+    with pytest.raises(ValueError, match=r"chunk_00000.jsonl: record 2 is not a document"):
+        await manager(tmp_path, 3).parse_existing_checkpoints(0, RecordingWriter())
+
+
+async def test_a_corrupt_meta_file_says_how_to_repair_it(tmp_path: Path) -> None:
+    (tmp_path / META_FILENAME).write_text("{not json")
+    with pytest.raises(ValueError, match=r"checkpoint_meta.json is not a JSON object with records_per_chunk"):
+        await manager(tmp_path, 3).parse_existing_checkpoints(0, RecordingWriter())

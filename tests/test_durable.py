@@ -80,7 +80,7 @@ async def test_concurrent_writers_share_one_fsync(tmp_path: Path, monkeypatch: p
 
     async def writer(i: int) -> None:
         file.append(f"{i}\n".encode())
-        await group.sync(file.fd)
+        await group.sync(file)
 
     await asyncio.gather(*(writer(i) for i in range(64)))
     file.close()
@@ -102,10 +102,10 @@ async def test_a_writer_waits_for_an_fsync_that_started_after_its_write(
 
     monkeypatch.setattr(app.durable.os, "fsync", recording)
     file.append(b"first\n")
-    first = asyncio.create_task(group.sync(file.fd))
+    first = asyncio.create_task(group.sync(file))
     await asyncio.sleep(0)  # the first round starts
     file.append(b"second\n")
-    await group.sync(file.fd)
+    await group.sync(file)
     await first
     file.close()
     assert synced_sizes[-1] == len(b"first\nsecond\n")
@@ -118,7 +118,7 @@ async def test_fsync_error_reaches_every_waiter(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(app.durable.os, "fsync", failing)
     group = GroupSync()
     file = AppendFile(str(tmp_path / "f"))
-    results = await asyncio.gather(*(group.sync(file.fd) for _ in range(3)), return_exceptions=True)
+    results = await asyncio.gather(*(group.sync(file) for _ in range(3)), return_exceptions=True)
     file.close()
     assert all(isinstance(r, OSError) for r in results)
 
