@@ -34,9 +34,9 @@ import os
 import re
 import shutil
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import orjson
 
@@ -64,6 +64,7 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+D = TypeVar("D", bound=DocumentLike)
 META_FILENAME = "checkpoint_meta.json"
 FsyncPolicy = Literal["always", "never"]
 _CHUNK_FILE = re.compile(r"^chunk_(\d+)\.jsonl$")
@@ -453,6 +454,24 @@ class CheckpointManager:
                 if self.request_cache is not None:
                     await self.request_cache.drop_chunk(chunk_index)
                 self._fault("cache_rows_dropped")
+
+    def remaining(
+        self, documents: Iterable[D], docs_to_skip: int, processed_ids: Collection[str]
+    ) -> tuple[list[tuple[D, int]], int]:
+        """datatrove's resume loop in one call.
+
+        Returns the `(document, chunk_index)` pairs still to process (input
+        position >= `docs_to_skip` and id not in `processed_ids`), and the
+        chunk index of the last input document, for `cleanup_last_chunk`
+        (-1 for an empty input).
+        """
+        todo: list[tuple[D, int]] = []
+        last_chunk = -1
+        for position, document in enumerate(documents):
+            last_chunk = position // self.records_per_chunk
+            if position >= docs_to_skip and document.id not in processed_ids:
+                todo.append((document, last_chunk))
+        return todo, last_chunk
 
     def chunk_index_gen(self) -> Iterator[int]:
         """0 repeated `records_per_chunk` times, then 1, and so on: the chunk of each input position."""

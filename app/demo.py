@@ -108,14 +108,8 @@ async def run_job(options: DemoOptions) -> None:
                     await cache.mark_document_complete(doc.id)
                     say("ACK", doc.id)
 
-            chunks = cm.chunk_index_gen()
-            tasks = []
-            last_chunk = 0
-            for position, doc in enumerate(demo_documents(options.documents)):
-                last_chunk = next(chunks)
-                if position >= skip and doc.id not in processed:
-                    tasks.append(process(doc, last_chunk))
-            await asyncio.gather(*tasks)
+            todo, last_chunk = cm.remaining(demo_documents(options.documents), skip, processed)
+            await asyncio.gather(*(process(doc, chunk_index) for doc, chunk_index in todo))
             await cm.cleanup_last_chunk(0, last_chunk)
             finished = True
     finally:

@@ -458,3 +458,11 @@ async def test_a_corrupt_meta_file_says_how_to_repair_it(tmp_path: Path) -> None
     (tmp_path / META_FILENAME).write_text("{not json")
     with pytest.raises(ValueError, match=r"checkpoint_meta.json is not a JSON object with records_per_chunk"):
         await manager(tmp_path, 3).parse_existing_checkpoints(0, RecordingWriter())
+
+
+def test_remaining_is_datatrove_resume_loop() -> None:
+    cm = CheckpointManager(None, records_per_chunk=3)
+    todo, last_chunk = cm.remaining(documents(8), 3, {"4", "6"})
+    assert [(doc.id, chunk) for doc, chunk in todo] == [("3", 1), ("5", 1), ("7", 2)]
+    assert last_chunk == 2
+    assert cm.remaining([], 0, set()) == ([], -1)

@@ -53,14 +53,8 @@ async def main(checkpoints: str, output: str, n_docs: int, records_per_chunk: in
                     await cache.mark_document_complete(doc.id)
                     say("ACK", doc.id)
 
-            tasks = []
-            gen = cm.chunk_index_gen()
-            last_chunk = 0
-            for position, doc in enumerate(docs):
-                last_chunk = next(gen)
-                if position >= skip and doc.id not in processed:
-                    tasks.append(rollout(doc, last_chunk))
-            await asyncio.gather(*tasks)
+            todo, last_chunk = cm.remaining(docs, skip, processed)
+            await asyncio.gather(*(rollout(doc, chunk_index) for doc, chunk_index in todo))
             await cm.cleanup_last_chunk(0, last_chunk)
             done = True
     finally:
