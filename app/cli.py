@@ -11,10 +11,11 @@ Every `serve` flag is a field of `app.settings.Settings`, also read from
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -118,7 +119,20 @@ def serve(args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
     )
-    uvicorn.Server(config).run()
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT once it has shut down gracefully, so the process
+        would die of the signal; a clean shutdown is exit status 0 here (contract §2)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    self._captured_signals.clear()
+
+    GracefulServer(config).run()
     return 0
 
 

@@ -75,6 +75,7 @@ class FakeUpstream:
         self.model = model
         self.requests = 0
         self.generations = 0
+        self.by_path: Counter[str] = Counter()
         self.last_headers: dict[str, str] = {}
         self._attempts: Counter[str] = Counter()
         self._ids = itertools.count()
@@ -89,16 +90,23 @@ class FakeUpstream:
         path, method = scope["path"], scope["method"]
         if not path.startswith("/_fake/"):
             self.requests += 1
+            self.by_path[f"{method} {path}"] += 1
             self.last_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         if method == "GET" and path == "/v1/models":
             await send_bytes(send, 200, JSON, self.models())
         elif method == "GET" and path == "/health":
             await send_bytes(send, 200, JSON, b"")
         elif method == "GET" and path == "/_fake/stats":
-            stats = {"requests": self.requests, "generations": self.generations, "last_headers": self.last_headers}
+            stats = {
+                "requests": self.requests,
+                "generations": self.generations,
+                "by_path": dict(self.by_path),
+                "last_headers": self.last_headers,
+            }
             await send_bytes(send, 200, JSON, orjson.dumps(stats))
         elif method == "POST" and path == "/_fake/reset":
             self.requests = self.generations = 0
+            self.by_path.clear()
             self._attempts.clear()
             await send_bytes(send, 200, JSON, b"{}")
         elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):

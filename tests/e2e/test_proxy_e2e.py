@@ -1,0 +1,184 @@
+"""inferproxy serve + inferproxy fake-upstream as real processes, driven by the official openai client."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import Proxy, Upstream, start_proxy
+from tests.servers import free_port, process, wait_for_http
+
+pytestmark = pytest.mark.e2e
+MESSAGES = [{"role": "user", "content": "Say something about caches."}]
+
+
+_clients: list[openai.OpenAI] = []
+
+
+def client(proxy: Proxy, **kwargs: object) -> openai.OpenAI:
+    c = openai.OpenAI(base_url=proxy.url + "/v1", api_key="unused", max_retries=0, **kwargs)  # type: ignore[arg-type]
+    _clients.append(c)
+    return c
+
+
+@pytest.fixture(autouse=True)
+def _close_clients() -> Iterator[None]:
+    yield
+    while _clients:
+        _clients.pop().close()
+
+
+def chat(c: openai.OpenAI, doc_id: str = "doc-1", rollout: int = 0, **kwargs: object) -> tuple[str, str]:
+    options: dict[str, object] = {"model": "fake-model", "messages": MESSAGES, "max_tokens": 8, **kwargs}
+    raw = c.chat.completions.with_raw_response.create(
+        extra_headers={"X-Doc-Id": doc_id, "X-Rollout-Idx": str(rollout)},
+        **options,  # type: ignore[arg-type]
+    )
+    completion = raw.parse()
+    return raw.headers["x-cache"], completion.choices[0].message.content or ""
+
+
+def test_openai_client_chat_and_completions_are_cached(proxy: Proxy, upstream: Upstream) -> None:
+    c = client(proxy, default_headers={"X-Rank": "2"})
+    first = chat(c)
+    second = chat(c)
+    assert (first[0], second[0]) == ("MISS", "HIT")
+    assert second[1] == first[1]
+    assert chat(c, rollout=1)[0] == "MISS"
+
+    raw = c.completions.with_raw_response.create(
+        model="fake-model", prompt="Once", max_tokens=5, extra_headers={"X-Doc-Id": "doc-2"}
+    )
+    again = c.completions.with_raw_response.create(
+        model="fake-model", prompt="Once", max_tokens=5, extra_headers={"X-Doc-Id": "doc-2"}
+    )
+    assert (raw.headers["x-cache"], again.headers["x-cache"]) == ("MISS", "HIT")
+    assert again.parse().choices[0].text == raw.parse().choices[0].text
+    assert upstream.stats()["generations"] == 3
+
+
+def test_openai_client_streams_and_the_stream_is_replayed(proxy: Proxy) -> None:
+    c = client(proxy)
+
+    def streamed() -> tuple[str, str, int | None]:
+        with c.chat.completions.with_streaming_response.create(
+            model="fake-model",
+            messages=MESSAGES,  # type: ignore[arg-type]
+            max_tokens=6,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers={"X-Doc-Id": "s-1"},
+        ) as response:
+            state = response.headers["x-cache"]
+            text, usage = "", None
+            for chunk in response.parse():
+                if chunk.choices:
+                    text += chunk.choices[0].delta.content or ""
+                if chunk.usage:
+                    usage = chunk.usage.completion_tokens
+            return state, text, usage
+
+    first, second = streamed(), streamed()
+    assert (first[0], second[0]) == ("MISS", "HIT")
+    assert second[1:] == first[1:]
+    assert len(first[1].split()) == 6
+    assert first[2] == 6
+
+
+def test_stream_chunks_reach_the_client_as_they_arrive(proxy: Proxy) -> None:
+    body = {
+        "model": "fake-model",
+        "prompt": "x",
+        "max_tokens": 6,
+        "stream": True,
+        "fake_upstream": {"chunk_delay_ms": 300},
+    }
+    start = time.monotonic()
+    arrivals = []
+    with httpx.stream("POST", proxy.url + "/v1/completions", json=body, headers={"X-Doc-Id": "slow"}, timeout=30) as r:
+        for _ in r.iter_bytes():
+            arrivals.append(time.monotonic() - start)
+    # 7 events 300 ms apart: a buffering proxy would deliver everything at once, at the end
+    assert arrivals[0] < arrivals[-1] - 1.0
+
+
+def test_a_400_is_replayed_without_a_second_upstream_call(proxy: Proxy, upstream: Upstream) -> None:
+    c = client(proxy)
+    for _ in range(2):
+        with pytest.raises(openai.BadRequestError, match="maximum context length"):
+            chat(c, max_tokens=100_000)
+    assert upstream.stats()["by_path"]["POST /v1/chat/completions"] == 1
+
+
+def test_a_500_is_not_cached(proxy: Proxy, upstream: Upstream) -> None:
+    c = client(proxy)
+    for _ in range(2):
+        with pytest.raises(openai.InternalServerError):
+            chat(c, extra_body={"fake_upstream": {"status": 500}})
+    assert upstream.stats()["by_path"]["POST /v1/chat/completions"] == 2
+
+
+def test_eight_concurrent_identical_requests_cost_one_generation(upstream: Upstream, tmp_path: Path) -> None:
+    port = free_port()
+    with process("fake-upstream", f"--port={port}", "--latency-ms=500") as _:
+        slow_url = f"http://127.0.0.1:{port}"
+        wait_for_http(slow_url + "/v1/models")
+        args, proxy_port = start_proxy(slow_url, tmp_path)
+        with process(*args):
+            proxy = Proxy(f"http://127.0.0.1:{proxy_port}", args, None)  # type: ignore[arg-type]
+            wait_for_http(proxy.url + "/healthz")
+            c = client(proxy)
+            with concurrent.futures.ThreadPoolExecutor(8) as pool:
+                results = list(pool.map(lambda _: chat(c), range(8)))
+            assert sorted(state for state, _ in results) == ["COALESCED"] * 7 + ["MISS"]
+            assert len({text for _, text in results}) == 1
+            assert httpx.get(slow_url + "/_fake/stats").json()["generations"] == 1
+
+
+def test_sigkill_and_restart_still_serves_hits(proxy: Proxy, upstream: Upstream) -> None:
+    c = client(proxy)
+    _, text = chat(c)
+    time.sleep(0.5)  # longer than the 50 ms group-commit window: the answer is on disk
+    proxy.proc.send_signal(signal.SIGKILL)
+    proxy.proc.wait(timeout=10)
+    with process(*proxy.args):
+        wait_for_http(proxy.url + "/healthz")
+        assert chat(c) == ("HIT", text)
+    assert upstream.stats()["generations"] == 1
+
+
+def test_sigterm_finishes_in_flight_requests_flushes_and_exits_0(proxy: Proxy, upstream: Upstream) -> None:
+    c = client(proxy)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        slow = pool.submit(chat, c, "slow-doc", extra_body={"fake_upstream": {"latency_ms": 1000}})
+        time.sleep(0.3)  # the slow request is in flight upstream
+        _, quick = chat(c, "quick-doc")
+        proxy.proc.send_signal(signal.SIGTERM)  # at once: well inside the flush window
+        state, slow_text = slow.result(timeout=30)
+    assert state == "MISS"
+    assert proxy.proc.wait(timeout=30) == 0
+    with process(*proxy.args):
+        wait_for_http(proxy.url + "/healthz")
+        assert chat(c, "quick-doc") == ("HIT", quick)
+        assert chat(c, "slow-doc", extra_body={"fake_upstream": {"latency_ms": 1000}}) == ("HIT", slow_text)
+    assert upstream.stats()["generations"] == 2
+
+
+def test_upstream_down_gives_502_within_bounded_time(tmp_path: Path) -> None:
+    args, port = start_proxy(f"http://127.0.0.1:{free_port()}", tmp_path)
+    with process(*args):
+        url = f"http://127.0.0.1:{port}"
+        wait_for_http(url + "/healthz")
+        assert httpx.get(url + "/readyz").status_code == 503
+        start = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as caught:
+            chat(client(Proxy(url, args, None)))  # type: ignore[arg-type]
+        assert caught.value.status_code == 502
+        assert time.monotonic() - start < 15
