@@ -299,3 +299,15 @@ async def test_answers_survive_a_restart_of_the_proxy(tmp_path: Path) -> None:
     with sqlite3.connect(tmp_path / "ckpt" / "00000" / "replay.sqlite3") as conn:
         row = conn.execute("SELECT chunk_index, status_code, content_type, streamed FROM request_cache").fetchone()
     assert row == (-1, 200, "application/json", 0)
+
+
+async def test_an_upstream_silent_past_read_timeout_gives_504_without_retrying(tmp_path: Path) -> None:
+    async with (
+        fake_upstream(latency_ms=1000) as (url, upstream),
+        proxy_client(settings(tmp_path, url, read_timeout_s=0.2)) as client,
+    ):
+        answer = await client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers())
+        assert answer.status_code == 504
+        assert answer.json()["error"]["type"] == "upstream_timeout"
+        assert "read_timeout_s" in answer.json()["error"]["message"]
+        assert upstream.by_path["POST /v1/chat/completions"] == 1

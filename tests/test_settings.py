@@ -1,0 +1,89 @@
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from app.cli import build_parser, flag_name
+from app.settings import Settings
+
+ROOT = Path(__file__).parent.parent
+
+
+def test_flags_beat_environment_beat_file_beat_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text('port = 1111\nupstream_retries = 7\nlog_level = "debug"\n')
+    monkeypatch.setenv("INFERPROXY_PORT", "2222")
+    monkeypatch.setenv("INFERPROXY_UPSTREAM_RETRIES", "5")
+    settings = Settings.load(config, port=3333)
+    assert settings.port == 3333  # flag
+    assert settings.upstream_retries == 5  # environment over file
+    assert settings.log_level == "debug"  # file over default
+    assert settings.max_body_bytes == 32 * 1024 * 1024  # default
+
+
+def test_lists_come_from_json_or_commas_and_upstreams_are_normalised(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("INFERPROXY_UPSTREAM", "http://a:8000/v1/, http://b:8000")
+    monkeypatch.setenv("INFERPROXY_CACHE_ERROR_STATUSES", "[400, 422]")
+    settings = Settings.load()
+    assert settings.upstream == ["http://a:8000", "http://b:8000"]
+    assert settings.cache_error_statuses == [400, 422]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("upstream", ["localhost:8000"], "an upstream is an http"),
+        ("cache_error_statuses", [429], "cache_error_statuses may hold 4xx statuses other than"),
+        ("cache_error_statuses", [500], "cache_error_statuses may hold 4xx"),
+        ("port", 70000, "less than or equal to 65535"),
+        ("fsync", "sometimes", "'always' or 'never'"),
+    ],
+)
+def test_bad_values_are_refused_saying_what_is_expected(field: str, value: object, message: str) -> None:
+    with pytest.raises(ValidationError, match=message):
+        Settings.load(**{field: value})
+
+
+def test_an_unknown_key_in_the_file_is_refused(tmp_path: Path) -> None:
+    config = tmp_path / "c.toml"
+    config.write_text("prot = 1\n")
+    with pytest.raises(ValidationError, match="prot"):
+        Settings.load(config)
+
+
+def test_a_missing_config_file_is_named() -> None:
+    with pytest.raises(FileNotFoundError, match=r"nope\.toml does not exist"):
+        Settings.load(Path("nope.toml"))
+
+
+@pytest.mark.parametrize("name", ["inferproxy.toml", "replicas.toml"])
+def test_the_example_configs_load(name: str) -> None:
+    Settings.load(ROOT / "configs" / name)
+
+
+def test_the_full_example_config_spells_out_every_setting_with_its_default() -> None:
+    import tomllib
+
+    values = tomllib.loads((ROOT / "configs" / "inferproxy.toml").read_text())
+    unset_by_default = {name for name, info in Settings.model_fields.items() if info.default is None}
+    assert set(values) == set(Settings.model_fields) - unset_by_default  # TOML has no null: those are comments
+    assert Settings.load(ROOT / "configs" / "inferproxy.toml") == Settings()
+
+
+def test_every_setting_is_a_serve_flag_and_a_readme_row() -> None:
+    readme = (ROOT / "README.md").read_text()
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]  # type: ignore[union-attr]
+    flags = {option for action in serve._actions for option in action.option_strings}
+    for name in Settings.model_fields:
+        assert flag_name(name) in flags
+        assert re.search(rf"^\| `{name}` \|", readme, re.MULTILINE), f"README's settings table lacks {name}"
+
+
+def test_serve_with_bad_settings_exits_2_naming_the_setting(capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import main
+
+    assert main(["serve", "--port", "99999"]) == 2
+    assert "port" in capsys.readouterr().err
