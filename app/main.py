@@ -2,8 +2,9 @@
 
 Where a request goes:
 
-- `/v1/*`: `app.routes.proxy` (raw ASGI, ahead of the framework: the hot path);
-- `/healthz`, `/readyz`, `/stats`: `app.routes.ops`;
+- `/v1/*`: `app.routes.proxy`, on raw ASGI, before any framework code runs:
+  the hot path pays for no routing, middleware or telemetry layers;
+- `/healthz`, `/readyz`, `/stats`: `app.routes.ops`, through FastAPI;
 - everything passes `--api-key` authentication first, except `/healthz`.
 
 The lifespan opens the upstream pool and the per-rank caches into one
@@ -17,6 +18,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
@@ -35,11 +37,11 @@ from app.upstream import UpstreamPool
 logger = logging.getLogger(__name__)
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
+def create_app(settings: Settings | None = None) -> InferProxy:
     settings = settings or Settings()
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
             pool = UpstreamPool(
                 settings.upstream,
@@ -54,41 +56,46 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             stack.push_async_callback(pool.close)
             caches = CacheRegistry(settings.checkpoints_dir, flush_interval_ms=settings.flush_interval_ms)
             stack.push_async_callback(caches.close)
-            app.state.services = Services(settings=settings, pool=pool, caches=caches)
+            api.state.services = Services(settings=settings, pool=pool, caches=caches)
             logger.info("inferproxy %s forwarding to %s", __version__, ", ".join(settings.upstream))
             yield
 
-    app = FastAPI(title="inferproxy", version=__version__, lifespan=lifespan, default_response_class=JSONResponse)
-    app.include_router(ops.router)
-    app.add_middleware(ProxyMiddleware, api_key=settings.api_key)
+    api = FastAPI(title="inferproxy", version=__version__, lifespan=lifespan, default_response_class=JSONResponse)
+    api.include_router(ops.router)
 
-    @app.exception_handler(ProxyError)
+    @api.exception_handler(ProxyError)
     async def proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
         return JSONResponse(orjson.loads(exc.body()), status_code=exc.status)
 
-    @app.exception_handler(HTTPException)
+    @api.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
         message = f"{exc.detail}: {request.method} {request.url.path}"
         body = error_body(message, type_=kind, code=exc.status_code)
         return JSONResponse(orjson.loads(body), status_code=exc.status_code, headers=exc.headers)
 
-    @app.exception_handler(RequestValidationError)
+    @api.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
         param = ".".join(str(part) for part in first.get("loc", ()))
         body = error_body(f"{param}: {first.get('msg')}", type_="invalid_request_error", param=param, code=400)
         return JSONResponse(orjson.loads(body), status_code=400)
 
-    return app
+    return InferProxy(api, api_key=settings.api_key)
 
 
-class ProxyMiddleware:
-    """Authentication for everything but `/healthz`, then `/v1/*` straight to the proxy hot path."""
+class InferProxy:
+    """The outermost ASGI app: authentication, then `/v1/*` to the proxy, everything else to FastAPI."""
 
-    def __init__(self, app: ASGIApp, *, api_key: str | None) -> None:
-        self.app = app
+    def __init__(self, api: FastAPI, *, api_key: str | None) -> None:
+        self.app: ASGIApp = api
+        self.api = api
+        self.router = api.router  # lifespan_context, for in-process tests
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @property
+    def state(self) -> Any:
+        return self.api.state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -103,7 +110,7 @@ class ProxyMiddleware:
                 return
         if path.startswith("/v1/"):
             try:
-                await handle_v1(scope["app"].state.services, scope, receive, send)
+                await handle_v1(self.api.state.services, scope, receive, send)
             except ClientGone:
                 logger.debug("client left before its request was read: %s", path)
             return

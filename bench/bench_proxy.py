@@ -1,0 +1,236 @@
+"""The proxy vs the upstream it stands in front of, measured in one run with wrk.
+
+    python bench/bench_proxy.py [--duration 8] [--connections 64]
+
+Starts `inferproxy fake-upstream` (the baseline) and `inferproxy serve` in front of
+it as real processes on loopback ports, then with wrk (Debian package `wrk`):
+
+- requests/s of the upstream alone (a fake generation of 16 tokens per request);
+- requests/s of the proxy on misses (a new X-Doc-Id per request: forwarded and stored);
+- requests/s of the proxy on hits: the documents the miss run stored, asked for again
+  in the same order, as a restarted job does (one point query each, no warm key);
+- p50/p99 latency added on a miss, at concurrency 1 and 64, with the upstream taking 20 ms
+  per answer: the proxy's latency minus the upstream's own, each measured directly;
+- the upstream client alone: requests/s that aiohttp and httpx achieve against the
+  upstream at 64 concurrent requests (why the pool uses aiohttp).
+
+wrk and the servers share the machine's cores, as they would a GPU node's CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import platform
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+BODY = '{"model":"fake-model","messages":[{"role":"user","content":"Tell me about caching."}],"max_tokens":16}'
+
+MISS_SCRIPT = f"""
+wrk.method = "POST"
+wrk.body = '{BODY}'
+counter = 0
+request = function()
+  counter = counter + 1
+  return wrk.format(nil, nil, {{["Content-Type"] = "application/json", ["X-Doc-Id"] = "bench-" .. counter}}, nil)
+end
+"""
+
+
+def hit_script(stored: int) -> str:
+    """Replays the documents bench-1 .. bench-<stored> that the miss run stored, round and round."""
+    return f"""
+wrk.method = "POST"
+wrk.body = '{BODY}'
+counter = 0
+request = function()
+  counter = counter % {stored} + 1
+  return wrk.format(nil, nil, {{["Content-Type"] = "application/json", ["X-Doc-Id"] = "bench-" .. counter}}, nil)
+end
+"""
+
+
+PLAIN_SCRIPT = f"""
+wrk.method = "POST"
+wrk.body = '{BODY}'
+wrk.headers["Content-Type"] = "application/json"
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_until_up(url: str, timeout: float = 30.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(url)
+
+
+@contextmanager
+def inferproxy(*args: str) -> Iterator[None]:
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], stdout=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def wrk(url: str, script: str, *, connections: int, duration: int) -> dict[str, float]:
+    with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+        f.write(script)
+    try:
+        out = subprocess.run(
+            ["wrk", "-t1", f"-c{connections}", f"-d{duration}s", "--latency", "-s", f.name, url],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    finally:
+        os.unlink(f.name)
+    if "Non-2xx" in out:
+        raise RuntimeError(f"wrk saw failed requests:\n{out}")
+    result = {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))}  # type: ignore[union-attr]
+    result["requests"] = float(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    for pct in ("50", "99"):
+        value, unit = re.search(rf"^\s+{pct}%\s+([\d.]+)(us|ms|s)\s*$", out, re.MULTILINE).groups()  # type: ignore[union-attr]
+        result[f"p{pct}_ms"] = float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0}[unit]
+    return result
+
+
+async def client_rate(kind: str, url: str, seconds: float, concurrency: int = 64) -> float:
+    done = 0
+    deadline = time.monotonic() + seconds
+    headers = {"content-type": "application/json"}
+    if kind == "aiohttp":
+        import aiohttp
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+            async def worker() -> None:
+                nonlocal done
+                while time.monotonic() < deadline:
+                    async with session.post(url, data=BODY, headers=headers) as r:
+                        await r.read()
+                    done += 1
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+    else:
+        import httpx
+
+        limits = httpx.Limits(max_connections=concurrency)
+        async with httpx.AsyncClient(limits=limits) as client:
+
+            async def worker() -> None:
+                nonlocal done
+                while time.monotonic() < deadline:
+                    (await client.post(url, content=BODY, headers=headers)).read()
+                    done += 1
+
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return done / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--duration", type=int, default=8, help="seconds per wrk run")
+    parser.add_argument("--connections", type=int, default=64)
+    args = parser.parse_args()
+    if shutil.which("wrk") is None:
+        raise SystemExit("wrk is needed: apt-get install wrk")
+    d, c = args.duration, args.connections
+    data = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
+    up, px, slow_up, slow_px = (free_port() for _ in range(4))
+    path = "/v1/chat/completions"
+    results: dict[str, dict[str, float]] = {}
+    try:
+        with (
+            inferproxy("fake-upstream", f"--port={up}"),
+            inferproxy(
+                "serve",
+                f"--port={px}",
+                f"--upstream=http://127.0.0.1:{up}",
+                f"--checkpoints-dir={data}/a",
+                "--log-level=warning",
+            ),
+            inferproxy("fake-upstream", f"--port={slow_up}", "--latency-ms=20"),
+            inferproxy(
+                "serve",
+                f"--port={slow_px}",
+                f"--upstream=http://127.0.0.1:{slow_up}",
+                f"--checkpoints-dir={data}/b",
+                "--log-level=warning",
+            ),
+        ):
+            for port in (up, px, slow_up, slow_px):
+                wait_until_up(f"http://127.0.0.1:{port}/v1/models")
+            upstream, proxy = f"http://127.0.0.1:{up}{path}", f"http://127.0.0.1:{px}{path}"
+            results["upstream"] = wrk(upstream, PLAIN_SCRIPT, connections=c, duration=d)
+            results["miss"] = wrk(proxy, MISS_SCRIPT, connections=c, duration=d)
+            time.sleep(0.5)  # past the group-commit window: every answer is in SQLite, not in memory
+            stored = int(results["miss"]["requests"]) - c  # the last requests of a run may not have finished
+            results["hit"] = wrk(proxy, hit_script(stored), connections=c, duration=d)
+            slow_upstream, slow_proxy = f"http://127.0.0.1:{slow_up}{path}", f"http://127.0.0.1:{slow_px}{path}"
+            for conns in (1, 64):
+                results[f"slow_upstream_{conns}"] = wrk(slow_upstream, PLAIN_SCRIPT, connections=conns, duration=d)
+                results[f"slow_miss_{conns}"] = wrk(slow_proxy, MISS_SCRIPT, connections=conns, duration=d)
+            rates = {kind: asyncio.run(client_rate(kind, upstream, d / 2)) for kind in ("aiohttp", "httpx")}
+    finally:
+        shutil.rmtree(data, ignore_errors=True)
+
+    report(results, rates, connections=c, duration=d)
+
+
+def report(results: dict[str, dict[str, float]], rates: dict[str, float], *, connections: int, duration: int) -> None:
+    base = results["upstream"]["rps"]
+    when = time.strftime("%Y-%m-%d")
+    print(f"# bench_proxy: Python {platform.python_version()}, {os.cpu_count()} cores, {when}")
+    print(f"wrk -t1 -c{connections} -d{duration}s; hits replay {int(results['miss']['requests']):,} stored documents")
+    print()
+    print("| measure | requests/s | ratio to upstream | target |")
+    print("| --- | ---: | ---: | ---: |")
+    print(f"| upstream alone (fake generation) | {base:,.0f} | 1.00x | |")
+    for name, label, target in (("hit", "hits", 1.0), ("miss", "misses", 0.35)):
+        ratio = results[name]["rps"] / base
+        verdict = "ok" if ratio >= target else "MISSED"
+        print(f"| proxy, {label} | {results[name]['rps']:,.0f} | {ratio:.2f}x | >= {target}x {verdict} |")
+    print()
+    print("| miss latency, upstream at 20 ms | upstream p50 / p99 | proxy p50 / p99 | added p50 / p99 | target |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    for conns in (1, 64):
+        u, p = results[f"slow_upstream_{conns}"], results[f"slow_miss_{conns}"]
+        added50, added99 = p["p50_ms"] - u["p50_ms"], p["p99_ms"] - u["p99_ms"]
+        target = ("<= 1 ms p50 " + ("ok" if added50 <= 1.0 else "MISSED")) if conns == 1 else ""
+        upstream_ms = f"{u['p50_ms']:.2f} / {u['p99_ms']:.2f} ms"
+        proxy_ms = f"{p['p50_ms']:.2f} / {p['p99_ms']:.2f} ms"
+        print(f"| concurrency {conns} | {upstream_ms} | {proxy_ms} | {added50:+.2f} / {added99:+.2f} ms | {target} |")
+    print()
+    print("| upstream client alone, 64 concurrent | requests/s | ratio to upstream |")
+    print("| --- | ---: | ---: |")
+    for kind, rate in rates.items():
+        print(f"| {kind} | {rate:,.0f} | {rate / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
