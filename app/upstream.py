@@ -1,19 +1,17 @@
-"""The upstream pool: one aiohttp session to one or more replicas of the same model.
+"""The upstream pool: one HTTP client to one or more replicas of the same model.
 
 - choice: the healthy replica with the fewest requests in flight (ties rotate);
   a replica that fails a connection is skipped until a `GET /v1/models`
   probe passes again; with none healthy, every replica is still tried;
 - retries: connection errors and 502/503/504 answers are retried up to
   `retries` times with exponential backoff and jitter, a 503's
-  `Retry-After` honoured; a timeout is not retried (the GPU may still be
-  working on it). After the last try the caller gets `UpstreamUnreachable`
+  `Retry-After` honoured; a read timeout is not retried (the GPU may still
+  be working on it). After the last try the caller gets `UpstreamUnreachable`
   (502) or `UpstreamTimeout` (504), or the upstream's own last answer;
 - timeouts: explicit connect and read (silence) timeouts, no total timeout,
   since generations can take many minutes.
 
-aiohttp was chosen by measurement: on a 2-core machine a proxy forwarding
-through httpx's default transport reached ~5% of the upstream's own
-throughput, through aiohttp ~39% (see bench/README.md).
+The client is `app.httpclient`, chosen by measurement (bench/README.md).
 """
 
 from __future__ import annotations
@@ -25,11 +23,10 @@ import logging
 import random
 import time
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass, field
-
-import aiohttp
+from dataclasses import dataclass
 
 from app.errors import UpstreamTimeout, UpstreamUnreachable
+from app.httpclient import ConnectError, ConnectionLost, ConnectTimeout, HTTPClient, ReadTimeout, Response
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +47,12 @@ HOP_BY_HOP = frozenset(
         b"host",
     }
 )
+# The client's credentials never go upstream; inferproxy's own headers mean nothing there;
+# accept-encoding is set to identity so that stored bodies are the bytes the client reads.
+_NOT_FORWARDED = frozenset(
+    {b"authorization", b"x-doc-id", b"x-rollout-idx", b"x-chunk-index", b"x-rank", b"cache-control", b"accept-encoding"}
+)
+_SERVER_SET = frozenset({b"date", b"server"})
 
 
 @dataclass
@@ -60,28 +63,36 @@ class Replica:
     failed_at: float = 0.0
 
 
-@dataclass
 class UpstreamResponse:
     """An upstream answer whose body is read or streamed by the caller inside `UpstreamPool.request`."""
 
-    status: int
-    headers: list[tuple[bytes, bytes]]
-    raw: aiohttp.ClientResponse = field(repr=False)
+    def __init__(self, raw: Response, replica: Replica) -> None:
+        self.raw = raw
+        self.replica = replica
+        self.status = raw.status
+        self.headers = raw.headers
 
     @property
     def content_type(self) -> str:
-        return self.raw.headers.get("Content-Type", "application/json")
+        value = self.raw.header(b"content-type")
+        return value.decode("latin-1") if value else "application/json"
 
     async def read(self) -> bytes:
-        return await self.raw.read()
+        """The whole body; `UpstreamUnreachable` / `UpstreamTimeout` if it breaks off."""
+        try:
+            return await self.raw.read()
+        except ReadTimeout as exc:
+            raise UpstreamTimeout(f"the upstream {self.replica.url} went silent mid-answer: {exc}") from exc
+        except ConnectionLost as exc:
+            raise UpstreamUnreachable(f"the upstream {self.replica.url} broke off its answer: {exc}") from exc
 
     def iter_chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives, in whatever pieces the network delivers."""
-        return self.raw.content.iter_any()
+        """The body as it arrives; raises `app.httpclient` errors if it breaks off."""
+        return self.raw.iter_chunks()
 
     def abort(self) -> None:
         """Drop the connection: the upstream stops generating for a client that is gone."""
-        self.raw.close()
+        self.raw.abort()
 
 
 class UpstreamPool:
@@ -95,7 +106,7 @@ class UpstreamPool:
         read_timeout_s: float = 900.0,
         api_key: str | None = None,
         health_interval_s: float = 5.0,
-        session: aiohttp.ClientSession | None = None,
+        client: HTTPClient | None = None,
     ) -> None:
         self.replicas = [Replica(root) for root in roots]
         self.retries = retries
@@ -103,21 +114,12 @@ class UpstreamPool:
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.health_interval_s = health_interval_s
-        self._auth = (b"authorization", f"Bearer {api_key}".encode()) if api_key else None
-        self._session = session
-        self._owns_session = session is None
+        self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
+        self._client = client or HTTPClient(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s)
         self._rotation = 0
         self._prober: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        if self._session is None:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30)
-            timeout = aiohttp.ClientTimeout(
-                total=None, sock_connect=self.connect_timeout_s, sock_read=self.read_timeout_s
-            )
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=timeout, auto_decompress=False, skip_auto_headers=("User-Agent",)
-            )
         self._prober = asyncio.create_task(self._probe_unhealthy_forever(), name="upstream-health-probe")
 
     async def close(self) -> None:
@@ -126,72 +128,61 @@ class UpstreamPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._prober
             self._prober = None
-        if self._session is not None and self._owns_session:
-            await self._session.close()
-        self._session = None
+        await self._client.close()
 
     def pick(self) -> Replica:
         healthy = [r for r in self.replicas if r.healthy] or sorted(self.replicas, key=lambda r: r.failed_at)[:1]
+        if len(healthy) == 1:
+            return healthy[0]
         self._rotation += 1
         start = self._rotation % len(healthy)
         rotated = healthy[start:] + healthy[:start]
         return min(rotated, key=lambda r: r.in_flight)
 
-    def upstream_headers(self, client_headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    def upstream_headers(self, client_headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
         """The client's headers minus hop-by-hop ones, its credentials and inferproxy's own."""
-        out = []
-        for name, value in client_headers:
-            if name in HOP_BY_HOP or name in _NOT_FORWARDED:
-                continue
-            out.append((name.decode("latin-1"), value.decode("latin-1")))
-        out.append(("accept-encoding", "identity"))
-        if self._auth is not None:
-            out.append((self._auth[0].decode(), self._auth[1].decode()))
+        out = [(n, v) for n, v in client_headers if n not in HOP_BY_HOP and n not in _NOT_FORWARDED]
+        out.append((b"accept-encoding", b"identity"))
+        out += self._auth
         return out
 
     @contextlib.asynccontextmanager
     async def request(
-        self, method: str, path: str, *, headers: list[tuple[str, str]], body: bytes
+        self, method: str, path: str, *, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> AsyncIterator[UpstreamResponse]:
         """Send with retries; yield the response; release the connection when the block exits."""
-        assert self._session is not None, "UpstreamPool.start() was not called"
         attempt = 0
         while True:
             replica = self.pick()
             replica.in_flight += 1
             try:
-                raw = await self._session.request(method, replica.url + path, headers=headers, data=body)
-            except aiohttp.SocketTimeoutError as exc:
+                raw = await self._client.request(method, replica.url + path, headers=headers, body=body)
+            except ReadTimeout as exc:
                 replica.in_flight -= 1
                 raise UpstreamTimeout(
                     f"the upstream {replica.url} sent nothing for {self.read_timeout_s:g} s (read_timeout_s)"
                 ) from exc
-            except (TimeoutError, aiohttp.ClientConnectionError, OSError) as exc:
+            except (ConnectError, ConnectionLost) as exc:
                 replica.in_flight -= 1
                 self._mark_failed(replica, exc)
                 if attempt >= self.retries:
-                    if isinstance(exc, TimeoutError):
-                        raise UpstreamTimeout(
-                            f"could not connect to the upstream {replica.url} within "
-                            f"{self.connect_timeout_s:g} s after {attempt + 1} tries"
-                        ) from exc
-                    raise UpstreamUnreachable(
-                        f"the upstream {replica.url} is unreachable after {attempt + 1} tries: "
-                        f"{type(exc).__name__}: {exc}"
-                    ) from exc
+                    tries = f"after {attempt + 1} tries"
+                    if isinstance(exc, ConnectTimeout):
+                        raise UpstreamTimeout(f"the upstream {replica.url} is not answering {tries}: {exc}") from exc
+                    raise UpstreamUnreachable(f"the upstream {replica.url} is unreachable {tries}: {exc}") from exc
                 await asyncio.sleep(self._backoff(attempt))
                 attempt += 1
                 continue
             if raw.status in RETRY_STATUSES and attempt < self.retries:
                 delay = self._retry_after(raw) or self._backoff(attempt)
-                raw.release()
+                raw.abort()
                 replica.in_flight -= 1
                 logger.info("upstream %s answered %d; retrying in %.2f s", replica.url, raw.status, delay)
                 await asyncio.sleep(delay)
                 attempt += 1
                 continue
             try:
-                yield UpstreamResponse(raw.status, list(raw.raw_headers), raw)
+                yield UpstreamResponse(raw, replica)
             finally:
                 raw.release()
                 replica.in_flight -= 1
@@ -199,14 +190,13 @@ class UpstreamPool:
 
     async def probe(self, replica: Replica, timeout_s: float = 5.0) -> bool:
         """`GET /v1/models` on one replica; updates its health."""
-        assert self._session is not None
         try:
-            timeout = aiohttp.ClientTimeout(total=timeout_s)
-            async with self._session.get(
-                replica.url + "/v1/models", timeout=timeout, headers=self._probe_headers()
-            ) as answer:
+            async with asyncio.timeout(timeout_s):
+                answer = await self._client.request("GET", replica.url + "/v1/models", headers=self._auth)
+                await answer.read()
+                answer.release()
                 ok = answer.status == 200
-        except (TimeoutError, aiohttp.ClientError, OSError):
+        except (TimeoutError, ConnectError, ConnectionLost, ReadTimeout):
             ok = False
         if ok and not replica.healthy:
             logger.info("upstream %s is healthy again", replica.url)
@@ -219,9 +209,6 @@ class UpstreamPool:
         """True if at least one replica answers `GET /v1/models` now."""
         results = await asyncio.gather(*(self.probe(r, timeout_s=2.0) for r in self.replicas))
         return any(results)
-
-    def _probe_headers(self) -> dict[str, str]:
-        return {"authorization": self._auth[1].decode()} if self._auth else {}
 
     async def _probe_unhealthy_forever(self) -> None:
         while True:
@@ -239,10 +226,11 @@ class UpstreamPool:
         return delay * random.uniform(0.5, 1.5)
 
     @staticmethod
-    def _retry_after(raw: aiohttp.ClientResponse) -> float | None:
+    def _retry_after(raw: Response) -> float | None:
         if raw.status != 503:
             return None
-        return parse_retry_after(raw.headers.get("Retry-After"))
+        value = raw.header(b"retry-after")
+        return parse_retry_after(value.decode("latin-1") if value else None)
 
 
 def parse_retry_after(value: str | None) -> float | None:
@@ -262,12 +250,4 @@ def parse_retry_after(value: str | None) -> float | None:
 
 def response_headers(raw_headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
     """Upstream response headers safe to pass on (hop-by-hop and framing removed)."""
-    return [(name.lower(), value) for name, value in raw_headers if name.lower() not in HOP_BY_HOP | _SERVER_SET]
-
-
-_SERVER_SET = frozenset({b"date", b"server"})
-# The client's credentials never go upstream; inferproxy's own headers mean nothing there;
-# accept-encoding is set to identity so that stored bodies are the bytes the client reads.
-_NOT_FORWARDED = frozenset(
-    {b"authorization", b"x-doc-id", b"x-rollout-idx", b"x-chunk-index", b"x-rank", b"cache-control", b"accept-encoding"}
-)
+    return [(name, value) for name, value in raw_headers if name not in HOP_BY_HOP and name not in _SERVER_SET]

@@ -11,8 +11,8 @@ it as real processes on loopback ports, then with wrk (Debian package `wrk`):
   in the same order, as a restarted job does (one point query each, no warm key);
 - p50/p99 latency added on a miss, at concurrency 1 and 64, with the upstream taking 20 ms
   per answer: the proxy's latency minus the upstream's own, each measured directly;
-- the upstream client alone: requests/s that aiohttp and httpx achieve against the
-  upstream at 64 concurrent requests (why the pool uses aiohttp).
+- the upstream client alone: requests/s that app.httpclient, aiohttp and httpx achieve
+  against the upstream at 64 concurrent requests (why the pool uses app.httpclient).
 
 wrk and the servers share the machine's cores, as they would a GPU node's CPU.
 """
@@ -123,7 +123,24 @@ async def client_rate(kind: str, url: str, seconds: float, concurrency: int = 64
     done = 0
     deadline = time.monotonic() + seconds
     headers = {"content-type": "application/json"}
-    if kind == "aiohttp":
+    if kind == "inferproxy":
+        from app.httpclient import HTTPClient
+
+        client = HTTPClient()
+        raw_headers = [(b"content-type", b"application/json")]
+        body = BODY.encode()
+
+        async def worker() -> None:
+            nonlocal done
+            while time.monotonic() < deadline:
+                response = await client.request("POST", url, headers=raw_headers, body=body)
+                await response.read()
+                response.release()
+                done += 1
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        await client.close()
+    elif kind == "aiohttp":
         import aiohttp
 
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -195,7 +212,9 @@ def main() -> None:
             for conns in (1, 64):
                 results[f"slow_upstream_{conns}"] = wrk(slow_upstream, PLAIN_SCRIPT, connections=conns, duration=d)
                 results[f"slow_miss_{conns}"] = wrk(slow_proxy, MISS_SCRIPT, connections=conns, duration=d)
-            rates = {kind: asyncio.run(client_rate(kind, upstream, d / 2)) for kind in ("aiohttp", "httpx")}
+            rates = {
+                kind: asyncio.run(client_rate(kind, upstream, d / 2)) for kind in ("inferproxy", "aiohttp", "httpx")
+            }
     finally:
         shutil.rmtree(data, ignore_errors=True)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
 import orjson
 
 from app.asgi import Headers, Receive, Scope, Send, read_body, send_bytes, send_error
@@ -24,6 +23,7 @@ from app.cache import RequestCache, StoredResponse
 from app.errors import BadRequest, ProxyError
 from app.hashing import payload_hash
 from app.headers import RequestKey, parse_request_key
+from app.httpclient import HTTPClientError
 from app.services import Services
 from app.upstream import UpstreamResponse, response_headers
 
@@ -157,7 +157,7 @@ async def stream_through(upstream: UpstreamResponse, receive: Receive, send: Sen
                 return None
             pieces.append(chunk)
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
-    except (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, TimeoutError) as exc:
+    except HTTPClientError as exc:
         # The upstream died mid-answer. The status line is gone already: end the
         # response without its terminating chunk so that the client sees a cut.
         logger.warning("the upstream stream broke off after %d chunks: %s", len(pieces), exc)
