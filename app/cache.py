@@ -39,6 +39,8 @@ from app.hashing import payload_hash
 logger = logging.getLogger(__name__)
 
 DB_FILENAME = "replay.sqlite3"
+READER_MMAP_BYTES = 1 << 30
+READER_CACHE_KIB = 64 * 1024
 
 #: Append-only: a migration, once released, is never edited. Each runs once
 #: per file, in order, recorded by name in `inferproxy_migrations`.
@@ -154,6 +156,7 @@ class RequestCache:
         self.db_path: str | None = None
         self._reader: sqlite3.Connection | None = None
         self._writer: sqlite3.Connection | None = None
+        self._lookup: sqlite3.Cursor
         self._doc_ids_in_cache: set[str] = set()
         # Stored but not yet committed, and being committed: lookups see both.
         self._pending: dict[_Key, _Row] = {}
@@ -170,7 +173,9 @@ class RequestCache:
         rank_dir = os.path.join(self.base_dir, f"{rank:05d}")
         await asyncio.to_thread(make_dirs_durable, rank_dir)
         self.db_path = os.path.join(rank_dir, DB_FILENAME)
-        self._writer, self._reader, self._doc_ids_in_cache = await asyncio.to_thread(_open, self.db_path)
+        writer, reader, self._doc_ids_in_cache = await asyncio.to_thread(_open, self.db_path)
+        self._writer, self._reader = writer, reader
+        self._lookup = reader.cursor()  # reused by every lookup: no cursor object per query
         self._writer_task = asyncio.create_task(self._writer_loop(), name=f"request-cache-writer-{rank}")
 
     async def close(self, delete_file: bool = False) -> None:
@@ -246,14 +251,18 @@ class RequestCache:
         if self._reader is None or doc_id not in self._doc_ids_in_cache:
             return None
         key = (doc_id, rollout_idx, payload_hash)
-        row = self._pending.get(key) or self._committing.get(key)
+        row = (self._pending.get(key) if self._pending else None) or (
+            self._committing.get(key) if self._committing else None
+        )
         if row is not None:
             result, status, content_type, streamed = row.result, row.status_code, row.content_type, row.streamed
         else:
-            found = self._reader.execute(_SELECT_RESPONSE, key).fetchone()
-            if found is None:
+            # fetchall, not fetchone: stepping to the end resets the statement, so no
+            # read transaction stays open between lookups (it would pin the WAL).
+            found = self._lookup.execute(_SELECT_RESPONSE, key).fetchall()
+            if not found:
                 return None
-            result, _, status, content_type, streamed = found
+            result, _, status, content_type, streamed = found[0]
         if result is None:
             return None  # an error datatrove stored as text: not an HTTP answer to replay
         if status is None:  # a result datatrove stored: its JSON, as a 200
@@ -386,6 +395,10 @@ def _open(db_path: str) -> tuple[sqlite3.Connection, sqlite3.Connection, set[str
         writer.execute("PRAGMA synchronous=FULL")
         apply_migrations(writer)
         reader = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False, timeout=30.0)
+        # Lookups read pages through a memory map and a larger page cache: a point
+        # query over a big cache then costs no read() system calls.
+        reader.execute(f"PRAGMA mmap_size={READER_MMAP_BYTES}")
+        reader.execute(f"PRAGMA cache_size=-{READER_CACHE_KIB}")
         doc_ids = {row[0] for row in reader.execute("SELECT DISTINCT doc_id FROM request_cache")}
     except BaseException:
         writer.close()

@@ -43,6 +43,10 @@ class CacheRegistry:
                 self._caches[rank] = cache
         return cache
 
+    def opened_cache(self, rank: int) -> RequestCache | None:
+        """The rank's cache if it is open already: the hot path's lookup, without an await."""
+        return self._caches.get(rank)
+
     def opened(self) -> dict[int, RequestCache]:
         return dict(self._caches)
 

@@ -58,7 +58,7 @@ async def cacheable(services: Services, scope: Scope, receive: Receive, send: Se
         services.stats["bypass"] += 1
         await forward(services, scope, receive, send, key, digest, body, b"BYPASS", cache=None)
         return
-    cache = await services.caches.get(key.rank)
+    cache = services.caches.opened_cache(key.rank) or await services.caches.get(key.rank)
     flight_key = (key.rank, key.doc_id, key.rollout_idx, digest)
     if not key.no_cache:
         while True:
