@@ -34,7 +34,7 @@ import os
 import re
 import shutil
 from collections import Counter, defaultdict
-from collections.abc import Callable, Collection, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -53,6 +53,7 @@ from app.durable import (
 )
 
 __all__ = [
+    "BatchOutcome",
     "CheckpointDurabilityError",
     "CheckpointManager",
     "ChunkCompleteError",
@@ -80,6 +81,18 @@ class RecordsPerChunkMismatch(ValueError):
 
 class CheckpointDurabilityError(OSError):
     """An fsync failed: this manager refuses further work until the job restarts."""
+
+
+@dataclass(frozen=True, slots=True)
+class BatchOutcome:
+    """What `write_documents` did."""
+
+    written: int
+    duplicates: int
+    chunk_index: int
+    chunk_count: int
+    chunk_complete: bool
+    last_chunk_index: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,33 +175,66 @@ class CheckpointManager:
         `ChunkCompleteError` for a chunk already complete, `OSError` when the
         disk refuses the append; in each case nothing is written or counted.
         """
-        line = encode_document(document)
+        batch = await self.write_documents([document], rank, chunk_index, output_writer_context)
+        return WriteOutcome(
+            written=batch.written == 1,
+            chunk_index=chunk_index,
+            chunk_count=batch.chunk_count,
+            chunk_complete=batch.chunk_complete,
+            last_chunk_index=batch.last_chunk_index,
+        )
+
+    async def write_documents(
+        self, documents: Sequence[DocumentLike], rank: int, chunk_index: int, output_writer_context: OutputWriter
+    ) -> BatchOutcome:
+        """Checkpoint several documents of one chunk with one append and one fsync: all or nothing.
+
+        Ids already in the chunk (or repeated in `documents`) are counted as
+        duplicates and not written. Raises, with nothing written or counted:
+        `DocumentError` for a document that cannot be serialised,
+        `ChunkCompleteError` if the chunk is complete or the new documents
+        would overfill it, `OSError` if the disk refuses the append.
+        """
+        lines = [encode_document(document) for document in documents]
         self._check_usable()
         if self.checkpoints_local_dir is None:
             # datatrove's behaviour without checkpoints: output only, nothing remembered.
-            if not is_removed(document):
-                output_writer_context.write(document, rank=rank, chunk_index=chunk_index)
-            self.per_chunk_counts[chunk_index] += 1
-            return WriteOutcome(True, chunk_index, self.per_chunk_counts[chunk_index], False, -1)
+            for document in documents:
+                if not is_removed(document):
+                    output_writer_context.write(document, rank=rank, chunk_index=chunk_index)
+            self.per_chunk_counts[chunk_index] += len(documents)
+            return BatchOutcome(len(documents), 0, chunk_index, self.per_chunk_counts[chunk_index], False, -1)
         async with self.file_locks[chunk_index]:
             ids = self._chunk_ids[chunk_index]
-            duplicate = document.id in ids
-            if duplicate:
-                self._warn_duplicate(document.id, chunk_index)
-            else:
+            fresh: dict[str, int] = {}  # id -> position in `documents`, first occurrence
+            for position, document in enumerate(documents):
+                if document.id in ids or document.id in fresh:
+                    self._warn_duplicate(document.id, chunk_index)
+                else:
+                    fresh[document.id] = position
+            if fresh:
                 self._check_open_chunk(chunk_index)
-                file = await self._append(rank, chunk_index, line)
+                room = self.records_per_chunk - self.per_chunk_counts[chunk_index]
+                if len(fresh) > room:
+                    raise ChunkCompleteError(
+                        f"chunk {chunk_index} has room for {room} more documents (records_per_chunk="
+                        f"{self.records_per_chunk}), this request brings {len(fresh)}: the rest belong in the next"
+                    )
+                data = b"".join(lines[position] for position in fresh.values())
+                file = await self._append(rank, chunk_index, data)
                 try:
-                    if not is_removed(document):
-                        output_writer_context.write(document, rank=rank, chunk_index=chunk_index)
+                    for position in fresh.values():
+                        if not is_removed(documents[position]):
+                            output_writer_context.write(documents[position], rank=rank, chunk_index=chunk_index)
                 except BaseException:
-                    file.truncate(file.size - len(line))
+                    file.truncate(file.size - len(data))
                     raise
                 if chunk_index not in self._outputs:
-                    name = output_writer_context._get_output_filename(document, rank, chunk_index=chunk_index)
+                    first = documents[next(iter(fresh.values()))]
+                    name = output_writer_context._get_output_filename(first, rank, chunk_index=chunk_index)
                     self._outputs[chunk_index] = (output_writer_context, name)
-                ids.add(document.id)
-                self.per_chunk_counts[chunk_index] += 1
+                ids.update(fresh)
+                self.per_chunk_counts[chunk_index] += len(fresh)
                 if self.per_chunk_counts[chunk_index] == self.records_per_chunk:
                     # Decided here, under the lock: a caller cancelled below cannot lose it.
                     self._ready.add(chunk_index)
@@ -200,13 +246,22 @@ class CheckpointManager:
         if self._ready:
             # Shielded: once started, publishing finishes even if this caller is cancelled.
             await asyncio.shield(self._publish_ready(rank))
-        return WriteOutcome(
-            written=not duplicate,
+        return BatchOutcome(
+            written=len(fresh),
+            duplicates=len(documents) - len(fresh),
             chunk_index=chunk_index,
             chunk_count=count,
             chunk_complete=chunk_index <= self.last_chunk_index or chunk_index in self.new_completed_chunks,
             last_chunk_index=self.last_chunk_index,
         )
+
+    def resume_state(self) -> tuple[int, set[str]]:
+        """`(docs_to_skip, processed_ids)` as `parse_existing_checkpoints` would return them now."""
+        docs_to_skip = (self.last_chunk_index + 1) * self.records_per_chunk if self.last_chunk_index >= 0 else 0
+        processed = {
+            doc_id for chunk, ids in self._chunk_ids.items() if chunk > self.last_chunk_index for doc_id in ids
+        }
+        return docs_to_skip, processed
 
     def _check_usable(self) -> None:
         if self._broken is not None:
@@ -283,7 +338,11 @@ class CheckpointManager:
                 output = self._outputs.get(chunk_index)
                 if output is not None:
                     writer, name = output
-                    writer.close_file(name)
+                    close_async = getattr(writer, "close_file_async", None)  # a slow close, off the event loop
+                    if close_async is not None:
+                        await close_async(name)
+                    else:
+                        writer.close_file(name)
                     del self._outputs[chunk_index]
                 self._fault("output_closed")
                 self._ready.discard(chunk_index)

@@ -4,6 +4,7 @@ Where a request goes:
 
 - `/v1/*`: `app.routes.proxy`, on raw ASGI, before any framework code runs:
   the hot path pays for no routing, middleware or telemetry layers;
+- `/documents`, `/chunks/{i}/complete`, `/resume`: `app.routes.checkpoints` (raw ASGI too);
 - `/healthz`, `/readyz`, `/stats`: `app.routes.ops`, through FastAPI;
 - everything passes `--api-key` authentication first, except `/healthz`.
 
@@ -29,8 +30,9 @@ from app import __version__
 from app.asgi import ASGIApp, ClientGone, JSONResponse, Receive, Scope, Send, header, send_error
 from app.errors import ProxyError, Unauthorized, error_body
 from app.routes import ops
+from app.routes.checkpoints import CHECKPOINT_PATHS, handle_checkpoints
 from app.routes.proxy import handle_v1
-from app.services import CacheRegistry, Services
+from app.services import CacheRegistry, CheckpointRegistry, Services
 from app.settings import Settings
 from app.upstream import UpstreamPool
 
@@ -56,7 +58,13 @@ def create_app(settings: Settings | None = None) -> InferProxy:
             stack.push_async_callback(pool.close)
             caches = CacheRegistry(settings.checkpoints_dir, flush_interval_ms=settings.flush_interval_ms)
             stack.push_async_callback(caches.close)
-            api.state.services = Services(settings=settings, pool=pool, caches=caches)
+            checkpoints = CheckpointRegistry(settings, caches)
+            stack.push_async_callback(checkpoints.close)
+            # Before the first request: every rank answers /resume as the proxy that stopped would have.
+            ranks = await checkpoints.recover()
+            if ranks:
+                logger.info("restored the checkpoints of ranks %s from %s", ranks, settings.checkpoints_dir)
+            api.state.services = Services(settings=settings, pool=pool, caches=caches, checkpoints=checkpoints)
             logger.info("inferproxy %s forwarding to %s", __version__, ", ".join(settings.upstream))
             yield
 
@@ -108,9 +116,10 @@ class InferProxy:
                 reason = "missing" if not given else "wrong"
                 await send_error(send, Unauthorized(f"the Authorization header is {reason}: send Bearer <api key>"))
                 return
-        if path.startswith("/v1/"):
+        if path.startswith("/v1/") or path in CHECKPOINT_PATHS or path.startswith("/chunks/"):
+            handler = handle_v1 if path.startswith("/v1/") else handle_checkpoints
             try:
-                await handle_v1(self.api.state.services, scope, receive, send)
+                await handler(self.api.state.services, scope, receive, send)
             except ClientGone:
                 logger.debug("client left before its request was read: %s", path)
             return

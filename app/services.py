@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.cache import RequestCache, StoredResponse
+from app.checkpointing import CheckpointManager
+from app.publish import ChunkPublisher
 from app.settings import Settings
 from app.upstream import UpstreamPool
 
@@ -53,6 +55,12 @@ class CacheRegistry:
     async def flush(self) -> None:
         await asyncio.gather(*(cache.flush() for cache in self._caches.values()))
 
+    async def discard(self, rank: int) -> None:
+        """Close a rank's cache whose file was removed (its job finished)."""
+        cache = self._caches.pop(rank, None)
+        if cache is not None:
+            await cache.close()
+
     async def close(self) -> None:
         """Flush and close every cache, even if one of them fails."""
         caches, self._caches = self._caches, {}
@@ -67,16 +75,84 @@ class CacheRegistry:
             raise errors[0]
 
 
+class CheckpointRegistry:
+    """One `CheckpointManager` per rank, restored from the checkpoints dir before it serves anything.
+
+    Completed chunks are published through one `ChunkPublisher`. A rank
+    whose last chunk is completed is closed: its working files are gone, and
+    its next use starts from what the disk says (`last_chunk/<rank>.txt`).
+    """
+
+    def __init__(self, settings: Settings, caches: CacheRegistry) -> None:
+        self.settings = settings
+        self.caches = caches
+        self.root = str(settings.checkpoints_dir)
+        self.publisher = ChunkPublisher(settings.output, self.root, settings.output_filename)
+        self._managers: dict[int, CheckpointManager] = {}
+        self._opening: dict[int, asyncio.Lock] = {}
+
+    async def get(self, rank: int) -> CheckpointManager:
+        manager = self._managers.get(rank)
+        if manager is not None:
+            return manager
+        lock = self._opening.setdefault(rank, asyncio.Lock())
+        async with lock:
+            manager = self._managers.get(rank)
+            if manager is None:
+                cache = await self.caches.get(rank)
+                manager = CheckpointManager(
+                    self.root, self.settings.records_per_chunk, request_cache=cache, fsync=self.settings.fsync
+                )
+                await manager.parse_existing_checkpoints(rank, self.publisher)
+                self._managers[rank] = manager
+        return manager
+
+    def known_ranks(self) -> list[int]:
+        """Ranks with anything in the checkpoints dir: a rank folder or a last_chunk file."""
+        ranks: set[int] = set()
+        root = Path(self.root)
+        if root.is_dir():
+            ranks.update(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit() and len(p.name) == 5)
+        last = root / "last_chunk"
+        if last.is_dir():
+            ranks.update(int(p.stem) for p in last.glob("*.txt") if p.stem.isdigit())
+        return sorted(ranks)
+
+    async def recover(self) -> list[int]:
+        """Restore every rank found on disk, as the proxy that stopped left it."""
+        ranks = [rank for rank in self.known_ranks() if (Path(self.root) / f"{rank:05d}").is_dir()]
+        for rank in ranks:
+            await self.get(rank)
+        return ranks
+
+    async def complete(self, rank: int, chunk_index: int) -> CheckpointManager:
+        manager = await self.get(rank)
+        await manager.cleanup_last_chunk(rank, chunk_index)
+        if manager.last_chunk_index == chunk_index:
+            # The rank dir is gone: close its cache and start afresh on the next use.
+            await manager.close()
+            self._managers.pop(rank, None)
+            await self.caches.discard(rank)
+        return manager
+
+    async def close(self) -> None:
+        managers, self._managers = self._managers, {}
+        for manager in managers.values():
+            await manager.close()
+
+
 @dataclass
 class Services:
     settings: Settings
     pool: UpstreamPool
     caches: CacheRegistry
+    checkpoints: CheckpointRegistry
     flights: dict[CacheKey, asyncio.Future[StoredResponse | None]] = field(default_factory=dict)
     stats: Counter[str] = field(default_factory=Counter)
 
     async def close(self) -> None:
         try:
+            await self.checkpoints.close()
             await self.caches.close()
         finally:
             with contextlib.suppress(Exception):

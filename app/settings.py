@@ -38,6 +38,9 @@ class Settings(BaseSettings):
     )
     checkpoints_dir: Path = Field(Path("inferproxy-data/checkpoints"), description="request caches and checkpoints")
     output: str = Field("inferproxy-data/output", description="where published chunks go (a path or fsspec URL)")
+    output_filename: str = Field(
+        "${rank}_chunk_${chunk_index}.jsonl", description="name of a published chunk; .gz/.zst endings compress"
+    )
     records_per_chunk: int = Field(6000, gt=0, description="documents per chunk")
     api_key: str | None = Field(None, description="clients must send `Authorization: Bearer KEY`")
     upstream_api_key: str | None = Field(None, description="sent upstream as `Authorization: Bearer KEY`")
@@ -77,6 +80,14 @@ class Settings(BaseSettings):
                 raise ValueError(f"an upstream is an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
             roots.append(root)
         return roots
+
+    @field_validator("output_filename")
+    @classmethod
+    def _safe_output_filename(cls, value: str) -> str:
+        from app.publish import check_output_filename
+
+        check_output_filename(value)
+        return value
 
     @field_validator("cache_error_statuses")
     @classmethod

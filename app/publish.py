@@ -1,0 +1,146 @@
+"""`ChunkPublisher`: the checkpoint service's output writer.
+
+The service's documents are durable in the chunk's checkpoint file as soon
+as they are acknowledged, so nothing is streamed to the output meanwhile
+(`write` does nothing). When the checkpoint manager completes a chunk it
+closes the chunk's output file, and that is when the publisher reads the
+chunk file and publishes it as one file named by `output_filename`:
+
+- locally: written under a temporary name in the target folder, fsynced,
+  renamed over the final name, the folder fsynced: the file is whole or absent;
+- to an fsspec URL (`s3://bucket/prefix`, ...): uploaded in one piece;
+- `.gz` and `.zst` endings compress (zstd needs the `zstandard` package);
+- documents marked `__no_rollouts_remove` are left out, a document id that
+  repeats in the chunk file is published once, and a chunk with nothing
+  left to publish produces no file.
+
+Publishing is deterministic (same documents, same order, gzip without a
+timestamp), so a chunk published again after a crash replaces the file
+with the same bytes: never a second copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import os
+import tempfile
+from string import Template
+from typing import Any
+
+import orjson
+
+from app.documents import NO_ROLLOUTS_MARKER
+from app.durable import fsync_dir, make_dirs_durable, read_jsonl_repairing_tail
+
+DEFAULT_OUTPUT_FILENAME = "${rank}_chunk_${chunk_index}.jsonl"
+_ALLOWED_FIELDS = frozenset({"rank", "chunk_index"})
+
+
+def check_output_filename(template: str) -> Template:
+    """Only the integers rank and chunk_index may become part of an output path."""
+    parsed = Template(template)
+    fields = set(parsed.get_identifiers())
+    if not fields <= _ALLOWED_FIELDS or "chunk_index" not in fields:
+        raise ValueError(
+            f"output_filename may use ${{rank}} and must use ${{chunk_index}}, nothing else, got {template!r}"
+        )
+    if template.endswith(".zst"):
+        try:
+            import zstandard  # noqa: F401
+        except ImportError:
+            raise ValueError("output_filename ends with .zst: install the zstandard package") from None
+    return parsed
+
+
+def is_remote(output: str) -> bool:
+    return "://" in output and not output.startswith("file://")
+
+
+class ChunkPublisher:
+    def __init__(self, output: str, checkpoints_dir: str, output_filename: str = DEFAULT_OUTPUT_FILENAME) -> None:
+        self.output = output.removeprefix("file://")
+        self.checkpoints_dir = checkpoints_dir
+        self.template = check_output_filename(output_filename)
+        self.published: list[str] = []
+        self._chunks: dict[str, tuple[int, int]] = {}
+        self._fs: Any = None
+        if is_remote(self.output):
+            try:
+                import fsspec
+            except ImportError:
+                raise ValueError(f"output {output!r} is a URL: install fsspec (and its s3fs/gcsfs driver)") from None
+            self._fs, self._root = fsspec.core.url_to_fs(self.output)
+
+    # -- the DiskWriter surface CheckpointManager uses
+    def write(self, document: Any, rank: int = 0, **kwargs: Any) -> None:
+        """Nothing to do: the document is in the chunk's checkpoint file already."""
+
+    def _get_output_filename(
+        self, document: Any, rank: int | str = 0, chunk_index: int | None = None, **kwargs: Any
+    ) -> str:
+        assert chunk_index is not None
+        name = self.template.substitute(rank=f"{int(rank):05d}", chunk_index=int(chunk_index))
+        self._chunks[name] = (int(rank), int(chunk_index))
+        return name
+
+    def close_file(self, original_name: str) -> None:
+        self._publish(original_name)
+
+    async def close_file_async(self, original_name: str) -> None:
+        """Publish off the event loop: reading, compressing and uploading a chunk takes a while."""
+        await asyncio.to_thread(self._publish, original_name)
+
+    # -- publishing
+    def _publish(self, name: str) -> None:
+        rank, chunk_index = self._chunks[name]
+        chunk_file = os.path.join(self.checkpoints_dir, f"{rank:05d}", f"chunk_{chunk_index:05d}.jsonl")
+        data = self._render(chunk_file, name)
+        if data is not None:
+            if self._fs is not None:
+                self._fs.pipe_file(f"{self._root.rstrip('/')}/{name}", data)
+            else:
+                self._replace(os.path.join(self.output, name), data)
+            self.published.append(name)
+        self._chunks.pop(name, None)
+
+    def _render(self, chunk_file: str, name: str) -> bytes | None:
+        try:
+            records = read_jsonl_repairing_tail(chunk_file)
+        except FileNotFoundError:
+            return None
+        seen: set[str] = set()
+        lines = []
+        for record in records:
+            if record["id"] in seen or NO_ROLLOUTS_MARKER in (record.get("metadata") or {}):
+                continue
+            seen.add(record["id"])
+            # datatrove's JsonlWriter line: the document's non-empty fields
+            lines.append(orjson.dumps({k: v for k, v in record.items() if v}, option=orjson.OPT_APPEND_NEWLINE))
+        if not lines:
+            return None
+        data = b"".join(lines)
+        if name.endswith(".gz"):
+            return gzip.compress(data, mtime=0)
+        if name.endswith(".zst"):
+            import zstandard
+
+            return bytes(zstandard.ZstdCompressor().compress(data))
+        return data
+
+    @staticmethod
+    def _replace(path: str, data: bytes) -> None:
+        directory = os.path.dirname(path)
+        make_dirs_durable(directory)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".partial")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        fsync_dir(directory)

@@ -1,0 +1,168 @@
+"""The checkpoint service (contract §5): documents in, published chunks out, resume points.
+
+- `POST /documents` (headers `X-Rank`, `X-Chunk-Index`): one document or a
+  JSON array; 200 only once they are durable; duplicates counted, not
+  rewritten; 400 malformed, 409 chunk complete, 413 too large, 507 disk
+  full, and in each case nothing of the request is written;
+- `POST /chunks/{i}/complete` (header `X-Rank`): the job's last chunk;
+- `GET /resume` (header `X-Rank`): where a restarted job carries on.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import re
+from typing import Any
+
+import orjson
+
+from app.asgi import JSON_HEADERS, Receive, Scope, Send, header, read_body, send_bytes, send_error
+from app.checkpointing import (
+    CheckpointDurabilityError,
+    CheckpointManager,
+    ChunkCompleteError,
+    RecordsPerChunkMismatch,
+)
+from app.documents import Document, DocumentError
+from app.errors import BadRequest, ChunkConflict, InsufficientStorage, NotFound, ProxyError
+from app.headers import parse_int, parse_rank
+from app.services import Services
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_PATHS = frozenset({"/documents", "/resume"})
+_COMPLETE = re.compile(r"^/chunks/(\d+)/complete$")
+_FIELDS = frozenset({"id", "text", "media", "metadata"})
+_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+async def handle_checkpoints(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+    path, method = scope["path"], scope["method"]
+    try:
+        if path == "/documents" and method == "POST":
+            answer = await post_documents(services, scope, receive)
+        elif path == "/resume" and method == "GET":
+            answer = await get_resume(services, scope)
+        elif (match := _COMPLETE.match(path)) and method == "POST":
+            answer = await complete_chunk(services, scope, int(match.group(1)))
+        else:
+            raise NotFound(f"no route {method} {path}: POST /documents, POST /chunks/{{i}}/complete, GET /resume")
+    except ProxyError as error:
+        await send_error(send, error)
+        return
+    await send_bytes(send, 200, JSON_HEADERS, orjson.dumps(answer))
+
+
+def rank_of(scope: Scope) -> int:
+    value = header(scope, b"x-rank")
+    return 0 if value is None else parse_rank(value)
+
+
+async def manager_of(services: Services, rank: int) -> CheckpointManager:
+    try:
+        return await services.checkpoints.get(rank)
+    except RecordsPerChunkMismatch as exc:
+        raise ChunkConflict(str(exc)) from exc
+
+
+async def post_documents(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
+    rank = rank_of(scope)
+    raw_chunk = header(scope, b"x-chunk-index")
+    if raw_chunk is None:
+        raise BadRequest("X-Chunk-Index is required: the chunk the documents belong to", param="X-Chunk-Index")
+    chunk_index = parse_int(raw_chunk, "X-Chunk-Index")
+    documents = parse_documents(await read_body(scope, receive, services.settings.max_body_bytes))
+    manager = await manager_of(services, rank)
+    try:
+        outcome = await manager.write_documents(documents, rank, chunk_index, services.checkpoints.publisher)
+    except DocumentError as exc:
+        raise BadRequest(str(exc)) from exc
+    except ChunkCompleteError as exc:
+        raise ChunkConflict(str(exc)) from exc
+    except OSError as exc:
+        raise storage_error(exc, services) from exc
+    cache = services.caches.opened_cache(rank)
+    if cache is not None:
+        for document in documents:
+            await cache.mark_document_complete(document.id)
+    return {
+        "rank": rank,
+        "chunk_index": chunk_index,
+        "written": outcome.written,
+        "duplicates": outcome.duplicates,
+        "chunk_count": outcome.chunk_count,
+        "chunk_complete": outcome.chunk_complete,
+        "last_chunk_index": outcome.last_chunk_index,
+    }
+
+
+def storage_error(exc: OSError, services: Services) -> ProxyError:
+    """507 for a full disk (nothing was written, retry once space is freed), 500 for anything else."""
+    if isinstance(exc, CheckpointDurabilityError):
+        return ProxyError(str(exc))
+    if exc.errno in _DISK_FULL:
+        return InsufficientStorage(
+            f"the checkpoints disk is full ({exc.strerror}); nothing of this request was written: "
+            f"free space under {services.settings.checkpoints_dir} and send it again"
+        )
+    logger.exception("checkpoint storage failed")
+    return ProxyError(f"checkpoint storage failed: {exc}")
+
+
+def parse_documents(body: bytes) -> list[Document]:
+    """One document or a JSON array of them, each validated; the first fault is named, nothing kept."""
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the body must be a document or a JSON array of documents: {exc}") from None
+    items = data if isinstance(data, list) else [data]
+    if not items:
+        raise BadRequest("the array of documents is empty")
+    documents = []
+    for position, item in enumerate(items):
+        where = f"document {position}" if isinstance(data, list) else "the document"
+        if not isinstance(item, dict):
+            raise BadRequest(f"{where} must be a JSON object, got {type(item).__name__}")
+        unknown = set(item) - _FIELDS
+        if unknown:
+            raise BadRequest(f"{where} has unknown fields {sorted(unknown)}: a document is {sorted(_FIELDS)}")
+        doc_id, text = item.get("id"), item.get("text")
+        if not isinstance(doc_id, str) or not doc_id:
+            raise BadRequest(f"{where}: id must be a non-empty string, got {doc_id!r}", param="id")
+        if not isinstance(text, str):
+            raise BadRequest(f"{where} ({doc_id!r}): text must be a string, got {type(text).__name__}", param="text")
+        media, metadata = item.get("media", []), item.get("metadata", {})
+        if not isinstance(media, list):
+            raise BadRequest(f"{where} ({doc_id!r}): media must be a list", param="media")
+        if not isinstance(metadata, dict):
+            raise BadRequest(f"{where} ({doc_id!r}): metadata must be an object", param="metadata")
+        documents.append(Document(text=text, id=doc_id, media=media, metadata=metadata))
+    return documents
+
+
+async def complete_chunk(services: Services, scope: Scope, chunk_index: int) -> dict[str, Any]:
+    rank = rank_of(scope)
+    await manager_of(services, rank)
+    try:
+        manager = await services.checkpoints.complete(rank, chunk_index)
+    except OSError as exc:
+        raise storage_error(exc, services) from exc
+    return {
+        "rank": rank,
+        "last_chunk_index": manager.last_chunk_index,
+        "pending": sorted(manager.new_completed_chunks),
+    }
+
+
+async def get_resume(services: Services, scope: Scope) -> dict[str, Any]:
+    rank = rank_of(scope)
+    manager = await manager_of(services, rank)
+    docs_to_skip, processed = manager.resume_state()
+    return {
+        "rank": rank,
+        "records_per_chunk": manager.records_per_chunk,
+        "last_chunk_index": manager.last_chunk_index,
+        "docs_to_skip": docs_to_skip,
+        "processed_ids": sorted(processed),
+    }

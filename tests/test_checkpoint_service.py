@@ -1,0 +1,241 @@
+"""The checkpoint service in-process (contract §5): statuses, durability, publication, recovery."""
+
+from __future__ import annotations
+
+import errno
+import gzip
+import json
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import app.durable
+from app.settings import Settings
+from tests.servers import fake_upstream, proxy_client
+
+
+def config(tmp_path: Path, upstream: str, **overrides: Any) -> Settings:
+    values: dict[str, Any] = {
+        "upstream": [upstream],
+        "checkpoints_dir": tmp_path / "ckpt",
+        "output": str(tmp_path / "out"),
+        "records_per_chunk": 3,
+    }
+    return Settings(**{**values, **overrides})
+
+
+def doc(doc_id: str, **extra: Any) -> dict[str, Any]:
+    return {"id": doc_id, "text": f"text of {doc_id}", **extra}
+
+
+async def post(c: httpx.AsyncClient, body: Any, chunk: int | None = 0, rank: int = 0) -> httpx.Response:
+    headers = {"X-Rank": str(rank)}
+    if chunk is not None:
+        headers["X-Chunk-Index"] = str(chunk)
+    return await c.post("/documents", json=body, headers=headers)
+
+
+def published(tmp_path: Path) -> dict[str, list[str]]:
+    out = tmp_path / "out"
+    if not out.exists():
+        return {}
+    return {
+        f.name: [json.loads(line)["id"] for line in f.read_text().splitlines()]
+        for f in sorted(out.iterdir())
+        if not f.name.startswith(".")
+    }
+
+
+@pytest.fixture
+async def client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    async with fake_upstream() as (url, _), proxy_client(config(tmp_path, url)) as c:
+        yield c
+
+
+async def test_documents_are_acknowledged_and_a_full_chunk_is_published(
+    client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    first = await post(client, doc("a"))
+    assert first.status_code == 200
+    assert first.json() == {
+        "rank": 0,
+        "chunk_index": 0,
+        "written": 1,
+        "duplicates": 0,
+        "chunk_count": 1,
+        "chunk_complete": False,
+        "last_chunk_index": -1,
+    }
+    rest = await post(client, [doc("b"), doc("c")])
+    assert rest.json()["chunk_complete"] is True
+    assert rest.json()["last_chunk_index"] == 0
+    assert published(tmp_path) == {"00000_chunk_0.jsonl": ["a", "b", "c"]}
+    assert not (tmp_path / "ckpt" / "00000" / "chunk_00000.jsonl").exists()
+
+
+async def test_a_retried_post_counts_duplicates_and_writes_nothing_twice(
+    client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    await post(client, [doc("a"), doc("b")])
+    again = await post(client, [doc("a"), doc("b")])
+    assert (again.json()["written"], again.json()["duplicates"], again.json()["chunk_count"]) == (0, 2, 2)
+    lines = (tmp_path / "ckpt" / "00000" / "chunk_00000.jsonl").read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ({"text": "no id"}, "id must be a non-empty string"),
+        ([doc("ok"), {"id": "x", "text": 5}], "document 1 ('x'): text must be a string"),
+        ({"id": "x", "text": "t", "extra": 1}, "unknown fields ['extra']"),
+        ({"id": "x", "text": "t", "metadata": []}, "metadata must be an object"),
+        ([], "empty"),
+        ("just a string", "must be a JSON object"),
+    ],
+)
+async def test_malformed_documents_get_400_and_nothing_is_written(
+    client: httpx.AsyncClient, tmp_path: Path, body: Any, message: str
+) -> None:
+    answer = await post(client, body)
+    assert answer.status_code == 400
+    assert message in answer.json()["error"]["message"]
+    assert not (tmp_path / "ckpt" / "00000" / "chunk_00000.jsonl").exists()
+
+
+async def test_missing_or_bad_headers_get_400(client: httpx.AsyncClient) -> None:
+    assert (await post(client, doc("a"), chunk=None)).json()["error"]["param"] == "X-Chunk-Index"
+    assert (await post(client, doc("a"), rank=100_000)).json()["error"]["param"] == "X-Rank"
+
+
+async def test_a_complete_chunk_gets_409_and_an_overfull_batch_too(client: httpx.AsyncClient) -> None:
+    await post(client, [doc("a"), doc("b"), doc("c")])
+    late = await post(client, doc("d"))
+    assert late.status_code == 409
+    assert "chunk 0 is already complete" in late.json()["error"]["message"]
+    overfull = await post(client, [doc("e"), doc("f"), doc("g"), doc("h")], chunk=1)
+    assert overfull.status_code == 409
+    assert "room for 3 more documents" in overfull.json()["error"]["message"]
+
+
+async def test_a_body_over_max_body_bytes_gets_413(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, _), proxy_client(config(tmp_path, url, max_body_bytes=100)) as c:
+        answer = await post(c, doc("a", metadata={"big": "x" * 200}))
+        assert answer.status_code == 413
+
+
+async def test_disk_full_gets_507_writes_nothing_and_the_next_write_succeeds(
+    client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await post(client, doc("a"))
+    real_write = os.write
+
+    def enospc(fd: int, data: Any) -> int:
+        real_write(fd, bytes(data[:5]))  # a torn start of the batch, as a full disk may leave it
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(app.durable.os, "write", enospc)
+    full = await post(client, [doc("b"), doc("c")])
+    assert full.status_code == 507
+    assert "nothing of this request was written" in full.json()["error"]["message"]
+    monkeypatch.undo()
+    lines = (tmp_path / "ckpt" / "00000" / "chunk_00000.jsonl").read_text().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == ["a"]
+    assert (await client.get("/healthz")).status_code == 200
+    assert (await post(client, [doc("b"), doc("c")])).json()["written"] == 2
+
+
+async def test_completing_the_last_chunk_publishes_it_and_removes_the_working_files(
+    client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    await client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Doc-Id": "a"})  # opens the cache
+    await post(client, [doc("a"), doc("b"), doc("c")])
+    await post(client, [doc("d")], chunk=1)
+    done = await client.post("/chunks/1/complete", headers={"X-Rank": "0"})
+    assert done.json() == {"rank": 0, "last_chunk_index": 1, "pending": []}
+    assert published(tmp_path) == {"00000_chunk_0.jsonl": ["a", "b", "c"], "00000_chunk_1.jsonl": ["d"]}
+    assert not (tmp_path / "ckpt" / "00000").exists()
+    assert (tmp_path / "ckpt" / "last_chunk" / "00000.txt").read_text() == "1"
+    resume = await client.get("/resume")
+    assert resume.json() == {
+        "rank": 0,
+        "records_per_chunk": 3,
+        "last_chunk_index": 1,
+        "docs_to_skip": 6,
+        "processed_ids": [],
+    }
+
+
+async def test_a_chunk_completed_ahead_of_an_open_one_waits(client: httpx.AsyncClient) -> None:
+    await post(client, [doc("a")], chunk=0)
+    done = await client.post("/chunks/1/complete")
+    assert done.json() == {"rank": 0, "last_chunk_index": -1, "pending": [1]}
+
+
+async def test_removed_documents_are_counted_but_not_published_and_an_empty_chunk_publishes_nothing(
+    client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    gone = {"__no_rollouts_remove": True}
+    await post(client, [doc("a", metadata=gone), doc("b"), doc("c", metadata=gone)])
+    await post(client, [doc("d", metadata=gone), doc("e", metadata=gone), doc("f", metadata=gone)], chunk=1)
+    assert published(tmp_path) == {"00000_chunk_0.jsonl": ["b"]}
+    assert (await client.get("/resume")).json()["last_chunk_index"] == 1
+
+
+async def test_resume_reports_what_datatrove_would(client: httpx.AsyncClient) -> None:
+    await post(client, [doc("a"), doc("b"), doc("c")], chunk=0)
+    await post(client, [doc("e")], chunk=1)
+    await post(client, [doc("h"), doc("i")], chunk=2)
+    resume = (await client.get("/resume")).json()
+    assert (resume["docs_to_skip"], resume["processed_ids"]) == (3, ["e", "h", "i"])
+
+
+async def test_a_restarted_proxy_answers_resume_as_the_one_that_stopped(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, _):
+        async with proxy_client(config(tmp_path, url)) as c:
+            for rank in (0, 4):
+                await post(c, [doc(f"{rank}-a"), doc(f"{rank}-b"), doc(f"{rank}-c")], rank=rank)
+                await post(c, [doc(f"{rank}-d")], chunk=1, rank=rank)
+            before = [(await c.get("/resume", headers={"X-Rank": str(r)})).json() for r in (0, 4)]
+        async with proxy_client(config(tmp_path, url)) as c:
+            after = [(await c.get("/resume", headers={"X-Rank": str(r)})).json() for r in (0, 4)]
+            assert (await c.get("/stats")).json()["ranks"] == [0, 4]  # restored before any request
+        assert after == before
+        assert before[1]["processed_ids"] == ["4-d"]
+
+
+async def test_a_restart_with_another_records_per_chunk_is_refused_naming_both(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, _):
+        async with proxy_client(config(tmp_path, url)) as c:
+            await post(c, doc("a"))
+        with pytest.raises(ValueError, match=r"records_per_chunk=3.*records_per_chunk=5"):
+            async with proxy_client(config(tmp_path, url, records_per_chunk=5)):
+                pass
+
+
+async def test_compressed_output_names_compress(tmp_path: Path) -> None:
+    settings = config(tmp_path, "http://127.0.0.1:9", output_filename="${rank}/part_${chunk_index}.jsonl.gz")
+    async with proxy_client(settings) as c:
+        await post(c, [doc("a"), doc("b"), doc("c")])
+    text = gzip.decompress((tmp_path / "out" / "00000" / "part_0.jsonl.gz").read_bytes()).decode()
+    assert [json.loads(line)["id"] for line in text.splitlines()] == ["a", "b", "c"]
+
+
+async def test_output_to_an_fsspec_url_is_uploaded_in_one_piece(tmp_path: Path) -> None:
+    import fsspec
+
+    settings = config(tmp_path, "http://127.0.0.1:9", output="memory://bucket/run-1")
+    async with proxy_client(settings) as c:
+        await post(c, [doc("a"), doc("b"), doc("c")])
+    fs = fsspec.filesystem("memory")
+    lines = fs.cat_file("/bucket/run-1/00000_chunk_0.jsonl").decode().splitlines()
+    assert [json.loads(line)["id"] for line in lines] == ["a", "b", "c"]
+
+
+def test_an_output_filename_with_other_fields_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"may use \$\{rank\} and must use \$\{chunk_index\}"):
+        Settings(output_filename="${id}.jsonl")
