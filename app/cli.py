@@ -64,12 +64,11 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = demo.DemoOptions()
-    parser.add_argument("--workdir", type=Path, default=defaults.workdir, help="where checkpoints and output go")
     parser.add_argument("--documents", type=_positive, default=defaults.documents)
     parser.add_argument("--rollouts", type=_positive, default=defaults.rollouts, help="generations per document")
     parser.add_argument("--records-per-chunk", type=_positive, default=defaults.records_per_chunk)
-    parser.add_argument("--latency-ms", type=float, default=defaults.latency_ms, help="simulated generation time")
-    parser.add_argument("--concurrency", type=_positive, default=defaults.concurrency)
+    parser.add_argument("--concurrency", type=_positive, default=defaults.concurrency, help="documents in flight")
+    parser.add_argument("--model", default=defaults.model, help="the model name sent upstream")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,13 +85,24 @@ def build_parser() -> argparse.ArgumentParser:
     fake.add_argument("--latency-ms", type=float, default=0.0, help="delay before every answer")
     fake.add_argument("--model", default="fake-model", help="the one model name served")
 
-    demo_parser = commands.add_parser("demo", help="kill a batch job with SIGKILL, restart it, check the output")
+    defaults = demo.DemoOptions()
+    demo_parser = commands.add_parser("demo", help="kill a batch job and its proxy, restart them, check the output")
     _demo_arguments(demo_parser)
-    demo_parser.add_argument("--kills", type=_non_negative, default=demo.DemoOptions().kills)
+    demo_parser.add_argument("--workdir", type=Path, default=defaults.workdir, help="where checkpoints and output go")
+    demo_parser.add_argument("--kills", type=_non_negative, default=defaults.kills)
+    demo_parser.add_argument(
+        "--kill-proxy",
+        choices=["never", "alternate", "always"],
+        default=defaults.kill_proxy,
+        help="whether the proxy is killed with the job",
+    )
+    demo_parser.add_argument("--latency-ms", type=float, default=defaults.latency_ms, help="fake generation time")
+    demo_parser.add_argument("--upstream", default=None, help="a real vLLM/SGLang server instead of the fake one")
     demo_parser.add_argument("--seed", type=int, default=None, help="fixes the kill moments")
 
     job_parser = commands.add_parser("demo-job", help="the job `demo` runs (one run of it)")
     _demo_arguments(job_parser)
+    job_parser.add_argument("--proxy", required=True, help="the proxy's URL")
     return parser
 
 
@@ -167,19 +177,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "fake-upstream":
         return fake_upstream(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    options = demo.DemoOptions(
-        workdir=args.workdir,
-        documents=args.documents,
-        rollouts=args.rollouts,
-        records_per_chunk=args.records_per_chunk,
-        kills=getattr(args, "kills", 0),
-        latency_ms=args.latency_ms,
-        concurrency=args.concurrency,
-        seed=getattr(args, "seed", None),
-    )
+    common = {
+        "documents": args.documents,
+        "rollouts": args.rollouts,
+        "records_per_chunk": args.records_per_chunk,
+        "concurrency": args.concurrency,
+        "model": args.model,
+    }
     if args.command == "demo":
+        options = demo.DemoOptions(
+            workdir=args.workdir,
+            kills=args.kills,
+            kill_proxy=args.kill_proxy,
+            latency_ms=args.latency_ms,
+            upstream=args.upstream,
+            seed=args.seed,
+            **common,
+        )
         return demo.main(options)
-    return demo.job_main(options)
+    return demo.job_main(demo.DemoOptions(proxy=args.proxy, **common))
 
 
 if __name__ == "__main__":

@@ -1,36 +1,45 @@
-"""`inferproxy demo`: kill a batch job twice with SIGKILL, restart it, get exactly-once output.
+"""`inferproxy demo`: a batch job and its proxy killed with SIGKILL, restarted, output exactly once.
 
-The parent starts the job (`inferproxy demo-job`, a real process), kills it
-with SIGKILL at random moments, restarts it, and finally checks and reports
-what happened: documents published exactly once, generations computed,
-generations replayed from the request cache instead of recomputed.
+The parent starts `inferproxy fake-upstream` (or uses `--upstream`, a real
+vLLM/SGLang server), `inferproxy serve` in front of it, and the job
+(`inferproxy demo-job`) as real processes. It kills the job with SIGKILL
+part-way, restarts it; kills the job *and* the proxy, restarts both; lets
+the job finish; then checks the output and reports what happened: every
+document published exactly once with all its rollouts, generations computed
+by the upstream, generations replayed from the proxy's cache.
 
-The job is datatrove's inference loop on `app.checkpointing`: documents
-numbered into chunks, `parse_existing_checkpoints` to resume, several
-rollouts per document looked up in the `RequestCache` before generating,
-`write_document` once all rollouts are done. Generation is simulated
-in-process (a short sleep and a random sample) until the proxy lands.
+The job is `app.client.run_job`: it asks the proxy where to resume, sends
+each rollout as an OpenAI-compatible chat request through the proxy with
+the document's headers, and sends each finished document to the
+checkpoint service.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from app.checkpointing import CheckpointManager, Document, RequestCache
-from app.output import ChunkOutputWriter
+import orjson
+
+from app.client import ProxyJob, run_job
+from app.documents import Document, DocumentLike
+from app.httpclient import HTTPClient
 
 MARKER = ".inferproxy-demo"
+PROXY_KILLS = {"never": "the proxy never", "alternate": "the proxy too, every second time", "always": "the proxy too"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,22 +52,26 @@ class DemoOptions:
     latency_ms: float = 30.0
     concurrency: int = 64
     seed: int | None = None
+    upstream: str | None = None
+    model: str = "fake-model"
+    kill_proxy: str = "alternate"  # with the job: "never", "alternate" (every second kill) or "always"
+    proxy: str | None = None  # the job's: the proxy it talks to
 
 
 @dataclass
 class RunReport:
     skipped: int = 0
-    skipped_by_id: int = 0
     generated: int = 0
     replayed: int = 0
     written: int = 0
-    killed: bool = False
+    killed: str = ""
 
 
 @dataclass
 class DemoReport:
     runs: list[RunReport] = field(default_factory=list)
     seconds: float = 0.0
+    upstream_generations: int | None = None
 
 
 # ---------------------------------------------------------------- the job
@@ -73,52 +86,82 @@ def demo_documents(n: int) -> list[Document]:
     return [Document(text=f"Question {i}: what is {i} squared, and why?", id=f"q-{i:06d}") for i in range(n)]
 
 
-async def run_job(options: DemoOptions) -> None:
-    """The batch job itself; prints RESUME/GEN/HIT/ACK/DONE events for the parent."""
-    checkpoints = str(options.workdir / "checkpoints")
-    cache = RequestCache(checkpoints)
-    await cache.initialize(0)
-    cm = CheckpointManager(checkpoints, options.records_per_chunk, request_cache=cache)
-    rng = random.Random()
-    finished = False
+async def run_demo_job(options: DemoOptions) -> None:
+    """One run of the job; prints RESUME/HIT/MISS/COALESCED/ACK/DONE events for the parent."""
+    assert options.proxy is not None
+    proxy = options.proxy
+    job = ProxyJob(proxy)
+    state = await job.resume()
+    await job.close()
+    say("RESUME", state.docs_to_skip, len(state.processed_ids))
+    http = HTTPClient(read_timeout=600.0)
+
+    async def rollout(document: DocumentLike, rollout_idx: int, headers: dict[str, str]) -> dict[str, Any]:
+        body = {
+            "model": options.model,
+            "messages": [{"role": "user", "content": document.text}],
+            "max_tokens": 24,
+            "temperature": 0.8,
+        }
+        raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
+        answer = await http.request(
+            "POST",
+            proxy + "/v1/chat/completions",
+            headers=[*raw, (b"content-type", b"application/json")],
+            body=orjson.dumps(body),
+        )
+        data = await answer.read()
+        answer.release()
+        if answer.status != 200:
+            raise RuntimeError(f"the proxy answered {answer.status}: {data[:200]!r}")
+        say((answer.header(b"x-cache") or b"MISS").decode(), document.id, rollout_idx)
+        choice = orjson.loads(data)["choices"][0]
+        return {"text": choice["message"]["content"], "finish_reason": choice["finish_reason"]}
+
     try:
-        with ChunkOutputWriter(str(options.workdir / "output")) as writer:
-            skip, processed = await cm.parse_existing_checkpoints(0, writer)
-            say("RESUME", skip, len(processed))
-            slots = asyncio.Semaphore(options.concurrency)
-
-            async def generate(doc: Document, chunk_index: int, rollout_idx: int) -> dict[str, Any]:
-                payload = {"model": "demo", "messages": [{"role": "user", "content": doc.text}], "temperature": 0.8}
-                key = cache.prepare_payload(payload)
-                result, _ = await cache.get_cached_response(doc.id, rollout_idx, payload_hash=key)
-                if result is not None:
-                    say("HIT", doc.id, rollout_idx)
-                    return result
-                await asyncio.sleep(options.latency_ms / 1000 * rng.uniform(0.1, 1.9))  # the GPU at work
-                result = {"text": f"sample {rng.getrandbits(32):08x}", "finish_reason": "stop"}
-                await cache.store_result(chunk_index, doc.id, rollout_idx, result, payload_hash=key)
-                say("GEN", doc.id, rollout_idx)
-                return result
-
-            async def process(doc: Document, chunk_index: int) -> None:
-                async with slots:
-                    results = await asyncio.gather(*(generate(doc, chunk_index, r) for r in range(options.rollouts)))
-                    doc.metadata["rollout_results"] = list(results)
-                    await cm.write_document(doc, 0, chunk_index, writer)
-                    await cache.mark_document_complete(doc.id)
-                    say("ACK", doc.id)
-
-            todo, last_chunk = cm.remaining(demo_documents(options.documents), skip, processed)
-            await asyncio.gather(*(process(doc, chunk_index) for doc, chunk_index in todo))
-            await cm.cleanup_last_chunk(0, last_chunk)
-            finished = True
+        await run_job(
+            demo_documents(options.documents),
+            rollout,
+            base_url=proxy,
+            rollouts_per_document=options.rollouts,
+            concurrency=options.concurrency,
+            records_per_chunk=options.records_per_chunk,
+            on_written=lambda doc_id: say("ACK", doc_id),
+            progress=False,
+        )
     finally:
-        await cache.close(delete_file=finished)
-        await cm.close()
+        await http.close()
     say("DONE")
 
 
 # ------------------------------------------------------------- the parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def wait_until_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{proc.args!r} exited with {proc.returncode}; see its error above")
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"{url} did not answer within {timeout:g} s")
+
+
+def inferproxy(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "app.cli", *args],
+        stdout=subprocess.DEVNULL if quiet else subprocess.PIPE,
+    )
 
 
 def prepare_workdir(workdir: Path) -> None:
@@ -131,44 +174,79 @@ def prepare_workdir(workdir: Path) -> None:
     (workdir / MARKER).touch()
 
 
-def job_command(options: DemoOptions) -> list[str]:
+class Proxy:
+    """`inferproxy serve` for the demo, restartable on the same port and folders."""
+
+    def __init__(self, options: DemoOptions, upstream: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.args = [
+            "serve",
+            f"--port={self.port}",
+            f"--upstream={upstream}",
+            f"--checkpoints-dir={options.workdir / 'checkpoints'}",
+            f"--output={options.workdir / 'output'}",
+            f"--records-per-chunk={options.records_per_chunk}",
+            "--log-level=warning",
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.proc = inferproxy(*self.args)
+        wait_until_up(self.url + "/healthz", self.proc)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(timeout=60)
+
+
+def job_command(options: DemoOptions, proxy_url: str) -> list[str]:
     return [
         sys.executable,
         "-m",
         "app.cli",
         "demo-job",
-        f"--workdir={options.workdir}",
+        f"--proxy={proxy_url}",
+        f"--model={options.model}",
         f"--documents={options.documents}",
         f"--rollouts={options.rollouts}",
         f"--records-per-chunk={options.records_per_chunk}",
-        f"--latency-ms={options.latency_ms}",
         f"--concurrency={options.concurrency}",
     ]
 
 
-def run_once(options: DemoOptions, kill_after_acks: int | None) -> RunReport:
+def run_once(options: DemoOptions, proxy: Proxy, kill_after_acks: int | None, kill_proxy: bool) -> RunReport:
     report = RunReport()
-    proc = subprocess.Popen(job_command(options), stdout=subprocess.PIPE, text=True, bufsize=1)
-    assert proc.stdout is not None
+    job = subprocess.Popen(job_command(options, proxy.url), stdout=subprocess.PIPE, text=True, bufsize=1)
+    assert job.stdout is not None
     done = False
-    for line in proc.stdout:
+    for line in job.stdout:
         event, *args = line.split()
         if event == "RESUME":
-            report.skipped, report.skipped_by_id = int(args[0]), int(args[1])
-        elif event == "GEN":
+            report.skipped = int(args[0]) + int(args[1])
+        elif event == "MISS":
             report.generated += 1
-        elif event == "HIT":
+        elif event in ("HIT", "COALESCED"):
             report.replayed += 1
         elif event == "ACK":
             report.written += 1
             if kill_after_acks is not None and report.written >= kill_after_acks:
-                proc.send_signal(signal.SIGKILL)
-                report.killed = True
+                job.send_signal(signal.SIGKILL)
+                report.killed = "job"
+                if kill_proxy:
+                    proxy.kill()
+                    report.killed = "job and proxy"
                 break
         elif event == "DONE":
             done = True
-    proc.stdout.close()
-    code = proc.wait()
+    job.stdout.close()
+    code = job.wait()
     if not report.killed and (code != 0 or not done):
         raise SystemExit(f"the demo job failed (exit code {code}); see its error above")
     return report
@@ -177,7 +255,7 @@ def run_once(options: DemoOptions, kill_after_acks: int | None) -> RunReport:
 def verify_output(options: DemoOptions) -> tuple[int, int]:
     """Every document exactly once, each with all its rollouts; returns (documents, files)."""
     seen: dict[str, int] = {}
-    files = sorted((options.workdir / "output").glob("*.jsonl"))
+    files = sorted(p for p in (options.workdir / "output").glob("*.jsonl"))
     for path in files:
         for line in path.read_text().splitlines():
             record = json.loads(line)
@@ -192,35 +270,59 @@ def verify_output(options: DemoOptions) -> tuple[int, int]:
     return len(seen), len(files)
 
 
+@contextlib.contextmanager
+def upstream_server(options: DemoOptions) -> Iterator[str]:
+    if options.upstream:
+        yield options.upstream.rstrip("/").removesuffix("/v1")
+        return
+    port = free_port()
+    proc = inferproxy(
+        "fake-upstream", f"--port={port}", f"--latency-ms={options.latency_ms}", f"--model={options.model}"
+    )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_until_up(url + "/v1/models", proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
 def run_demo(options: DemoOptions) -> DemoReport:
     rng = random.Random(options.seed)
     prepare_workdir(options.workdir)
     report = DemoReport()
     start = time.monotonic()
-    remaining = options.documents
-    for run in range(options.kills + 1):
-        kill_after = None
-        if run < options.kills and remaining > 10:
-            kill_after = rng.randint(max(1, remaining * 15 // 100), max(2, remaining * 50 // 100))
-        result = run_once(options, kill_after)
-        report.runs.append(result)
-        print(describe_run(run + 1, result), flush=True)
-        remaining -= result.written
-        if not result.killed:
-            break
+    with upstream_server(options) as upstream:
+        proxy = Proxy(options, upstream)
+        proxy.start()
+        try:
+            remaining = options.documents
+            for run in range(options.kills + 1):
+                kill_after = None
+                if run < options.kills and remaining > 10:
+                    kill_after = rng.randint(max(1, remaining * 15 // 100), max(2, remaining * 45 // 100))
+                kill_proxy = options.kill_proxy == "always" or (options.kill_proxy == "alternate" and run % 2 == 1)
+                result = run_once(options, proxy, kill_after, kill_proxy)
+                report.runs.append(result)
+                print(describe_run(run + 1, result), flush=True)
+                remaining -= result.written
+                if not result.killed:
+                    break
+                if proxy.proc is not None and proxy.proc.poll() is not None:
+                    proxy.start()
+        finally:
+            proxy.stop()
+        if not options.upstream:
+            with urllib.request.urlopen(upstream + "/_fake/stats", timeout=5) as answer:
+                report.upstream_generations = json.loads(answer.read())["generations"]
     report.seconds = time.monotonic() - start
     return report
 
 
 def describe_run(number: int, run: RunReport) -> str:
-    start = (
-        "started fresh"
-        if number == 1
-        else (
-            f"resumed: skipped {run.skipped} documents in published chunks and {run.skipped_by_id} already checkpointed"
-        )
-    )
-    end = "killed with SIGKILL" if run.killed else "finished"
+    start = "started fresh" if number == 1 else f"resumed, skipping {run.skipped} documents already done"
+    end = f"killed ({run.killed}) with SIGKILL" if run.killed else "finished"
     return (
         f"  run {number}: {start}; {run.generated} generations computed, {run.replayed} replayed from the "
         f"cache; {run.written} documents written; {end}"
@@ -228,28 +330,31 @@ def describe_run(number: int, run: RunReport) -> str:
 
 
 def main(options: DemoOptions) -> int:
+    where = options.upstream or "the built-in fake upstream"
     print(
-        f"inferproxy demo: {options.documents} documents x {options.rollouts} rollouts, chunks of "
-        f"{options.records_per_chunk}, the job killed {options.kills} times with SIGKILL and restarted",
+        f"inferproxy demo: {options.documents} documents x {options.rollouts} rollouts through inferproxy serve "
+        f"and {where}, chunks of {options.records_per_chunk}; the job is killed {options.kills} times with "
+        f"SIGKILL ({PROXY_KILLS[options.kill_proxy]}) and restarted",
         flush=True,
     )
     report = run_demo(options)
     documents, files = verify_output(options)
     needed = options.documents * options.rollouts
-    generated = sum(run.generated for run in report.runs)
+    generated = report.upstream_generations
+    if generated is None:
+        generated = sum(run.generated for run in report.runs)
     replayed = sum(run.replayed for run in report.runs)
     print(f"documents published:   {documents}, each exactly once with its {options.rollouts} rollouts (checked)")
     print(f"chunks published:      {files} output files")
-    print(f"generations computed:  {generated} for {needed} needed ({generated - needed} lost in flight at kills)")
-    print(f"generations replayed:  {replayed} from the request cache instead of recomputed")
+    print(
+        f"generations computed:  {generated} by the upstream for {needed} needed ({generated - needed} lost at kills)"
+    )
+    print(f"generations replayed:  {replayed} answered from the proxy's cache instead of recomputed")
     print(f"time:                  {report.seconds:.1f} s")
     print(f"output:                {options.workdir / 'output'}")
     return 0
 
 
 def job_main(options: DemoOptions) -> int:
-    # Die on SIGTERM like a preempted worker would: no cleanup runs either way.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    os.makedirs(options.workdir, exist_ok=True)
-    asyncio.run(run_job(options))
+    asyncio.run(run_demo_job(options))
     return 0

@@ -21,12 +21,15 @@ def test_demo_kills_restarts_and_reports_exactly_once_output_with_replays(tmp_pa
     done = inferproxy("demo", "--documents=400", "--records-per-chunk=20", "--kills=3", "--seed=5", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     out = done.stdout
-    assert out.count("killed with SIGKILL") == 3
+    assert out.count("killed (job) with SIGKILL") == 2
+    assert out.count("killed (job and proxy) with SIGKILL") == 1
     assert "run 4: resumed" in out
     assert "documents published:   400, each exactly once with its 2 rollouts (checked)" in out
     assert "chunks published:      20 output files" in out
     assert len(list((tmp_path / "inferproxy-data/demo/output").glob("*.jsonl"))) == 20
     assert not (tmp_path / "inferproxy-data/demo/checkpoints/00000").exists()  # cleaned up once finished
+    replayed = int(out.split("generations replayed:")[1].split()[0])
+    assert replayed > 0  # what the killed job had in flight came back from the cache
 
 
 def test_demo_refuses_to_clear_a_directory_it_did_not_create(tmp_path: Path) -> None:
@@ -42,3 +45,24 @@ def test_a_bad_flag_value_says_what_to_fix(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "--documents: must be an integer > 0, got 0" in done.stderr
     assert not (tmp_path / "inferproxy-data").exists()
+
+
+def test_job_and_proxy_killed_at_four_random_moments_end_with_exactly_once_output(tmp_path: Path) -> None:
+    done = inferproxy(
+        "demo",
+        "--documents=500",
+        "--rollouts=2",
+        "--records-per-chunk=50",
+        "--kills=4",
+        "--kill-proxy=always",
+        "--concurrency=32",
+        "--seed=11",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert out.count("killed (job and proxy) with SIGKILL") == 4
+    assert "documents published:   500, each exactly once with its 2 rollouts (checked)" in out
+    computed = int(out.split("generations computed:")[1].split()[0])
+    # each kill can cost at most what was in flight: 32 documents x 2 rollouts
+    assert 1000 <= computed <= 1000 + 4 * 32 * 2

@@ -1,0 +1,211 @@
+"""The job side of the checkpoint service: `ProxyJob` and `run_job`.
+
+`ProxyJob` speaks the checkpoint routes of one rank; `run_job` is
+datatrove's inference loop on top of it: ask where to resume, skip what is
+done, run each document's rollouts concurrently through any OpenAI client
+(with the headers `ProxyJob.headers` gives, so every answer is cached),
+send each finished document, complete the last chunk::
+
+    async def rollout(document, rollout_idx, headers):
+        answer = await openai_client.chat.completions.create(
+            model=..., messages=[...], extra_headers=headers)
+        return answer.choices[0].message.content
+
+    report = await run_job(documents, rollout, base_url="http://127.0.0.1:8080",
+                           rank=0, rollouts_per_document=4, concurrency=64)
+
+Kill it anywhere and run it again: it carries on where the proxy says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from app.documents import Document, DocumentLike
+from app.httpclient import ConnectError, ConnectionLost, HTTPClient
+
+RolloutFn = Callable[[DocumentLike, int, dict[str, str]], Awaitable[Any]]
+
+
+class ProxyJobError(RuntimeError):
+    """The checkpoint service refused a request; `status` and the service's message say why."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Resume:
+    records_per_chunk: int
+    last_chunk_index: int
+    docs_to_skip: int
+    processed_ids: frozenset[str]
+
+
+class ProxyJob:
+    """One rank of a job, as the checkpoint service sees it."""
+
+    def __init__(self, base_url: str, rank: int = 0, api_key: str | None = None, *, retries: int = 5) -> None:
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.rank = rank
+        self.retries = retries
+        self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
+        self._client = HTTPClient(read_timeout=600.0)
+
+    def headers(self, doc_id: str, rollout_idx: int = 0, chunk_index: int | None = None) -> dict[str, str]:
+        """The headers for an OpenAI client's `extra_headers`: the answer is cached under this key."""
+        headers = {"X-Doc-Id": doc_id, "X-Rollout-Idx": str(rollout_idx), "X-Rank": str(self.rank)}
+        if chunk_index is not None:
+            headers["X-Chunk-Index"] = str(chunk_index)
+        return headers
+
+    async def resume(self) -> Resume:
+        answer = await self._call("GET", "/resume")
+        return Resume(
+            records_per_chunk=answer["records_per_chunk"],
+            last_chunk_index=answer["last_chunk_index"],
+            docs_to_skip=answer["docs_to_skip"],
+            processed_ids=frozenset(answer["processed_ids"]),
+        )
+
+    async def write_documents(self, documents: Sequence[DocumentLike | dict[str, Any]], chunk_index: int) -> Any:
+        """Send finished documents of one chunk; returns once they are durable. Safe to retry."""
+        body = orjson.dumps([_as_dict(d) for d in documents])
+        return await self._call("POST", "/documents", body, [(b"x-chunk-index", str(chunk_index).encode())])
+
+    async def complete_chunk(self, chunk_index: int) -> Any:
+        """Declare the job's last (possibly partial) chunk complete."""
+        return await self._call("POST", f"/chunks/{chunk_index}/complete")
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    async def _call(self, method: str, path: str, body: bytes = b"", extra: Sequence[tuple[bytes, bytes]] = ()) -> Any:
+        headers = [(b"x-rank", str(self.rank).encode()), (b"content-type", b"application/json"), *self._auth, *extra]
+        for attempt in range(self.retries + 1):
+            try:
+                answer = await self._client.request(method, self.base_url + path, headers=headers, body=body)
+                data = await answer.read()
+                answer.release()
+            except (ConnectError, ConnectionLost):
+                # the proxy restarting: every call here is safe to repeat
+                if attempt == self.retries:
+                    raise
+                await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
+                continue
+            if answer.status != 200:
+                try:
+                    message = orjson.loads(data)["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = data.decode("utf-8", "replace")
+                raise ProxyJobError(answer.status, message)
+            return orjson.loads(data)
+        raise AssertionError("unreachable")
+
+
+@dataclass
+class JobReport:
+    documents: int = 0
+    skipped: int = 0
+    written: int = 0
+    chunks: int = 0
+    seconds: float = 0.0
+    last_chunk_index: int = -1
+    errors: list[str] = field(default_factory=list)
+
+
+async def run_job(
+    documents: Iterable[DocumentLike | dict[str, Any]],
+    rollout_fn: RolloutFn,
+    *,
+    base_url: str,
+    rank: int = 0,
+    rollouts_per_document: int = 1,
+    concurrency: int = 32,
+    records_per_chunk: int | None = None,
+    api_key: str | None = None,
+    on_written: Callable[[str], None] | None = None,
+    progress: bool | None = None,
+) -> JobReport:
+    """datatrove's inference loop against the checkpoint service; see the module docstring.
+
+    A rollout that returns None is dropped; a document left with no rollout
+    results is checkpointed with `__no_rollouts_remove` (counted, not published).
+    """
+    start = time.monotonic()
+    job = ProxyJob(base_url, rank, api_key)
+    report = JobReport()
+    try:
+        state = await job.resume()
+        if records_per_chunk is not None and records_per_chunk != state.records_per_chunk:
+            raise ValueError(
+                f"the proxy groups rank {rank} into chunks of {state.records_per_chunk} documents, this job "
+                f"asked for {records_per_chunk}: start the proxy with --records-per-chunk {records_per_chunk}"
+            )
+        rpc = state.records_per_chunk
+        todo: list[tuple[Document, int]] = []
+        for position, item in enumerate(documents):
+            report.documents += 1
+            report.last_chunk_index = position // rpc
+            document = _as_document(item)
+            if position < state.docs_to_skip or document.id in state.processed_ids:
+                report.skipped += 1
+            else:
+                todo.append((document, position // rpc))
+        slots = asyncio.Semaphore(concurrency)
+        show = sys.stderr.isatty() if progress is None else progress
+
+        async def process(document: Document, chunk_index: int) -> None:
+            async with slots:
+                results = await asyncio.gather(
+                    *(
+                        rollout_fn(document, r, job.headers(document.id, r, chunk_index))
+                        for r in range(rollouts_per_document)
+                    )
+                )
+                kept = [result for result in results if result is not None]
+                document.metadata["rollout_results"] = kept
+                if not kept:
+                    document.metadata["__no_rollouts_remove"] = True
+                await job.write_documents([document], chunk_index)
+                report.written += 1
+                if on_written is not None:
+                    on_written(document.id)
+                if show:
+                    done = report.skipped + report.written
+                    sys.stderr.write(f"\rrank {rank}: {done}/{report.documents} documents")
+                    sys.stderr.flush()
+
+        await asyncio.gather(*(process(d, c) for d, c in todo))
+        if report.documents:
+            done = await job.complete_chunk(report.last_chunk_index)
+            report.chunks = done["last_chunk_index"] + 1
+        if show:
+            sys.stderr.write("\n")
+    finally:
+        await job.close()
+    report.seconds = time.monotonic() - start
+    return report
+
+
+def _as_dict(document: DocumentLike | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(document, dict):
+        return document
+    return {"id": document.id, "text": document.text, "media": document.media, "metadata": document.metadata}
+
+
+def _as_document(item: DocumentLike | dict[str, Any]) -> Document:
+    if isinstance(item, Document):
+        return item
+    if isinstance(item, dict):
+        return Document.from_dict(item)
+    return Document(text=item.text, id=item.id, media=list(item.media), metadata=dict(item.metadata))
