@@ -1,0 +1,68 @@
+"""A real full disk (a small tmpfs): 507, nothing of the request written, the proxy keeps serving,
+and writes succeed again once space is freed. Needs root to mount, as CI and developers run here."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from app.settings import Settings
+from tests.servers import proxy_client
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+async def test_a_full_disk_gives_507_keeps_the_checkpoint_intact_and_recovers(tmp_path: Path, small_disk: Path) -> None:
+    settings = Settings(
+        upstream=["http://127.0.0.1:9"],
+        checkpoints_dir=small_disk / "ckpt",
+        output=str(tmp_path / "out"),
+        records_per_chunk=100_000,
+    )
+    chunk_file = small_disk / "ckpt" / "00000" / "chunk_00000.jsonl"
+    async with proxy_client(settings) as client:
+
+        async def post(ids: list[str]) -> int:
+            body = [{"id": i, "text": "x" * 2000} for i in ids]
+            answer = await client.post("/documents", json=body, headers={"X-Chunk-Index": "0"})
+            return answer.status_code
+
+        assert await post(["first"]) == 200
+        filler = small_disk / "filler"
+        stat = os.statvfs(small_disk)
+        filler.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 40_000))
+
+        acknowledged = ["first"]
+        status, batch = 200, 0
+        while status == 200:
+            ids = [f"b{batch}-{i}" for i in range(5)]
+            status = await post(ids)
+            if status == 200:
+                acknowledged += ids
+            batch += 1
+            assert batch < 100, "the disk never filled up"
+        assert status == 507
+        lines = chunk_file.read_text().splitlines()
+        assert [json.loads(line)["id"] for line in lines] == acknowledged  # whole lines, nothing of the failed batch
+        assert (await client.get("/healthz")).status_code == 200
+
+        filler.unlink()
+        assert await post(ids) == 200
+        resume = (await client.get("/resume")).json()
+        assert set(resume["processed_ids"]) == {*acknowledged, *ids}

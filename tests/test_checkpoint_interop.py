@@ -1,0 +1,71 @@
+"""The checkpoint service and datatrove's CheckpointManager read each other's checkpoint dirs."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+from datatrove.data import Document
+from datatrove.pipeline.inference.checkpointing import CheckpointManager as DatatroveCheckpointManager
+from datatrove.pipeline.writers import JsonlWriter
+
+from app.settings import Settings
+from tests.servers import proxy_client
+
+RPC = 4
+
+
+def settings(tmp_path: Path, checkpoints: Path) -> Settings:
+    return Settings(
+        upstream=["http://127.0.0.1:9"],
+        checkpoints_dir=checkpoints,
+        output=str(tmp_path / "out"),
+        records_per_chunk=RPC,
+    )
+
+
+async def datatrove_resume(checkpoints: Path, output: Path) -> tuple[int, set[str]]:
+    manager = DatatroveCheckpointManager(str(checkpoints), RPC)
+    with JsonlWriter(str(output), output_filename="${rank}_chunk_${chunk_index}.jsonl", compression=None) as ctx:
+        result: tuple[int, set[str]] = await manager.parse_existing_checkpoints(0, ctx)
+    return result
+
+
+async def test_a_dir_written_by_datatrove_is_resumed_by_the_service(tmp_path: Path) -> None:
+    written = tmp_path / "written"
+    manager = DatatroveCheckpointManager(str(written), RPC)
+    plan = [(f"d{i}", 0) for i in range(4)] + [(f"d{i}", 2) for i in range(8, 12)] + [("d4", 1), ("d5", 1)]
+    with JsonlWriter(
+        str(tmp_path / "dt-out"), output_filename="${rank}_chunk_${chunk_index}.jsonl", compression=None
+    ) as ctx:
+        for doc_id, chunk in plan:
+            await manager.write_document(Document(text=f"text {doc_id}", id=doc_id), 0, chunk, ctx)
+    shutil.copytree(written, tmp_path / "copy")
+    expected = await datatrove_resume(tmp_path / "copy", tmp_path / "copy-out")
+
+    async with proxy_client(settings(tmp_path, written)) as client:
+        resume = (await client.get("/resume")).json()
+    assert (resume["docs_to_skip"], set(resume["processed_ids"])) == expected
+    assert expected == (4, {"d4", "d5", "d8", "d9", "d10", "d11"})
+    # chunk 2 was complete on disk: the service published it on start
+    assert (tmp_path / "out" / "00000_chunk_2.jsonl").read_text().count("\n") == 4
+
+
+async def test_a_dir_written_by_the_service_is_resumed_by_datatrove(tmp_path: Path) -> None:
+    checkpoints = tmp_path / "ckpt"
+    async with proxy_client(settings(tmp_path, checkpoints)) as client:
+
+        async def post(ids: list[str], chunk: int) -> Any:
+            body = [{"id": i, "text": f"text {i}"} for i in ids]
+            return await client.post("/documents", json=body, headers={"X-Chunk-Index": str(chunk)})
+
+        await post(["a", "b", "c", "d"], 0)
+        await post(["e", "f"], 1)
+        await post(["i", "j", "k", "l"], 2)
+        resume = (await client.get("/resume")).json()
+    assert await datatrove_resume(checkpoints, tmp_path / "dt-out") == (
+        resume["docs_to_skip"],
+        set(resume["processed_ids"]),
+    )
+    assert resume["docs_to_skip"] == 4

@@ -1,0 +1,110 @@
+"""app.client against a real proxy on a loopback port (in this event loop), with the openai client."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from app.client import ProxyJob, ProxyJobError, run_job
+from app.documents import DocumentLike
+from app.fake_upstream import FakeUpstream
+from app.main import create_app
+from app.settings import Settings
+from tests.servers import fake_upstream, serve_in_loop
+
+
+class Env:
+    def __init__(self, proxy: str, upstream: FakeUpstream, tmp_path: Path) -> None:
+        self.proxy = proxy
+        self.upstream = upstream
+        self.out = tmp_path / "out"
+        self.states: list[str] = []
+
+    async def rollout(self, document: DocumentLike, rollout_idx: int, headers: dict[str, str]) -> str:
+        async with openai.AsyncOpenAI(base_url=self.proxy + "/v1", api_key="unused", max_retries=0) as client:
+            raw = await client.chat.completions.with_raw_response.create(
+                model="fake-model",
+                messages=[{"role": "user", "content": document.text}],
+                max_tokens=4,
+                extra_headers=headers,
+            )
+        self.states.append(raw.headers["x-cache"])
+        return raw.parse().choices[0].message.content or ""
+
+    def published(self) -> list[dict[str, Any]]:
+        return [json.loads(line) for f in sorted(self.out.glob("*.jsonl")) for line in f.read_text().splitlines()]
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    async with fake_upstream() as (url, upstream):
+        settings = Settings(
+            upstream=[url], checkpoints_dir=tmp_path / "ckpt", output=str(tmp_path / "out"), records_per_chunk=4
+        )
+        async with serve_in_loop(create_app(settings)) as proxy:
+            yield Env(proxy, upstream, tmp_path)
+
+
+DOCS = [{"id": f"doc-{i}", "text": f"question {i}"} for i in range(10)]
+
+
+async def test_run_job_publishes_every_document_once_and_a_rerun_does_nothing(env: Env) -> None:
+    report = await run_job(DOCS, env.rollout, base_url=env.proxy, rollouts_per_document=2, concurrency=4)
+    assert (report.documents, report.written, report.skipped, report.chunks) == (10, 10, 0, 3)
+    published = env.published()
+    assert sorted(d["id"] for d in published) == [d["id"] for d in DOCS]
+    assert all(len(d["metadata"]["rollout_results"]) == 2 for d in published)
+    assert env.upstream.generations == 20
+
+    again = await run_job(DOCS, env.rollout, base_url=env.proxy, rollouts_per_document=2)
+    assert (again.written, again.skipped) == (0, 10)
+    assert env.upstream.generations == 20
+
+
+async def test_a_job_interrupted_mid_way_resumes_and_replays_what_it_had_generated(env: Env) -> None:
+    job = ProxyJob(env.proxy)
+    for i in range(6):  # documents 0-5 written by a job that then died
+        await job.write_documents([DOCS[i]], i // 4)
+    await job.close()
+    # the dead job had also generated doc-6's answers
+    await env.rollout(_doc(DOCS[6]), 0, ProxyJob(env.proxy).headers("doc-6", 0, 1))
+    env.states.clear()
+    report = await run_job(DOCS, env.rollout, base_url=env.proxy)
+    assert (report.skipped, report.written) == (6, 4)
+    assert sorted(env.states) == ["HIT", "MISS", "MISS", "MISS"]
+    assert sorted(d["id"] for d in env.published()) == [d["id"] for d in DOCS]
+
+
+async def test_rollouts_that_return_none_leave_the_document_out_of_the_output(env: Env) -> None:
+    async def nothing(document: DocumentLike, rollout_idx: int, headers: dict[str, str]) -> None:
+        return None
+
+    report = await run_job(DOCS[:4], nothing, base_url=env.proxy)
+    assert report.written == 4
+    assert env.published() == []
+    assert (await ProxyJob(env.proxy).resume()).last_chunk_index == 0
+
+
+async def test_a_job_with_another_records_per_chunk_is_told_how_to_fix_it(env: Env) -> None:
+    with pytest.raises(ValueError, match="chunks of 4 documents, this job asked for 5"):
+        await run_job(DOCS, env.rollout, base_url=env.proxy, records_per_chunk=5)
+
+
+async def test_service_errors_arrive_as_proxy_job_errors(env: Env) -> None:
+    job = ProxyJob(env.proxy, rank=1)
+    await job.write_documents([{"id": f"x{i}", "text": "t"} for i in range(4)], 0)
+    with pytest.raises(ProxyJobError, match="409: chunk 0 is already complete") as caught:
+        await job.write_documents([{"id": "late", "text": "t"}], 0)
+    assert caught.value.status == 409
+    await job.close()
+
+
+def _doc(data: dict[str, Any]) -> Any:
+    from app.documents import Document
+
+    return Document.from_dict(data)
