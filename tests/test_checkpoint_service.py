@@ -239,3 +239,55 @@ async def test_output_to_an_fsspec_url_is_uploaded_in_one_piece(tmp_path: Path) 
 def test_an_output_filename_with_other_fields_is_refused() -> None:
     with pytest.raises(ValueError, match=r"may use \$\{rank\} and must use \$\{chunk_index\}"):
         Settings(output_filename="${id}.jsonl")
+
+
+async def test_zst_output_names_compress(tmp_path: Path) -> None:
+    import zstandard
+
+    settings = config(tmp_path, "http://127.0.0.1:9", output_filename="${rank}_chunk_${chunk_index}.jsonl.zst")
+    async with proxy_client(settings) as c:
+        await post(c, [doc("a"), doc("b"), doc("c")])
+    data = zstandard.ZstdDecompressor().decompress((tmp_path / "out" / "00000_chunk_0.jsonl.zst").read_bytes())
+    assert [json.loads(line)["id"] for line in data.decode().splitlines()] == ["a", "b", "c"]
+
+
+async def test_a_crash_while_publishing_leaves_no_output_and_a_restart_publishes_it_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_replace = os.replace
+
+    def crash(src: str, dst: str) -> None:
+        if str(dst).startswith(str(tmp_path / "out")):
+            raise OSError(errno.EIO, "simulated crash before the rename")
+        real_replace(src, dst)
+
+    async with proxy_client(config(tmp_path, "http://127.0.0.1:9")) as c:
+        await post(c, doc("first-write-opens-everything"), chunk=5)
+        monkeypatch.setattr(os, "replace", crash)
+        answer = await post(c, [doc("a"), doc("b"), doc("c")])
+        assert answer.status_code == 500
+        monkeypatch.undo()
+        assert published(tmp_path) == {}
+        assert os.listdir(tmp_path / "out") == []  # no partial file left behind either
+    async with proxy_client(config(tmp_path, "http://127.0.0.1:9")) as c:
+        assert published(tmp_path) == {"00000_chunk_0.jsonl": ["a", "b", "c"]}
+        assert (await c.get("/resume")).json()["last_chunk_index"] == 0
+        assert (await post(c, doc("d"), chunk=0)).status_code == 409
+
+
+async def test_many_ranks_and_chunks_written_concurrently_publish_exactly_once(tmp_path: Path) -> None:
+    import asyncio
+
+    async with proxy_client(config(tmp_path, "http://127.0.0.1:9")) as c:
+
+        async def one(rank: int, i: int) -> int:
+            answer = await post(c, doc(f"r{rank}-{i}"), chunk=i // 3, rank=rank)
+            return answer.status_code
+
+        statuses = await asyncio.gather(*(one(rank, i) for rank in range(4) for i in range(9)))
+        assert set(statuses) == {200}
+    files = published(tmp_path)
+    assert sorted(files) == [f"{r:05d}_chunk_{k}.jsonl" for r in range(4) for k in range(3)]
+    for rank in range(4):
+        ids = sorted(i for k in range(3) for i in files[f"{rank:05d}_chunk_{k}.jsonl"])
+        assert ids == sorted(f"r{rank}-{i}" for i in range(9))

@@ -311,3 +311,19 @@ async def test_an_upstream_silent_past_read_timeout_gives_504_without_retrying(t
         assert answer.json()["error"]["type"] == "upstream_timeout"
         assert "read_timeout_s" in answer.json()["error"]["message"]
         assert upstream.by_path["POST /v1/chat/completions"] == 1
+
+
+def test_the_pool_picks_the_healthy_replica_with_fewest_requests_in_flight() -> None:
+    from app.upstream import UpstreamPool
+
+    pool = UpstreamPool(["http://a", "http://b", "http://c"])
+    a, b, c = pool.replicas
+    a.in_flight, b.in_flight, c.in_flight = 5, 1, 3
+    assert pool.pick() is b
+    b.healthy = False
+    assert pool.pick() is c
+    a.healthy = c.healthy = False
+    assert pool.pick() in (a, b, c)  # none healthy: still try one
+    c.in_flight = 1
+    a.healthy = True
+    assert pool.pick() is a
