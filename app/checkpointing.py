@@ -296,6 +296,7 @@ class CheckpointManager:
         if (
             chunk_index <= self.last_chunk_index
             or chunk_index in self.new_completed_chunks
+            or chunk_index in self._ready  # full, or declared complete and being published
             or self.per_chunk_counts[chunk_index] >= self.records_per_chunk
         ):
             raise ChunkCompleteError(
@@ -459,7 +460,10 @@ class CheckpointManager:
         if self.checkpoints_local_dir is None:
             return
         self._check_usable()
-        self._ready.add(chunk_index)
+        # Under the chunk's lock: a write already appending finishes first (and is published),
+        # any later one is refused as a write to a complete chunk.
+        async with self.file_locks[chunk_index]:
+            self._ready.add(chunk_index)
         await asyncio.shield(self._publish_ready(rank))
         rank_dir = os.path.join(self.checkpoints_local_dir, f"{rank:05d}")
         if self.last_chunk_index == chunk_index:

@@ -43,6 +43,10 @@ class ProxyJobError(RuntimeError):
         self.message = message
 
 
+class _RetriedConflict(ProxyJobError):
+    """A 409 to a request sent again after its first attempt's answer was lost."""
+
+
 @dataclass(frozen=True)
 class Resume:
     records_per_chunk: int
@@ -80,7 +84,16 @@ class ProxyJob:
     async def write_documents(self, documents: Sequence[DocumentLike | dict[str, Any]], chunk_index: int) -> Any:
         """Send finished documents of one chunk; returns once they are durable. Safe to retry."""
         body = orjson.dumps([_as_dict(d) for d in documents])
-        return await self._call("POST", "/documents", body, [(b"x-chunk-index", str(chunk_index).encode())])
+        extra = [(b"x-chunk-index", str(chunk_index).encode())]
+        try:
+            return await self._call("POST", "/documents", body, extra)
+        except _RetriedConflict:
+            # The first attempt's answer was lost (the proxy died after writing) and the retry
+            # found the chunk complete: if it has been published, that attempt completed it.
+            state = await self.resume()
+            if chunk_index <= state.last_chunk_index:
+                return {"rank": self.rank, "chunk_index": chunk_index, "written": 0, "duplicates": len(documents)}
+            raise
 
     async def complete_chunk(self, chunk_index: int) -> Any:
         """Declare the job's last (possibly partial) chunk complete."""
@@ -107,6 +120,8 @@ class ProxyJob:
                     message = orjson.loads(data)["error"]["message"]
                 except (ValueError, KeyError, TypeError):
                     message = data.decode("utf-8", "replace")
+                if answer.status == 409 and attempt > 0:
+                    raise _RetriedConflict(answer.status, message)
                 raise ProxyJobError(answer.status, message)
             return orjson.loads(data)
         raise AssertionError("unreachable")
@@ -152,20 +167,13 @@ async def run_job(
                 f"asked for {records_per_chunk}: start the proxy with --records-per-chunk {records_per_chunk}"
             )
         rpc = state.records_per_chunk
-        todo: list[tuple[Document, int]] = []
-        for position, item in enumerate(documents):
-            report.documents += 1
-            report.last_chunk_index = position // rpc
-            document = _as_document(item)
-            if position < state.docs_to_skip or document.id in state.processed_ids:
-                report.skipped += 1
-            else:
-                todo.append((document, position // rpc))
+        # datatrove's skip: by position, then by id, each id consumed by its first later occurrence
+        processed = set(state.processed_ids)
         slots = asyncio.Semaphore(concurrency)
         show = sys.stderr.isatty() if progress is None else progress
 
         async def process(document: Document, chunk_index: int) -> None:
-            async with slots:
+            try:
                 results = await asyncio.gather(
                     *(
                         rollout_fn(document, r, job.headers(document.id, r, chunk_index))
@@ -177,15 +185,33 @@ async def run_job(
                 if not kept:
                     document.metadata["__no_rollouts_remove"] = True
                 await job.write_documents([document], chunk_index)
-                report.written += 1
-                if on_written is not None:
-                    on_written(document.id)
-                if show:
-                    done = report.skipped + report.written
-                    sys.stderr.write(f"\rrank {rank}: {done}/{report.documents} documents")
-                    sys.stderr.flush()
+            finally:
+                slots.release()
+            report.written += 1
+            if on_written is not None:
+                on_written(document.id)
+            if show:
+                sys.stderr.write(f"\rrank {rank}: {report.skipped + report.written} documents done")
+                sys.stderr.flush()
 
-        await asyncio.gather(*(process(d, c) for d, c in todo))
+        try:
+            # A TaskGroup: the input is read as it goes (at most `concurrency` documents in flight),
+            # and the first failure cancels the rest instead of leaving them writing behind us.
+            async with asyncio.TaskGroup() as tasks:
+                for position, item in enumerate(documents):
+                    report.documents += 1
+                    report.last_chunk_index = position // rpc
+                    document = _as_document(item)
+                    if position < state.docs_to_skip:
+                        report.skipped += 1
+                    elif document.id in processed:
+                        processed.discard(document.id)
+                        report.skipped += 1
+                    else:
+                        await slots.acquire()
+                        tasks.create_task(process(document, position // rpc))
+        except* Exception as failures:
+            raise failures.exceptions[0] from None
         if report.documents:
             done = await job.complete_chunk(report.last_chunk_index)
             report.chunks = done["last_chunk_index"] + 1

@@ -189,6 +189,15 @@ class CorruptFileError(ValueError):
     """A JSONL file damaged before its last line: not a torn append, so not repaired silently."""
 
 
+def read_jsonl_whole_lines(path: str) -> list[Any]:
+    """Decode the whole lines of a JSONL file, leaving a torn tail (and the file) alone: for readers
+    that must not cut what a concurrent writer may be appending."""
+    with open(path, "rb") as f:
+        data = f.read()
+    end = data.rfind(b"\n") + 1
+    return [orjson.loads(line) for line in data[:end].split(b"\n") if line.strip(b" \t\r\0")]
+
+
 def read_jsonl_repairing_tail(path: str) -> list[Any]:
     """Decode every line of an append-only JSONL file, repairing a torn tail.
 

@@ -90,7 +90,8 @@ class FakeUpstream:
         path, method = scope["path"], scope["method"]
         if not path.startswith("/_fake/"):
             self.requests += 1
-            self.by_path[f"{method} {path}"] += 1
+            raw_path = (scope.get("raw_path") or path.encode()).decode("latin-1")
+            self.by_path[f"{method} {raw_path}"] += 1
             self.last_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         if method == "GET" and path == "/v1/models":
             await send_bytes(send, 200, JSON, self.models())

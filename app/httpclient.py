@@ -90,8 +90,14 @@ class _Connection(asyncio.Protocol):
         self.closed = False
         self.reused = False
         self._reset()
+        self.in_use = False
 
-    def _reset(self) -> None:
+    def _reset(self, method: str = "GET") -> None:
+        self.method = method
+        self.in_use = True
+        self.stray = False
+        self.interim = False
+        self.framed_by_close = False
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunks: collections.deque[bytes] = collections.deque()
@@ -110,6 +116,10 @@ class _Connection(asyncio.Protocol):
         self.transport = typing.cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
+        if not self.in_use:
+            # Bytes on an idle connection belong to no request: never let them answer the next one.
+            self.close()
+            return
         self.received_any = True
         try:
             self.parser.feed_data(data)
@@ -117,14 +127,20 @@ class _Connection(asyncio.Protocol):
             self._fail(ConnectionLost(f"invalid HTTP from {self.origin.host}: {exc}", before_response=False))
             self.close()
             return
-        if self.buffered > MAX_BUFFER and not self.paused and self.transport is not None:
+        if self.stray:
+            self.close()  # the answer read so far stays readable; the connection is not reused
+        elif self.buffered > MAX_BUFFER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
         self._wake()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if not self.complete:
+        if self.framed_by_close and self.headers_done and exc is None:
+            # A body without Content-Length or chunked framing ends when the server closes.
+            self.complete = True
+            self._wake()
+        elif not self.complete:
             before = not self.headers_done
             reason = f": {exc}" if exc else ""
             self._fail(
@@ -134,20 +150,48 @@ class _Connection(asyncio.Protocol):
             )
 
     # -- httptools callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:
+            # A second answer to one request: it belongs to nothing; never let it answer another.
+            self.stray = True
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.lower(), value))
+        if not self.stray:
+            self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
-        self.status = self.parser.get_status_code()
+        if self.stray:
+            return
+        status = self.parser.get_status_code()
+        if 100 <= status < 200 and status != 101:
+            # An interim answer (100 Continue, 103 Early Hints): the real one follows.
+            self.interim = True
+            self.headers = []
+            return
+        self.status = status
         # Only meaningful now: the parser forgets it once the message is complete.
         self.keep_alive = self.parser.should_keep_alive()
         self.headers_done = True
+        names = {name for name, _ in self.headers}
+        if self.method == "HEAD":
+            self.complete = True  # no body follows, whatever Content-Length says
+            self.keep_alive = False  # and the parser, not knowing, would wait for one
+        elif b"content-length" not in names and b"transfer-encoding" not in names and status not in (204, 304):
+            self.framed_by_close = True
+            self.keep_alive = False
 
     def on_body(self, body: bytes) -> None:
+        if self.stray:
+            return
         self.chunks.append(body)
         self.buffered += len(body)
 
     def on_message_complete(self) -> None:
+        if self.stray:
+            return
+        if self.interim:
+            self.interim = False
+            return
         self.complete = True
 
     # -- used by Response and HTTPClient
@@ -272,7 +316,7 @@ class HTTPClient:
         timeout = self.read_timeout if read_timeout is None else read_timeout
         while True:
             conn = await self._connection(origin)
-            conn._reset()
+            conn._reset(method)
             assert conn.transport is not None
             conn.transport.write(payload)
             try:
@@ -305,7 +349,7 @@ class HTTPClient:
                     lambda: _Connection(self, origin), origin.host, origin.port, ssl=context
                 )
         except TimeoutError as exc:
-            raise ConnectError(
+            raise ConnectTimeout(
                 f"could not connect to {origin.host}:{origin.port} within {self.connect_timeout:g} s"
             ) from exc
         except OSError as exc:
@@ -315,6 +359,7 @@ class HTTPClient:
         return protocol
 
     def _put_idle(self, conn: _Connection) -> None:
+        conn.in_use = False
         idle = self._idle.setdefault(conn.origin, [])
         if len(idle) >= self.max_idle:
             conn.close()

@@ -27,7 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from app import __version__
-from app.asgi import ASGIApp, ClientGone, JSONResponse, Receive, Scope, Send, header, send_error
+from app.asgi import ASGIApp, ClientGone, JSONResponse, Message, Receive, Scope, Send, header, send_error
 from app.errors import ProxyError, Unauthorized, error_body
 from app.routes import ops
 from app.routes.checkpoints import CHECKPOINT_PATHS, handle_checkpoints
@@ -118,9 +118,22 @@ class InferProxy:
                 return
         if path.startswith("/v1/") or path in CHECKPOINT_PATHS or path.startswith("/chunks/"):
             handler = handle_v1 if path.startswith("/v1/") else handle_checkpoints
+            started = False
+
+            async def tracking_send(message: Message) -> None:
+                nonlocal started
+                started = started or message["type"] == "http.response.start"
+                await send(message)
+
             try:
-                await handler(self.api.state.services, scope, receive, send)
+                await handler(self.api.state.services, scope, receive, tracking_send)
             except ClientGone:
                 logger.debug("client left before its request was read: %s", path)
+            except Exception as exc:
+                if started:
+                    raise  # mid-answer: all that is left is to cut the connection
+                logger.exception("%s %s failed", scope["method"], path)
+                error = ProxyError(f"inferproxy failed on this request: {type(exc).__name__}: {exc}")
+                await send_error(send, error, [(b"x-cache", b"BYPASS")] if path.startswith("/v1/") else None)
             return
         await self.app(scope, receive, send)

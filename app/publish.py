@@ -31,26 +31,29 @@ from typing import Any
 import orjson
 
 from app.documents import NO_ROLLOUTS_MARKER
-from app.durable import fsync_dir, make_dirs_durable, read_jsonl_repairing_tail
+from app.durable import fsync_dir, make_dirs_durable, read_jsonl_whole_lines
 
 DEFAULT_OUTPUT_FILENAME = "${rank}_chunk_${chunk_index}.jsonl"
 _ALLOWED_FIELDS = frozenset({"rank", "chunk_index"})
 
 
 def check_output_filename(template: str) -> Template:
-    """Only the integers rank and chunk_index may become part of an output path."""
+    """Only the integers rank and chunk_index become part of an output path, and both must:
+    one proxy serves every rank, and two ranks' chunks must never share a name."""
     parsed = Template(template)
     fields = set(parsed.get_identifiers())
-    if not fields <= _ALLOWED_FIELDS or "chunk_index" not in fields:
-        raise ValueError(
-            f"output_filename may use ${{rank}} and must use ${{chunk_index}}, nothing else, got {template!r}"
-        )
+    if fields != _ALLOWED_FIELDS:
+        raise ValueError(f"output_filename must use ${{rank}} and ${{chunk_index}} and nothing else, got {template!r}")
     if template.endswith(".zst"):
         try:
             import zstandard  # noqa: F401
         except ImportError:
             raise ValueError("output_filename ends with .zst: install the zstandard package") from None
     return parsed
+
+
+class PublishError(RuntimeError):
+    """A complete chunk could not be published; its documents stay checkpointed and it is retried."""
 
 
 def is_remote(output: str) -> bool:
@@ -89,7 +92,10 @@ class ChunkPublisher:
 
     async def close_file_async(self, original_name: str) -> None:
         """Publish off the event loop: reading, compressing and uploading a chunk takes a while."""
-        await asyncio.to_thread(self._publish, original_name)
+        try:
+            await asyncio.to_thread(self._publish, original_name)
+        except Exception as exc:
+            raise PublishError(f"publishing {original_name} failed: {exc}") from exc
 
     # -- publishing
     def _publish(self, name: str) -> None:
@@ -106,7 +112,7 @@ class ChunkPublisher:
 
     def _render(self, chunk_file: str, name: str) -> bytes | None:
         try:
-            records = read_jsonl_repairing_tail(chunk_file)
+            records = read_jsonl_whole_lines(chunk_file)
         except FileNotFoundError:
             return None
         seen: set[str] = set()

@@ -3,9 +3,9 @@
 - choice: the healthy replica with the fewest requests in flight (ties rotate);
   a replica that fails a connection is skipped until a `GET /v1/models`
   probe passes again; with none healthy, every replica is still tried;
-- retries: connection errors and 502/503/504 answers are retried up to
-  `retries` times with exponential backoff and jitter, a 503's
-  `Retry-After` honoured; a read timeout is not retried (the GPU may still
+- retries: connection errors and 429/502/503/504 answers are retried up to
+  `retries` times with exponential backoff and jitter, the `Retry-After`
+  of a 429 or 503 honoured; a read timeout is not retried (the GPU may still
   be working on it). After the last try the caller gets `UpstreamUnreachable`
   (502) or `UpstreamTimeout` (504), or the upstream's own last answer;
 - timeouts: explicit connect and read (silence) timeouts, no total timeout,
@@ -30,7 +30,7 @@ from app.httpclient import ConnectError, ConnectionLost, ConnectTimeout, HTTPCli
 
 logger = logging.getLogger(__name__)
 
-RETRY_STATUSES = frozenset({502, 503, 504})
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
 MAX_RETRY_AFTER_S = 60.0
 HOP_BY_HOP = frozenset(
     {
@@ -50,7 +50,16 @@ HOP_BY_HOP = frozenset(
 # The client's credentials never go upstream; inferproxy's own headers mean nothing there;
 # accept-encoding is set to identity so that stored bodies are the bytes the client reads.
 _NOT_FORWARDED = frozenset(
-    {b"authorization", b"x-doc-id", b"x-rollout-idx", b"x-chunk-index", b"x-rank", b"cache-control", b"accept-encoding"}
+    {
+        b"authorization",
+        b"x-doc-id",
+        b"x-rollout-idx",
+        b"x-chunk-index",
+        b"x-rank",
+        b"cache-control",
+        b"accept-encoding",
+        b"expect",  # the proxy's own server answered it already; upstream it would only add a 100 Continue
+    }
 )
 _SERVER_SET = frozenset({b"date", b"server"})
 
@@ -156,48 +165,50 @@ class UpstreamPool:
             replica = self.pick()
             replica.in_flight += 1
             try:
-                raw = await self._client.request(method, replica.url + path, headers=headers, body=body)
-            except ReadTimeout as exc:
-                replica.in_flight -= 1
-                raise UpstreamTimeout(
-                    f"the upstream {replica.url} sent nothing for {self.read_timeout_s:g} s (read_timeout_s)"
-                ) from exc
-            except (ConnectError, ConnectionLost) as exc:
-                replica.in_flight -= 1
-                self._mark_failed(replica, exc)
-                if attempt >= self.retries:
-                    tries = f"after {attempt + 1} tries"
-                    if isinstance(exc, ConnectTimeout):
-                        raise UpstreamTimeout(f"the upstream {replica.url} is not answering {tries}: {exc}") from exc
-                    raise UpstreamUnreachable(f"the upstream {replica.url} is unreachable {tries}: {exc}") from exc
-                await asyncio.sleep(self._backoff(attempt))
-                attempt += 1
-                continue
-            if raw.status in RETRY_STATUSES and attempt < self.retries:
-                delay = self._retry_after(raw) or self._backoff(attempt)
-                raw.abort()
-                replica.in_flight -= 1
-                logger.info("upstream %s answered %d; retrying in %.2f s", replica.url, raw.status, delay)
-                await asyncio.sleep(delay)
-                attempt += 1
-                continue
-            try:
-                yield UpstreamResponse(raw, replica)
+                try:
+                    raw = await self._client.request(method, replica.url + path, headers=headers, body=body)
+                except ReadTimeout as exc:
+                    raise UpstreamTimeout(
+                        f"the upstream {replica.url} sent nothing for {self.read_timeout_s:g} s (read_timeout_s)"
+                    ) from exc
+                except (ConnectError, ConnectionLost) as exc:
+                    self._mark_failed(replica, exc)
+                    if attempt >= self.retries:
+                        tries = f"after {attempt + 1} tries"
+                        if isinstance(exc, ConnectTimeout):
+                            raise UpstreamTimeout(
+                                f"the upstream {replica.url} is not answering {tries}: {exc}"
+                            ) from exc
+                        raise UpstreamUnreachable(f"the upstream {replica.url} is unreachable {tries}: {exc}") from exc
+                    retry_in = self._backoff(attempt)
+                else:
+                    if raw.status not in RETRY_STATUSES or attempt >= self.retries:
+                        try:
+                            yield UpstreamResponse(raw, replica)
+                        finally:
+                            raw.release()
+                        return
+                    retry_in = self._retry_after(raw) or self._backoff(attempt)
+                    raw.abort()
+                    logger.info("upstream %s answered %d; retrying in %.2f s", replica.url, raw.status, retry_in)
             finally:
-                raw.release()
-                replica.in_flight -= 1
-            return
+                replica.in_flight -= 1  # however the attempt ends: answer done, error, retry, cancellation
+            await asyncio.sleep(retry_in)
+            attempt += 1
 
     async def probe(self, replica: Replica, timeout_s: float = 5.0) -> bool:
         """`GET /v1/models` on one replica; updates its health."""
+        answer = None
         try:
             async with asyncio.timeout(timeout_s):
                 answer = await self._client.request("GET", replica.url + "/v1/models", headers=self._auth)
                 await answer.read()
-                answer.release()
                 ok = answer.status == 200
         except (TimeoutError, ConnectError, ConnectionLost, ReadTimeout):
             ok = False
+        finally:
+            if answer is not None:
+                answer.release()  # reused if read to the end, closed otherwise
         if ok and not replica.healthy:
             logger.info("upstream %s is healthy again", replica.url)
         replica.healthy = ok
@@ -227,7 +238,7 @@ class UpstreamPool:
 
     @staticmethod
     def _retry_after(raw: Response) -> float | None:
-        if raw.status != 503:
+        if raw.status not in (429, 503):
             return None
         value = raw.header(b"retry-after")
         return parse_retry_after(value.decode("latin-1") if value else None)

@@ -236,9 +236,26 @@ async def test_output_to_an_fsspec_url_is_uploaded_in_one_piece(tmp_path: Path) 
     assert [json.loads(line)["id"] for line in lines] == ["a", "b", "c"]
 
 
-def test_an_output_filename_with_other_fields_is_refused() -> None:
-    with pytest.raises(ValueError, match=r"may use \$\{rank\} and must use \$\{chunk_index\}"):
-        Settings(output_filename="${id}.jsonl")
+@pytest.mark.parametrize("name", ["${id}.jsonl", "chunk_${chunk_index}.jsonl", "${rank}_${chunk_index}_${id}"])
+def test_an_output_filename_needs_rank_and_chunk_index_and_nothing_else(name: str) -> None:
+    with pytest.raises(ValueError, match=r"must use \$\{rank\} and \$\{chunk_index\} and nothing else"):
+        Settings(output_filename=name)
+
+
+async def test_completing_a_chunk_while_a_document_for_it_is_in_flight_loses_nothing(
+    client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    import asyncio
+
+    await post(client, [doc("a")], chunk=0)
+    late, done = await asyncio.gather(post(client, [doc("late")], chunk=0), client.post("/chunks/0/complete"))
+    assert done.json()["last_chunk_index"] == 0
+    ids = published(tmp_path)["00000_chunk_0.jsonl"]
+    if late.status_code == 200:
+        assert ids == ["a", "late"]  # it was in before the chunk closed
+    else:
+        assert late.status_code == 409  # refused: nothing acknowledged is missing
+        assert ids == ["a"]
 
 
 async def test_zst_output_names_compress(tmp_path: Path) -> None:

@@ -108,3 +108,42 @@ def _doc(data: dict[str, Any]) -> Any:
     from app.documents import Document
 
     return Document.from_dict(data)
+
+
+async def test_a_retry_after_a_lost_answer_that_completed_the_chunk_counts_as_done(env: Env) -> None:
+    from app.httpclient import ConnectionLost
+
+    job = ProxyJob(env.proxy)
+    real_request = job._client.request
+    lost = False
+
+    async def answer_lost_once(method: str, url: str, **kwargs: Any) -> Any:
+        nonlocal lost
+        response = await real_request(method, url, **kwargs)
+        if url.endswith("/documents") and not lost:
+            lost = True
+            await response.read()
+            response.release()
+            raise ConnectionLost("the proxy died before answering", before_response=True)
+        return response
+
+    job._client.request = answer_lost_once  # type: ignore[method-assign]
+    answer = await job.write_documents([{"id": f"d{i}", "text": "t"} for i in range(4)], 0)
+    assert answer["duplicates"] == 4
+    assert (await job.resume()).last_chunk_index == 0
+    await job.close()
+
+
+async def test_an_id_skipped_on_resume_is_consumed_once_as_datatrove_does(env: Env) -> None:
+    job = ProxyJob(env.proxy)
+    await job.write_documents([{"id": "x", "text": "first x"}], 1)  # written by a job that then died
+    await job.close()
+    # chunks of 4: a b c e | x f g h | x i  -- the input repeats id x
+    docs = [{"id": "a", "text": "a"}, {"id": "b", "text": "b"}, {"id": "c", "text": "c"}, {"id": "e", "text": "e"}]
+    docs += [{"id": "x", "text": "x"}, {"id": "f", "text": "f"}, {"id": "g", "text": "g"}, {"id": "h", "text": "h"}]
+    docs += [{"id": "x", "text": "x again"}, {"id": "i", "text": "i"}]
+    report = await run_job(docs, env.rollout, base_url=env.proxy)
+    assert report.skipped == 1  # only the first x after the resume point
+    published = sorted(d["id"] for d in env.published())
+    assert published == sorted(["a", "b", "c", "e", "x", "f", "g", "h", "x", "i"])  # both documents named x
+    assert (await ProxyJob(env.proxy).resume()).last_chunk_index == 2

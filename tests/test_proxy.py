@@ -107,7 +107,7 @@ async def test_a_400_from_upstream_is_cached_and_replayed_without_a_second_call(
     assert (await env.upstream_stats())["requests"] == 1
 
 
-@pytest.mark.parametrize("status", [500, 404, 429, 401])
+@pytest.mark.parametrize("status", [500, 404, 401])
 async def test_errors_outside_cache_error_statuses_are_never_stored(env: Env, status: int) -> None:
     body = chat_request(fake_upstream={"status": status})
     first = await env.chat(body, **doc_headers())
@@ -327,3 +327,48 @@ def test_the_pool_picks_the_healthy_replica_with_fewest_requests_in_flight() -> 
     c.in_flight = 1
     a.healthy = True
     assert pool.pick() is a
+
+
+async def test_a_429_is_retried_after_its_retry_after_and_never_stored(env: Env) -> None:
+    body = chat_request(fake_upstream={"status": 429, "fail_times": 1, "retry_after": 0})
+    answer = await env.chat(body, **doc_headers())
+    assert answer.status_code == 200
+    assert (await env.upstream_stats())["requests"] == 2
+
+
+async def test_expect_is_not_forwarded_and_paths_keep_their_encoding(env: Env) -> None:
+    await env.chat(**doc_headers(), Expect="100-continue")
+    stats = await env.upstream_stats()
+    assert "expect" not in stats["last_headers"]
+    missing = await env.client.get("/v1/models/org%2Fname")
+    assert missing.status_code == 404
+    assert "GET /v1/models/org%2Fname" in (await env.upstream_stats())["by_path"]
+
+
+async def test_a_no_store_request_does_not_lead_a_flight(tmp_path: Path) -> None:
+    async with fake_upstream(latency_ms=200) as (url, upstream), proxy_client(settings(tmp_path, url)) as client:
+        no_store = client.post(
+            "/v1/chat/completions", json=chat_request(), headers=doc_headers(**{"Cache-Control": "no-store"})
+        )
+        plain = client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers())
+        answers = await asyncio.gather(no_store, plain)
+        assert [a.headers["x-cache"] for a in answers] == ["MISS", "MISS"]
+        again = await client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers())
+        assert again.headers["x-cache"] == "HIT"
+        assert again.content == answers[1].content
+        assert upstream.generations == 2
+
+
+async def test_an_unexpected_failure_is_still_the_envelope_with_x_cache(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import app.routes.proxy
+
+    def broken(*args: Any) -> None:
+        raise RuntimeError("disk unreadable")
+
+    monkeypatch.setattr(app.routes.proxy, "payload_hash", broken)
+    answer = await env.chat(**doc_headers())
+    assert answer.status_code == 500
+    assert answer.headers["x-cache"] == "BYPASS"
+    assert "RuntimeError: disk unreadable" in answer.json()["error"]["message"]

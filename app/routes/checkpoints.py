@@ -27,6 +27,7 @@ from app.checkpointing import (
 from app.documents import Document, DocumentError
 from app.errors import BadRequest, ChunkConflict, InsufficientStorage, NotFound, ProxyError
 from app.headers import parse_int, parse_rank
+from app.publish import PublishError
 from app.services import Services
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,11 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
         raise BadRequest(str(exc)) from exc
     except ChunkCompleteError as exc:
         raise ChunkConflict(str(exc)) from exc
+    except PublishError as exc:
+        raise ProxyError(
+            f"the documents are stored, but {exc}; it is retried with the next write, and sending this "
+            f"request again is harmless (its documents count as duplicates)"
+        ) from exc
     except OSError as exc:
         raise storage_error(exc, services) from exc
     cache = services.caches.opened_cache(rank)
@@ -146,6 +152,8 @@ async def complete_chunk(services: Services, scope: Scope, chunk_index: int) -> 
     await manager_of(services, rank)
     try:
         manager = await services.checkpoints.complete(rank, chunk_index)
+    except PublishError as exc:
+        raise ProxyError(f"{exc}; send this request again to retry") from exc
     except OSError as exc:
         raise storage_error(exc, services) from exc
     return {

@@ -80,7 +80,8 @@ async def cacheable(services: Services, scope: Scope, receive: Receive, send: Se
     state = b"REFRESH" if key.no_cache else b"MISS"
     services.stats["refresh" if key.no_cache else "miss"] += 1
     future: asyncio.Future[StoredResponse | None] = asyncio.get_running_loop().create_future()
-    if not key.no_cache:
+    # A no-store request does not lead: its followers' answer would never be stored.
+    if not key.no_cache and not key.no_store:
         services.flights[flight_key] = future
     answer: StoredResponse | None = None
     try:
@@ -194,7 +195,10 @@ async def forward_uncached(services: Services, scope: Scope, receive: Receive, s
     """Any other `/v1/*` request: forwarded unchanged (method, query, body, status, streaming)."""
     body = await read_body(scope, receive, services.settings.max_body_bytes)
     pool = services.pool
-    target = scope["path"] + (f"?{scope['query_string'].decode('latin-1')}" if scope.get("query_string") else "")
+    # raw_path: the path as the client encoded it (%2F stays %2F, a space stays %20)
+    path = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string") or b""
+    target = path.decode("latin-1") + (f"?{query.decode('latin-1')}" if query else "")
     async with pool.request(scope["method"], target, headers=pool.upstream_headers(scope["headers"]), body=body) as up:
         await send({"type": "http.response.start", "status": up.status, "headers": response_headers(up.headers)})
         async for chunk in up.iter_chunks():
