@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import ssl
 import typing
 from collections.abc import AsyncIterator, Iterable
@@ -76,6 +77,16 @@ class Origin:
     def host_header(self) -> bytes:
         default = 443 if self.scheme == "https" else 80
         return (self.host if self.port == default else f"{self.host}:{self.port}").encode("idna")
+
+
+@functools.lru_cache(maxsize=4096)
+def _parse_target(url: str) -> tuple[Origin, bytes]:
+    """The origin of `url`, and the request line after the method plus the Host header (cached:
+    a proxy sends to a few URLs over and over)."""
+    parts = urlsplit(url)
+    origin = Origin.parse(url)
+    target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    return origin, f"{target} HTTP/1.1\r\n".encode("latin-1") + b"host: " + origin.host_header + b"\r\n"
 
 
 class _Connection(asyncio.Protocol):
@@ -305,10 +316,8 @@ class HTTPClient:
         read_timeout: float | None = None,
     ) -> Response:
         """Send a request; return once the answer's status and headers have arrived."""
-        parts = urlsplit(url)
-        origin = Origin.parse(url)
-        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-        head = [f"{method} {target} HTTP/1.1\r\n".encode("latin-1"), b"host: ", origin.host_header, b"\r\n"]
+        origin, request_line_end = _parse_target(url)
+        head = [method.encode("latin-1"), b" ", request_line_end]
         for name, value in headers:
             head += [name, b": ", value, b"\r\n"]
         head += [b"content-length: ", str(len(body)).encode(), b"\r\n\r\n"]
