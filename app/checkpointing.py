@@ -220,8 +220,9 @@ class CheckpointManager:
                         f"chunk {chunk_index} has room for {room} more documents (records_per_chunk="
                         f"{self.records_per_chunk}), this request brings {len(fresh)}: the rest belong in the next"
                     )
-                data = b"".join(lines[position] for position in fresh.values())
-                file = await self._append(rank, chunk_index, data)
+                data = lines[0] if len(lines) == 1 else b"".join(lines[position] for position in fresh.values())
+                file = self._files.get(chunk_index) or await self._open_chunk_file(rank, chunk_index)
+                file.append(data)
                 try:
                     for position in fresh.values():
                         if not is_removed(documents[position]):
@@ -304,24 +305,22 @@ class CheckpointManager:
                 f"a document for it belongs to another chunk, or was already written before a restart"
             )
 
-    async def _append(self, rank: int, chunk_index: int, line: bytes) -> AppendFile:
-        file = self._files.get(chunk_index)
-        if file is None:
-            self._ensure_meta()
-            path = self._chunk_path(rank, chunk_index)
-            created = not os.path.exists(path)
-            if created:
-                await asyncio.to_thread(make_dirs_durable, os.path.dirname(path))
-                logger.info("Creating checkpoint file %s", path)
-            file = AppendFile(path)
-            if created and self.fsync == "always":
-                try:
-                    await asyncio.to_thread(fsync_dir, os.path.dirname(path))
-                except BaseException:
-                    file.close()
-                    raise
-            self._files[chunk_index] = file
-        file.append(line)
+    async def _open_chunk_file(self, rank: int, chunk_index: int) -> AppendFile:
+        """Open (creating it durably) the chunk's file for appending; kept open until the chunk completes."""
+        self._ensure_meta()
+        path = self._chunk_path(rank, chunk_index)
+        created = not os.path.exists(path)
+        if created:
+            await asyncio.to_thread(make_dirs_durable, os.path.dirname(path))
+            logger.info("Creating checkpoint file %s", path)
+        file = AppendFile(path)
+        if created and self.fsync == "always":
+            try:
+                await asyncio.to_thread(fsync_dir, os.path.dirname(path))
+            except BaseException:
+                file.close()
+                raise
+        self._files[chunk_index] = file
         return file
 
     async def _publish_ready(self, rank: int) -> None:

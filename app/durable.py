@@ -89,11 +89,11 @@ class AppendFile:
     def append(self, data: bytes) -> int:
         """Append `data`; return the offset it starts at. On failure the file is as before."""
         start = self.size
-        view = memoryview(data)
         written = 0
         try:
+            written = os.write(self.fd, data)  # almost always all of it at once
             while written < len(data):
-                n = os.write(self.fd, view[written:])
+                n = os.write(self.fd, memoryview(data)[written:])
                 if n == 0:
                     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), self.path)
                 written += n
@@ -159,6 +159,9 @@ class GroupSync:
     async def _run(self) -> None:
         try:
             while self._waiters:
+                # One turn of the event loop first: writers already runnable append and join
+                # this round instead of paying for the next one.
+                await asyncio.sleep(0)
                 waiters, self._waiters = self._waiters, []
                 files = [f for f in self._dirty.values() if f.fd >= 0]
                 self._dirty = {}
