@@ -458,15 +458,16 @@ class CheckpointManager:
         """
         if self.checkpoints_local_dir is None:
             return
-        self._check_usable()
-        # Under the chunk's lock: a write already appending finishes first (and is published),
-        # any later one is refused as a write to a complete chunk.
-        async with self.file_locks[chunk_index]:
-            self._ready.add(chunk_index)
-        await asyncio.shield(self._publish_ready(rank))
+        if chunk_index > self.last_chunk_index:  # else done already: marking it again is harmless
+            self._check_usable()
+            # Under the chunk's lock: a write already appending finishes first (and is published),
+            # any later one is refused as a write to a complete chunk.
+            async with self.file_locks[chunk_index]:
+                self._ready.add(chunk_index)
+            await asyncio.shield(self._publish_ready(rank))
         rank_dir = os.path.join(self.checkpoints_local_dir, f"{rank:05d}")
-        if self.last_chunk_index == chunk_index:
-            if os.path.exists(rank_dir):
+        if self.last_chunk_index >= chunk_index:
+            if self.last_chunk_index == chunk_index and os.path.exists(rank_dir):
                 await self._close_files()
                 shutil.rmtree(rank_dir)
             return

@@ -308,3 +308,11 @@ async def test_many_ranks_and_chunks_written_concurrently_publish_exactly_once(t
     for rank in range(4):
         ids = sorted(i for k in range(3) for i in files[f"{rank:05d}_chunk_{k}.jsonl"])
         assert ids == sorted(f"r{rank}-{i}" for i in range(9))
+
+
+async def test_completing_a_chunk_twice_is_harmless(client: httpx.AsyncClient, tmp_path: Path) -> None:
+    await post(client, [doc("a")], chunk=0)
+    first = await client.post("/chunks/0/complete")
+    again = await client.post("/chunks/0/complete")
+    assert first.json() == again.json() == {"rank": 0, "last_chunk_index": 0, "pending": []}
+    assert published(tmp_path) == {"00000_chunk_0.jsonl": ["a"]}
