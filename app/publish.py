@@ -24,14 +24,13 @@ from __future__ import annotations
 import asyncio
 import gzip
 import os
-import tempfile
 from string import Template
 from typing import Any
 
 import orjson
 
 from app.documents import NO_ROLLOUTS_MARKER
-from app.durable import fsync_dir, make_dirs_durable, read_jsonl_whole_lines
+from app.durable import atomic_write_bytes, read_jsonl_whole_lines
 
 DEFAULT_OUTPUT_FILENAME = "${rank}_chunk_${chunk_index}.jsonl"
 _ALLOWED_FIELDS = frozenset({"rank", "chunk_index"})
@@ -106,7 +105,7 @@ class ChunkPublisher:
             if self._fs is not None:
                 self._fs.pipe_file(f"{self._root.rstrip('/')}/{name}", data)
             else:
-                self._replace(os.path.join(self.output, name), data)
+                atomic_write_bytes(os.path.join(self.output, name), data)
             self.published.append(name)
         self._chunks.pop(name, None)
 
@@ -133,20 +132,3 @@ class ChunkPublisher:
 
             return bytes(zstandard.ZstdCompressor().compress(data))
         return data
-
-    @staticmethod
-    def _replace(path: str, data: bytes) -> None:
-        directory = os.path.dirname(path)
-        make_dirs_durable(directory)
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".partial")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
-        fsync_dir(directory)

@@ -4,7 +4,6 @@ in progress, and counters. Built and torn down by the lifespan in `app.main`."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
@@ -51,9 +50,6 @@ class CacheRegistry:
 
     def opened(self) -> dict[int, RequestCache]:
         return dict(self._caches)
-
-    async def flush(self) -> None:
-        await asyncio.gather(*(cache.flush() for cache in self._caches.values()))
 
     async def discard(self, rank: int) -> None:
         """Close a rank's cache whose file was removed (its job finished)."""
@@ -149,11 +145,3 @@ class Services:
     checkpoints: CheckpointRegistry
     flights: dict[CacheKey, asyncio.Future[StoredResponse | None]] = field(default_factory=dict)
     stats: Counter[str] = field(default_factory=Counter)
-
-    async def close(self) -> None:
-        try:
-            await self.checkpoints.close()
-            await self.caches.close()
-        finally:
-            with contextlib.suppress(Exception):
-                await self.pool.close()
