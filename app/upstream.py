@@ -140,6 +140,8 @@ class UpstreamPool:
         await self._client.close()
 
     def pick(self) -> Replica:
+        if len(self.replicas) == 1:
+            return self.replicas[0]  # the common case, on every request: no choice to make
         healthy = [r for r in self.replicas if r.healthy] or sorted(self.replicas, key=lambda r: r.failed_at)[:1]
         if len(healthy) == 1:
             return healthy[0]
