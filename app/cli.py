@@ -114,8 +114,12 @@ def serve(args: argparse.Namespace) -> int:
     flags = {name: getattr(args, name) for name in Settings.model_fields}
     try:
         settings = Settings.load(args.config, **flags)
-    except (ValidationError, FileNotFoundError, ValueError) as exc:
-        print(f"inferproxy serve: invalid settings:\n{exc}", file=sys.stderr)
+        check_checkpoints_dir(settings)
+    except ValidationError as exc:
+        print(f"inferproxy serve: invalid settings:\n{describe_errors(exc)}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"inferproxy serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = uvicorn.Config(
@@ -151,12 +155,50 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def describe_errors(exc: ValidationError) -> str:
+    """One line per bad setting: its flag, environment variable, what is wrong and the value given."""
+    lines = []
+    for error in exc.errors():
+        name = str(error["loc"][0]) if error["loc"] else "?"
+        where = f"{flag_name(name)} / INFERPROXY_{name.upper()}" if name in Settings.model_fields else name
+        given = f" (got {error['input']!r})" if "input" in error and not isinstance(error["input"], dict) else ""
+        lines.append(f"  {where}: {error['msg']}{given}")
+    return "\n".join(lines)
+
+
+def check_checkpoints_dir(settings: Settings) -> None:
+    """Refuse to start on checkpoints written with another records_per_chunk, before serving anything."""
+    import orjson
+
+    from app.checkpointing import META_FILENAME
+
+    meta = settings.checkpoints_dir / META_FILENAME
+    if not meta.is_file():
+        return
+    try:
+        recorded = orjson.loads(meta.read_bytes()).get("records_per_chunk")
+    except (ValueError, AttributeError) as exc:
+        raise ValueError(f"{meta} is not a JSON object with records_per_chunk ({exc})") from exc
+    if recorded != settings.records_per_chunk:
+        raise ValueError(
+            f"the checkpoints in {settings.checkpoints_dir} were written with records_per_chunk={recorded}, "
+            f"not {settings.records_per_chunk}: every chunk boundary would shift. Start with "
+            f"--records-per-chunk {recorded} to resume that job, or give a new job its own --checkpoints-dir"
+        )
+
+
 def fake_upstream(args: argparse.Namespace) -> int:
     import uvicorn
 
     from app.fake_upstream import FakeUpstream
 
     app = FakeUpstream(latency_ms=args.latency_ms, model=args.model)
+    print(
+        f"inferproxy fake-upstream: a vLLM-shaped simulator of {args.model!r} on http://{args.host}:{args.port}/v1 "
+        f"({args.latency_ms:g} ms per answer)",
+        file=sys.stderr,
+        flush=True,
+    )
     uvicorn.run(
         app,
         host=args.host,

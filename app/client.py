@@ -20,6 +20,7 @@ Kill it anywhere and run it again: it carries on where the proxy says.
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -30,6 +31,8 @@ import orjson
 
 from app.documents import Document, DocumentLike
 from app.httpclient import ConnectError, ConnectionLost, HTTPClient
+
+logger = logging.getLogger(__name__)
 
 RolloutFn = Callable[[DocumentLike, int, dict[str, str]], Awaitable[Any]]
 
@@ -164,7 +167,9 @@ async def run_job(
         if records_per_chunk is not None and records_per_chunk != state.records_per_chunk:
             raise ValueError(
                 f"the proxy groups rank {rank} into chunks of {state.records_per_chunk} documents, this job "
-                f"asked for {records_per_chunk}: start the proxy with --records-per-chunk {records_per_chunk}"
+                f"asked for {records_per_chunk}: run the job with records_per_chunk={state.records_per_chunk} "
+                f"to resume it, or start the proxy with --records-per-chunk {records_per_chunk} and a fresh "
+                f"--checkpoints-dir for a new job"
             )
         rpc = state.records_per_chunk
         # datatrove's skip: by position, then by id, each id consumed by its first later occurrence
@@ -212,6 +217,14 @@ async def run_job(
                         tasks.create_task(process(document, position // rpc))
         except* Exception as failures:
             raise failures.exceptions[0] from None
+        if report.documents and report.written == 0 and state.docs_to_skip >= report.documents:
+            logger.warning(
+                "rank %d: the proxy's checkpoints say the first %d documents are done, more than this input has "
+                "(%d): nothing was processed. If this is a new job, give it its own --checkpoints-dir",
+                rank,
+                state.docs_to_skip,
+                report.documents,
+            )
         if report.documents:
             done = await job.complete_chunk(report.last_chunk_index)
             report.chunks = done["last_chunk_index"] + 1

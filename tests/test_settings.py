@@ -87,3 +87,15 @@ def test_serve_with_bad_settings_exits_2_naming_the_setting(capsys: pytest.Captu
 
     assert main(["serve", "--port", "99999"]) == 2
     assert "port" in capsys.readouterr().err
+
+
+def test_serve_refuses_checkpoints_written_with_another_records_per_chunk(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from app.cli import main
+
+    (tmp_path / "checkpoint_meta.json").write_text('{"records_per_chunk": 6000}')
+    assert main(["serve", f"--checkpoints-dir={tmp_path}", "--records-per-chunk=100"]) == 2
+    err = capsys.readouterr().err
+    assert "records_per_chunk=6000, not 100" in err
+    assert "--checkpoints-dir" in err
