@@ -75,18 +75,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inferproxy", description="Caching and checkpointing for batch inference.")
     parser.add_argument("--version", action="version", version=f"inferproxy {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
+    shows_defaults = argparse.ArgumentDefaultsHelpFormatter
 
-    serve_parser = commands.add_parser("serve", help="run the caching proxy in front of vLLM/SGLang")
+    serve_parser = commands.add_parser(
+        "serve", help="run the caching proxy in front of vLLM/SGLang", formatter_class=shows_defaults
+    )
     _settings_arguments(serve_parser)
 
-    fake = commands.add_parser("fake-upstream", help="run a vLLM-shaped OpenAI-compatible simulator")
+    fake = commands.add_parser(
+        "fake-upstream", help="run a vLLM-shaped OpenAI-compatible simulator", formatter_class=shows_defaults
+    )
     fake.add_argument("--host", default="127.0.0.1")
     fake.add_argument("--port", type=_non_negative, default=8000)
     fake.add_argument("--latency-ms", type=float, default=0.0, help="delay before every answer")
     fake.add_argument("--model", default="fake-model", help="the one model name served")
 
     defaults = demo.DemoOptions()
-    demo_parser = commands.add_parser("demo", help="kill a batch job and its proxy, restart them, check the output")
+    demo_parser = commands.add_parser(
+        "demo", help="kill a batch job and its proxy, restart them, check the output", formatter_class=shows_defaults
+    )
     _demo_arguments(demo_parser)
     demo_parser.add_argument("--workdir", type=Path, default=defaults.workdir, help="where checkpoints and output go")
     demo_parser.add_argument("--kills", type=_non_negative, default=defaults.kills)

@@ -157,10 +157,12 @@ def wait_until_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0
     raise SystemExit(f"{url} did not answer within {timeout:g} s")
 
 
-def inferproxy(*args: str, quiet: bool = True) -> subprocess.Popen[bytes]:
+def inferproxy(*args: str, silent: bool = False) -> subprocess.Popen[bytes]:
+    """`inferproxy ARGS` as a process; its errors still reach the terminal unless `silent`."""
     return subprocess.Popen(
         [sys.executable, "-m", "app.cli", *args],
-        stdout=subprocess.DEVNULL if quiet else subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL if silent else None,
     )
 
 
@@ -277,7 +279,7 @@ def upstream_server(options: DemoOptions) -> Iterator[str]:
         return
     port = free_port()
     proc = inferproxy(
-        "fake-upstream", f"--port={port}", f"--latency-ms={options.latency_ms}", f"--model={options.model}"
+        "fake-upstream", f"--port={port}", f"--latency-ms={options.latency_ms}", f"--model={options.model}", silent=True
     )
     try:
         url = f"http://127.0.0.1:{port}"
@@ -324,8 +326,8 @@ def describe_run(number: int, run: RunReport) -> str:
     start = "started fresh" if number == 1 else f"resumed, skipping {run.skipped} documents already done"
     end = f"killed ({run.killed}) with SIGKILL" if run.killed else "finished"
     return (
-        f"  run {number}: {start}; {run.generated} generations computed, {run.replayed} replayed from the "
-        f"cache; {run.written} documents written; {end}"
+        f"  run {number}: {start}; the job got {run.generated} fresh answers and {run.replayed} from the "
+        f"cache, {run.written} documents acknowledged; {end}"
     )
 
 

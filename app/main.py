@@ -66,6 +66,10 @@ def create_app(settings: Settings | None = None) -> InferProxy:
                 logger.info("restored the checkpoints of ranks %s from %s", ranks, settings.checkpoints_dir)
             api.state.services = Services(settings=settings, pool=pool, caches=caches, checkpoints=checkpoints)
             logger.info("inferproxy %s forwarding to %s", __version__, ", ".join(settings.upstream))
+            shown = settings.model_dump(mode="json")
+            for secret in ("api_key", "upstream_api_key"):
+                shown[secret] = "***" if shown[secret] else None
+            logger.info("settings: %s", shown)
             yield
 
     api = FastAPI(title="inferproxy", version=__version__, lifespan=lifespan, default_response_class=JSONResponse)

@@ -103,6 +103,17 @@ class CheckpointRegistry:
                 self._managers[rank] = manager
         return manager
 
+    def is_open(self, rank: int) -> bool:
+        return rank in self._managers
+
+    def has_working_files(self, rank: int) -> bool:
+        return (Path(self.root) / f"{rank:05d}").is_dir()
+
+    def last_chunk_on_disk(self, rank: int) -> int:
+        """What `last_chunk/<rank>.txt` says, as the checkpoint manager would read it (-1 if absent)."""
+        probe = CheckpointManager(self.root, self.settings.records_per_chunk)
+        return probe._read_last_chunk(rank)
+
     def known_ranks(self) -> list[int]:
         """Ranks with anything in the checkpoints dir: a rank folder or a last_chunk file."""
         ranks: set[int] = set()

@@ -316,3 +316,15 @@ async def test_completing_a_chunk_twice_is_harmless(client: httpx.AsyncClient, t
     again = await client.post("/chunks/0/complete")
     assert first.json() == again.json() == {"rank": 0, "last_chunk_index": 0, "pending": []}
     assert published(tmp_path) == {"00000_chunk_0.jsonl": ["a"]}
+
+
+async def test_resume_for_a_rank_never_used_creates_no_files(client: httpx.AsyncClient, tmp_path: Path) -> None:
+    answer = await client.get("/resume", headers={"X-Rank": "7"})
+    assert answer.json() == {
+        "rank": 7,
+        "records_per_chunk": 3,
+        "last_chunk_index": -1,
+        "docs_to_skip": 0,
+        "processed_ids": [],
+    }
+    assert not (tmp_path / "ckpt" / "00007").exists()

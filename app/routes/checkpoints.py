@@ -165,6 +165,17 @@ async def complete_chunk(services: Services, scope: Scope, chunk_index: int) -> 
 
 async def get_resume(services: Services, scope: Scope) -> dict[str, Any]:
     rank = rank_of(scope)
+    if not services.checkpoints.is_open(rank) and not services.checkpoints.has_working_files(rank):
+        # Nothing in progress for this rank: answer from last_chunk alone, creating no files.
+        last = services.checkpoints.last_chunk_on_disk(rank)
+        rpc = services.settings.records_per_chunk
+        return {
+            "rank": rank,
+            "records_per_chunk": rpc,
+            "last_chunk_index": last,
+            "docs_to_skip": (last + 1) * rpc if last >= 0 else 0,
+            "processed_ids": [],
+        }
     manager = await manager_of(services, rank)
     docs_to_skip, processed = manager.resume_state()
     return {
