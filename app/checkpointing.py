@@ -258,11 +258,11 @@ class CheckpointManager:
 
     def resume_state(self) -> tuple[int, set[str]]:
         """`(docs_to_skip, processed_ids)` as `parse_existing_checkpoints` would return them now."""
-        docs_to_skip = (self.last_chunk_index + 1) * self.records_per_chunk if self.last_chunk_index >= 0 else 0
+        skip = docs_to_skip(self.last_chunk_index, self.records_per_chunk)
         processed = {
             doc_id for chunk, ids in self._chunk_ids.items() if chunk > self.last_chunk_index for doc_id in ids
         }
-        return docs_to_skip, processed
+        return skip, processed
 
     def _check_usable(self) -> None:
         if self._broken is not None:
@@ -388,8 +388,7 @@ class CheckpointManager:
             await self.request_cache.drop_chunk(self.last_chunk_index)
         if self._ready:
             await asyncio.shield(self._publish_ready(rank))
-        docs_to_skip = (self.last_chunk_index + 1) * self.records_per_chunk if self.last_chunk_index >= 0 else 0
-        return docs_to_skip, all_ids
+        return docs_to_skip(self.last_chunk_index, self.records_per_chunk), all_ids
 
     def _read_chunks(self, rank: int) -> list[tuple[int, list[DocumentLike]]]:
         """Decode the rank's unfinished chunk files, validating all before anything is written."""
@@ -421,32 +420,7 @@ class CheckpointManager:
         return chunks
 
     def _read_last_chunk(self, rank: int) -> int:
-        path = self._last_chunk_path(rank)
-        try:
-            with open(path) as f:
-                text = f.read()
-        except FileNotFoundError:
-            return -1
-        except OSError as exc:
-            text = f"<unreadable: {exc}>"
-        try:
-            value = int(text.strip())
-            if value < -1:
-                raise ValueError(value)
-        except ValueError:
-            # Left by a writer that truncated the file and died before writing
-            # it again (datatrove rewrites it in place). The true value is lost;
-            # the only safe lower bound is "no chunk complete": finished chunks
-            # are generated again and their outputs rewritten, none is lost.
-            logger.warning(
-                "%s is empty or unreadable (%r), probably left by a crash while it was rewritten in place; "
-                "resuming as if no chunk were complete: chunks already published will be generated again "
-                "and their output files rewritten",
-                path,
-                text[:80],
-            )
-            return -1
-        return value
+        return read_last_chunk(self._last_chunk_path(rank))
 
     # -------------------------------------------------------------- completing
 
@@ -621,3 +595,37 @@ def _chunk_files(rank_dir: str) -> list[tuple[int, str]]:
         if match:
             found.append((int(match.group(1)), os.path.join(rank_dir, name)))
     return sorted(found)
+
+
+def read_last_chunk(path: str) -> int:
+    """The value of a `last_chunk/<rank>.txt` file: -1 if absent, and -1 (logged) if unreadable."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return -1
+    except OSError as exc:
+        text = f"<unreadable: {exc}>"
+    try:
+        value = int(text.strip())
+        if value < -1:
+            raise ValueError(value)
+    except ValueError:
+        # Left by a writer that truncated the file and died before writing
+        # it again (datatrove rewrites it in place). The true value is lost;
+        # the only safe lower bound is "no chunk complete": finished chunks
+        # are generated again and their outputs rewritten, none is lost.
+        logger.warning(
+            "%s is empty or unreadable (%r), probably left by a crash while it was rewritten in place; "
+            "resuming as if no chunk were complete: chunks already published will be generated again "
+            "and their output files rewritten",
+            path,
+            text[:80],
+        )
+        return -1
+    return value
+
+
+def docs_to_skip(last_chunk_index: int, records_per_chunk: int) -> int:
+    """How many input documents the published chunks `0..last_chunk_index` cover."""
+    return (last_chunk_index + 1) * records_per_chunk if last_chunk_index >= 0 else 0

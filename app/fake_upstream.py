@@ -31,10 +31,11 @@ from typing import Any
 import orjson
 
 from app.asgi import JSON_HEADERS as JSON
-from app.asgi import Receive, Scope, Send, lifespan_noop, send_bytes
+from app.asgi import Receive, Scope, Send, lifespan_noop, read_body, send_bytes
 from app.hashing import payload_hash
 
 MAX_MODEL_LEN = 8192
+MAX_BODY_BYTES = 1 << 30  # a simulator: any body a test sends
 WORDS = [
     "the",
     "a",
@@ -111,7 +112,7 @@ class FakeUpstream:
             self._attempts.clear()
             await send_bytes(send, 200, JSON, b"{}")
         elif method == "POST" and path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
-            await self.generate(path, await _read_body(receive), send)
+            await self.generate(path, await read_body(scope, receive, MAX_BODY_BYTES), send)
         else:
             await send_bytes(send, 404, JSON, vllm_error(f"Not Found: {method} {path}", "NotFoundError", 404))
 
@@ -276,12 +277,3 @@ class FakeUpstream:
 
 def vllm_error(message: str, type_: str, code: int) -> bytes:
     return orjson.dumps({"error": {"message": message, "type": type_, "param": None, "code": code}})
-
-
-async def _read_body(receive: Receive) -> bytes:
-    chunks = []
-    while True:
-        message = await receive()
-        chunks.append(message.get("body", b""))
-        if not message.get("more_body"):
-            return b"".join(chunks)

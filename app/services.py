@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.cache import RequestCache, StoredResponse
-from app.checkpointing import CheckpointManager
+from app.checkpointing import CheckpointManager, read_last_chunk
 from app.publish import ChunkPublisher
 from app.settings import Settings
 from app.upstream import UpstreamPool
@@ -110,9 +111,8 @@ class CheckpointRegistry:
         return (Path(self.root) / f"{rank:05d}").is_dir()
 
     def last_chunk_on_disk(self, rank: int) -> int:
-        """What `last_chunk/<rank>.txt` says, as the checkpoint manager would read it (-1 if absent)."""
-        probe = CheckpointManager(self.root, self.settings.records_per_chunk)
-        return probe._read_last_chunk(rank)
+        """What `last_chunk/<rank>.txt` says, as the checkpoint manager reads it (-1 if absent)."""
+        return read_last_chunk(os.path.join(self.root, "last_chunk", f"{rank:05d}.txt"))
 
     def known_ranks(self) -> list[int]:
         """Ranks with anything in the checkpoints dir: a rank folder or a last_chunk file."""

@@ -26,13 +26,14 @@ import os
 import platform
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+
+from app.demo import free_port
 
 
 def body(max_tokens: int) -> str:
@@ -79,13 +80,6 @@ wrk.method = "POST"
 wrk.body = '{payload}'
 wrk.headers["Content-Type"] = "application/json"
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def wait_until_up(url: str, timeout: float = 30.0) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -15,16 +14,12 @@ from typing import Any
 import httpx
 import uvicorn
 
+from app.demo import free_port
 from app.fake_upstream import FakeUpstream
 from app.main import create_app
 from app.settings import Settings
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+__all__ = ["fake_upstream", "free_port", "process", "proxy_client", "serve_in_loop", "wait_for_http"]
 
 
 @contextlib.asynccontextmanager

@@ -23,6 +23,7 @@ from app.checkpointing import (
     CheckpointManager,
     ChunkCompleteError,
     RecordsPerChunkMismatch,
+    docs_to_skip,
 )
 from app.documents import Document, DocumentError
 from app.errors import BadRequest, ChunkConflict, InsufficientStorage, NotFound, ProxyError
@@ -165,23 +166,19 @@ async def complete_chunk(services: Services, scope: Scope, chunk_index: int) -> 
 
 async def get_resume(services: Services, scope: Scope) -> dict[str, Any]:
     rank = rank_of(scope)
-    if not services.checkpoints.is_open(rank) and not services.checkpoints.has_working_files(rank):
+    registry = services.checkpoints
+    if registry.is_open(rank) or registry.has_working_files(rank):
+        manager = await manager_of(services, rank)
+        records_per_chunk, last = manager.records_per_chunk, manager.last_chunk_index
+        skip, processed = manager.resume_state()
+    else:
         # Nothing in progress for this rank: answer from last_chunk alone, creating no files.
-        last = services.checkpoints.last_chunk_on_disk(rank)
-        rpc = services.settings.records_per_chunk
-        return {
-            "rank": rank,
-            "records_per_chunk": rpc,
-            "last_chunk_index": last,
-            "docs_to_skip": (last + 1) * rpc if last >= 0 else 0,
-            "processed_ids": [],
-        }
-    manager = await manager_of(services, rank)
-    docs_to_skip, processed = manager.resume_state()
+        records_per_chunk, last = services.settings.records_per_chunk, registry.last_chunk_on_disk(rank)
+        skip, processed = docs_to_skip(last, records_per_chunk), set()
     return {
         "rank": rank,
-        "records_per_chunk": manager.records_per_chunk,
-        "last_chunk_index": manager.last_chunk_index,
-        "docs_to_skip": docs_to_skip,
+        "records_per_chunk": records_per_chunk,
+        "last_chunk_index": last,
+        "docs_to_skip": skip,
         "processed_ids": sorted(processed),
     }
