@@ -11,12 +11,11 @@ Every `serve` flag is a field of `app.settings.Settings`, also read from
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import logging
 import sys
 import typing
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -114,9 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def serve(args: argparse.Namespace) -> int:
-    import uvicorn
+    import uvloop
 
-    from app.main import create_app
+    from app.main import create_server
 
     flags = {name: getattr(args, name) for name in Settings.model_fields}
     try:
@@ -129,36 +128,15 @@ def serve(args: argparse.Namespace) -> int:
         print(f"inferproxy serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = uvicorn.Config(
-        create_app(settings),
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        lifespan="on",
-        access_log=False,
-        server_header=False,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
-    )
-
-    class GracefulServer(uvicorn.Server):
-        """uvicorn re-raises SIGTERM/SIGINT once it has shut down gracefully, so the process
-        would die of the signal; a clean shutdown is exit status 0 here (contract §2)."""
-
-        @contextlib.contextmanager
-        def capture_signals(self) -> Iterator[None]:
-            with super().capture_signals():
-                try:
-                    yield
-                finally:
-                    self._captured_signals.clear()
-
-    server = GracefulServer(config)
+    server = create_server(settings)
     # What is loaded by now lives as long as the process: keep it out of the
     # garbage collector's generations, which then only scan request garbage.
     gc.freeze()
-    server.run()
+    try:
+        uvloop.run(server.serve(install_signal_handlers=True))
+    except OSError as exc:  # the port is taken, the address is not ours
+        print(f"inferproxy serve: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

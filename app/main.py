@@ -2,6 +2,9 @@
 
 Where a request goes:
 
+- a cache hit (`POST /v1/chat/completions` or `/v1/completions`): answered by
+  `InferProxy.answer_fast` inside `app.server`'s protocol callback, with no
+  task, ASGI message or framework code at all;
 - `/v1/*`: `app.routes.proxy`, on raw ASGI, before any framework code runs:
   the hot path pays for no routing, middleware or telemetry layers;
 - `/documents`, `/chunks/{i}/complete`, `/resume`: `app.routes.checkpoints` (raw ASGI too);
@@ -27,11 +30,12 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from app import __version__
-from app.asgi import ASGIApp, ClientGone, JSONResponse, Message, Receive, Scope, Send, header, send_error
+from app.asgi import ASGIApp, ClientGone, Headers, JSONResponse, Message, Receive, Scope, Send, header, send_error
 from app.errors import ProxyError, Unauthorized, error_body
 from app.routes import ops
 from app.routes.checkpoints import CHECKPOINT_PATHS, handle_checkpoints
-from app.routes.proxy import handle_v1
+from app.routes.proxy import CACHEABLE_PATHS, answer_hit, handle_v1
+from app.server import FastAnswer, HTTPServer
 from app.services import CacheRegistry, CheckpointRegistry, Services
 from app.settings import Settings
 from app.upstream import UpstreamPool
@@ -64,7 +68,9 @@ def create_app(settings: Settings | None = None) -> InferProxy:
             ranks = await checkpoints.recover()
             if ranks:
                 logger.info("restored the checkpoints of ranks %s from %s", ranks, settings.checkpoints_dir)
-            api.state.services = Services(settings=settings, pool=pool, caches=caches, checkpoints=checkpoints)
+            services = Services(settings=settings, pool=pool, caches=caches, checkpoints=checkpoints)
+            api.state.services = proxy.services = services
+            stack.callback(setattr, proxy, "services", None)
             logger.info("inferproxy %s forwarding to %s", __version__, ", ".join(settings.upstream))
             shown = settings.model_dump(mode="json")
             for secret in ("api_key", "upstream_api_key"):
@@ -93,7 +99,21 @@ def create_app(settings: Settings | None = None) -> InferProxy:
         body = error_body(f"{param}: {first.get('msg')}", type_="invalid_request_error", param=param, code=400)
         return JSONResponse(orjson.loads(body), status_code=400)
 
-    return InferProxy(api, api_key=settings.api_key)
+    proxy = InferProxy(api, api_key=settings.api_key)
+    return proxy
+
+
+def create_server(settings: Settings, app: InferProxy | None = None) -> HTTPServer:
+    """`inferproxy serve`'s HTTP server around `create_app(settings)`, hits on its fast path."""
+    app = app or create_app(settings)
+    return HTTPServer(
+        app,
+        host=settings.host,
+        port=settings.port,
+        fast=app.answer_fast,
+        fast_paths=CACHEABLE_PATHS,
+        shutdown_grace_s=settings.shutdown_grace_s,
+    )
 
 
 class InferProxy:
@@ -104,10 +124,24 @@ class InferProxy:
         self.api = api
         self.router = api.router  # lifespan_context, for in-process tests
         self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.services: Services | None = None  # while the lifespan runs
 
     @property
     def state(self) -> Any:
         return self.api.state
+
+    def answer_fast(self, path: str, headers: Headers, body: bytes, extensions: dict[str, Any]) -> FastAnswer | None:
+        """`app.server`'s fast path: a cache hit answered synchronously, or None.
+
+        Only for an authenticated `POST` to a cacheable path (the server routes those here);
+        whatever needs an error answer is left to `__call__`.
+        """
+        if self.expected is not None:
+            given = next((value for name, value in headers if name == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                return None
+        services = self.services
+        return answer_hit(services, headers, body, extensions) if services is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

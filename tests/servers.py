@@ -16,10 +16,10 @@ import uvicorn
 
 from app.demo import free_port
 from app.fake_upstream import FakeUpstream
-from app.main import create_app
+from app.main import create_server
 from app.settings import Settings
 
-__all__ = ["fake_upstream", "free_port", "process", "proxy_client", "serve_in_loop", "wait_for_http"]
+__all__ = ["fake_upstream", "free_port", "process", "proxy_client", "serve_in_loop", "serve_proxy", "wait_for_http"]
 
 
 @contextlib.asynccontextmanager
@@ -49,13 +49,21 @@ async def fake_upstream(**kwargs: Any) -> AsyncIterator[tuple[str, FakeUpstream]
 
 
 @contextlib.asynccontextmanager
+async def serve_proxy(settings: Settings) -> AsyncIterator[str]:
+    """`inferproxy serve`'s server (app.server, fast path included) in this event loop; yield its URL."""
+    server = create_server(settings.model_copy(update={"host": "127.0.0.1", "port": 0}))
+    await server.start()
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        await server.shutdown()
+
+
+@contextlib.asynccontextmanager
 async def proxy_client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
-    """The proxy app in-process (lifespan included), reached through httpx's ASGI transport."""
-    app = create_app(settings)
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://proxy", timeout=30) as client:
-            yield client
+    """The proxy served in-process on a loopback port (lifespan included), and an httpx client of it."""
+    async with serve_proxy(settings) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+        yield client
 
 
 def wait_for_http(url: str, timeout: float = 20.0) -> None:

@@ -8,13 +8,18 @@ flight share one upstream call. Every other `/v1/*` route is forwarded
 unchanged and not cached.
 
 A hit costs a header scan, a JSON parse and hash, and one SQLite point
-query: no framework request/response objects, no routing tables.
+query: no framework request/response objects, no routing tables. `answer_hit`
+does it synchronously, called by `app.server` inside its protocol callback
+before any task or ASGI message exists; what it cannot answer (a miss, a bad
+header) goes through `handle_v1` with the parsed request in the scope's
+extensions, so that it is not parsed and hashed twice.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import orjson
 
@@ -30,6 +35,7 @@ from app.upstream import UpstreamResponse, response_headers
 logger = logging.getLogger(__name__)
 
 CACHEABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+PREPARED = "inferproxy.prepared"  # scope extension: (RequestKey, body, payload hash) parsed by answer_hit
 NO_CHUNK = -1  # the chunk_index stored for requests without X-Chunk-Index: never dropped by a chunk
 _PASSED_ON = frozenset({b"retry-after"})
 
@@ -44,16 +50,50 @@ async def handle_v1(services: Services, scope: Scope, receive: Receive, send: Se
         await send_error(send, error, [(b"x-cache", b"BYPASS")])
 
 
-async def cacheable(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
-    key = parse_request_key(scope["headers"])
-    body = await read_body(scope, receive, services.settings.max_body_bytes)
+def answer_hit(
+    services: Services, headers: Headers, body: bytes, extensions: dict[str, Any]
+) -> tuple[int, Headers, bytes] | None:
+    """The stored answer for a whole `POST` to a cacheable path, or None: the ASGI path answers.
+
+    What it parsed is left in `extensions` for that path; anything it cannot
+    parse is left for the ASGI path to reject with its error.
+    """
+    if len(body) > services.settings.max_body_bytes:
+        return None
+    try:
+        key = parse_request_key(headers)
+        digest = payload_digest(body)
+    except BadRequest:
+        return None
+    extensions[PREPARED] = (key, body, digest)
+    if key.doc_id is None or key.no_cache:
+        return None
+    cache = services.caches.opened_cache(key.rank)
+    hit = cache.get_response(key.doc_id, key.rollout_idx, digest) if cache is not None else None
+    if hit is None:
+        return None
+    services.stats["hit"] += 1
+    return hit.status, stored_headers(hit, b"HIT", digest), hit.body
+
+
+def payload_digest(body: bytes) -> str:
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"the request body must be a JSON object: {exc}") from None
     if not isinstance(payload, dict):
         raise BadRequest(f"the request body must be a JSON object, got a JSON {type(payload).__name__}")
-    digest = payload_hash(payload)
+    return payload_hash(payload)
+
+
+async def cacheable(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+    prepared: tuple[RequestKey, bytes, str] | None = scope.get("extensions", {}).get(PREPARED)
+    if prepared is not None:
+        key, body, digest = prepared
+    else:
+        key = parse_request_key(scope["headers"])
+        body = await read_body(scope, receive, services.settings.max_body_bytes)
+        digest = payload_digest(body)
     if key.doc_id is None:
         services.stats["bypass"] += 1
         await forward(services, scope, receive, send, key, digest, body, b"BYPASS", cache=None)
@@ -183,12 +223,15 @@ def cacheable_status(status: int, error_statuses: list[int]) -> bool:
 
 
 async def send_stored(send: Send, answer: StoredResponse, state: bytes, digest: str) -> None:
-    headers: Headers = [
+    await send_bytes(send, answer.status, stored_headers(answer, state, digest), answer.body)
+
+
+def stored_headers(answer: StoredResponse, state: bytes, digest: str) -> Headers:
+    return [
         (b"content-type", answer.content_type.encode("latin-1")),
         (b"x-cache", state),
         (b"x-payload-hash", digest.encode()),
     ]
-    await send_bytes(send, answer.status, headers, answer.body)
 
 
 async def forward_uncached(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
