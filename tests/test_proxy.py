@@ -16,7 +16,7 @@ from app.hashing import payload_hash
 from app.routes.proxy import StreamBrokeOff
 from app.settings import Settings
 from tests.factories import chat_request, completion_request, doc_headers
-from tests.servers import fake_upstream, free_port, proxy_client
+from tests.servers import fake_upstream, free_port, proxy_client, serve_proxy
 
 
 class Env:
@@ -372,3 +372,57 @@ async def test_an_unexpected_failure_is_still_the_envelope_with_x_cache(
     assert answer.status_code == 500
     assert answer.headers["x-cache"] == "BYPASS"
     assert "RuntimeError: disk unreadable" in answer.json()["error"]["message"]
+
+
+async def test_a_cached_answer_is_given_only_to_a_request_the_slow_path_would_have_answered(tmp_path: Path) -> None:
+    """Hits are answered on app.server's fast path; anything wrong with the request still gets its error."""
+    async with fake_upstream() as (url, upstream):
+        config = settings(tmp_path, url, api_key="secret")
+        good = {**doc_headers(), "Authorization": "Bearer secret"}
+        async with proxy_client(config) as c:
+            assert (await c.post("/v1/chat/completions", json=chat_request(), headers=good)).status_code == 200
+            hit = await c.post("/v1/chat/completions", json=chat_request(), headers=good)
+            assert hit.headers["x-cache"] == "HIT"
+            for auth in ("Bearer wrong", ""):
+                refused = await c.post(
+                    "/v1/chat/completions", json=chat_request(), headers={**good, "Authorization": auth}
+                )
+                assert refused.status_code == 401
+            bad = await c.post("/v1/chat/completions", json=chat_request(), headers={**good, "X-Rollout-Idx": "-1"})
+            assert (bad.status_code, bad.json()["error"]["param"]) == (400, "X-Rollout-Idx")
+            refreshed = await c.post(
+                "/v1/chat/completions", json=chat_request(), headers={**good, "Cache-Control": "no-cache"}
+            )
+            assert refreshed.headers["x-cache"] == "REFRESH"
+        assert upstream.generations == 2
+        # A lower max_body_bytes after a restart: a body over it is refused even though its answer is stored.
+        small = len(orjson.dumps(chat_request())) - 1
+        async with proxy_client(config.model_copy(update={"max_body_bytes": small})) as c:
+            too_big = await c.post("/v1/chat/completions", json=chat_request(), headers=good)
+            assert too_big.status_code == 413
+        assert upstream.generations == 2
+
+
+async def test_pipelined_hits_and_misses_on_one_connection_come_back_in_order(tmp_path: Path) -> None:
+    async with fake_upstream(latency_ms=30) as (url, _), serve_proxy(settings(tmp_path, url)) as proxy:
+        host, port = proxy.removeprefix("http://").split(":")
+        body = orjson.dumps(chat_request())
+
+        def request(doc: str) -> bytes:
+            head = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: p\r\nX-Doc-Id: {doc}\r\nContent-Length: {len(body)}\r\n"
+            )
+            return head.encode() + b"\r\n" + body
+
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(request("cached"))
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(request("new") + request("cached") + request("other"))
+        answers = []
+        for _ in range(3):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = int(head.split(b"content-length: ")[1].split(b"\r\n")[0])
+            await reader.readexactly(length)
+            answers.append(head.split(b"x-cache: ")[1].split(b"\r\n")[0])
+        writer.close()
+    assert answers == [b"MISS", b"HIT", b"MISS"]
