@@ -51,6 +51,9 @@ logger = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 64 * 1024
 FAST_BODY_BYTES = 256 * 1024
 HIGH_WATER = 1 << 20  # request body bytes buffered before the socket stops being read
+DISCARD_BYTES = 64 * 1024 * 1024  # of a body left unread by an early answer, read and dropped before closing
+LINGER_S = 2.0  # after a refusal, how long what the client still sends is read and dropped
+REQUEST_STALL_S = 30.0  # a request that stops arriving part-way, with nothing in flight, is dropped after this
 
 # (status, headers, body) of a complete answer, or None: let the ASGI app answer.
 FastAnswer = tuple[int, Headers, bytes]
@@ -112,10 +115,13 @@ class HTTPServer:
         self.connections: set[HTTPConnection] = set()
         self.tasks: set[asyncio.Task[None]] = set()  # requests' ASGI cycles, running on past their answer too
         self.closing = False
+        self.forced = False  # a second signal: stop waiting for anything
+        self.wakeup = asyncio.Event()  # set when a connection closes or a second signal comes, while stopping
         self.started = asyncio.Event()
         self._exit: asyncio.Event | None = None
         self._server: asyncio.Server | None = None
         self._lifespan = _Lifespan(app)
+        self.state = self._lifespan.state
 
     # -- running -------------------------------------------------------------
 
@@ -155,31 +161,49 @@ class HTTPServer:
     def _on_signal(self, signum: int) -> None:
         if self._exit is not None and self._exit.is_set():
             logger.warning("%s again: not waiting for requests in flight", signal.Signals(signum).name)
-            self.shutdown_grace_s = 0
-            for connection in list(self.connections):
-                connection.abort()
+            self.forced = True
+            self.wakeup.set()
             return
         logger.info("%s: finishing requests in flight, then stopping", signal.Signals(signum).name)
         self.request_exit()
 
     async def shutdown(self) -> None:
-        """Stop accepting; idle connections close now, busy ones after their answer; then the lifespan."""
+        """Stop accepting; idle connections close now, busy ones after their answer; then the lifespan.
+
+        Within `shutdown_grace_s` (or until a second signal): requests still arriving and
+        requests in flight are answered, work an app does after its answer ends, and
+        answers still in the socket's buffer reach their clients. What is left then is cut.
+        """
         self.closing = True
         if self._server is not None:
             self._server.close()
         for connection in list(self.connections):
             connection.close_when_idle()
         deadline = time.monotonic() + self.shutdown_grace_s
-        while self.tasks and time.monotonic() < deadline:
-            await asyncio.wait(set(self.tasks), timeout=max(0.0, min(0.1, deadline - time.monotonic())))
-        if self.tasks:
-            logger.warning("%d requests still in flight after %.0f s: cut off", len(self.tasks), self.shutdown_grace_s)
+
+        def pending() -> bool:
+            return bool(self.tasks) or any(c.parsing is not None for c in self.connections)
+
+        while pending() and time.monotonic() < deadline and not self.forced:
+            waiting = set(self.tasks) or {asyncio.ensure_future(asyncio.sleep(0.01))}
+            await asyncio.wait(waiting, timeout=max(0.0, min(0.05, deadline - time.monotonic())))
+        if pending():
+            logger.warning("%d requests still in flight: cut off", len(self.tasks))
         for connection in list(self.connections):
-            connection.abort()
+            connection.abort_requests()
         for task in list(self.tasks):
             task.cancel()
         if self.tasks:
             await asyncio.wait(set(self.tasks), timeout=5.0)
+        # Closed, not aborted: what is still in a connection's buffer is sent first.
+        for connection in list(self.connections):
+            connection.close()
+        while self.connections and time.monotonic() < deadline and not self.forced:
+            self.wakeup.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.wakeup.wait(), max(0.0, deadline - time.monotonic()))
+        for connection in list(self.connections):
+            connection.abort()
         if self._server is not None:
             await self._server.wait_closed()
         await self._lifespan.shutdown()
@@ -194,9 +218,10 @@ class _Lifespan:
         self.outbox: asyncio.Queue[Message] = asyncio.Queue()
         self.task: asyncio.Task[None] | None = None
         self.error: BaseException | None = None
+        self.state: dict[str, typing.Any] = {}  # the app's lifespan state; each request's scope gets a copy
 
     async def startup(self) -> None:
-        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.3"}, "state": {}}
+        scope = {"type": "lifespan", "asgi": {"version": "3.0", "spec_version": "2.3"}, "state": self.state}
         self.task = asyncio.create_task(self._run(scope))
         await self.inbox.put({"type": "lifespan.startup"})
         message = await self._answer()
@@ -245,12 +270,16 @@ class HTTPConnection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.client: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
-        self.parsing: Request | None = None  # whose headers/body are arriving
+        self.parsing: Request | None = None  # whose body is arriving (or, once answered, being thrown away)
         self.active: Request | None = None  # whose answer is being produced
         self.waiting: collections.deque[Request] = collections.deque()  # pipelined behind it
         self.url = b""
         self.headers: Headers = []
-        self.header_bytes = 0
+        self.header_bytes = 0  # of the request line and headers parsed so far
+        self.in_head = False  # between a request's first byte and the end of its headers
+        self.head_bytes = 0  # bytes received while in_head, whole chunks after the first
+        self.raw_body_left = 0  # body bytes of an Upgrade request, read past the parser
+        self.refusal: bytes | None = None  # an error answer owed after the answers before it
         self.closed = False
         self.closing = False
         self.reading_paused = False
@@ -258,6 +287,10 @@ class HTTPConnection(asyncio.Protocol):
         self.idle_timer: asyncio.TimerHandle | None = None
         self.requests = 0  # begun on this connection; the idle timer compares it with its last look
         self.requests_seen = -1
+        self.bytes_in = 0
+        self.bytes_seen = -1
+        self.stalled_ticks = 0
+        self.lingering = False  # refused and half-closed: what still arrives is dropped
 
     @property
     def busy(self) -> bool:
@@ -278,26 +311,47 @@ class HTTPConnection(asyncio.Protocol):
         self._arm_idle_timer()
 
     def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return
+        self.bytes_in += len(data)
+        if self.raw_body_left:
+            data = self._raw_body(data)
+            if not data:
+                return
+        was_in_head = self.in_head
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            # An Upgrade (h2c, websocket) is not spoken here: the request is answered as
-            # plain HTTP/1.1 (which RFC 9110 allows) and the connection closed after it.
-            if self.parsing is not None:
-                self.parsing.keep_alive = False
-            elif self.active is not None:
-                self.active.keep_alive = False
+        except httptools.HttpParserUpgrade as upgrade:
+            # Upgrades (h2c, websocket) are not spoken here: the request is answered as plain
+            # HTTP/1.1, as RFC 9110 §7.8 allows. llhttp stops parsing at the end of its head;
+            # its body and the requests after it are read on with a fresh parser.
+            self.parser = httptools.HttpRequestParser(self)
+            rest = data[upgrade.args[0] :]
+            if rest:
+                self.data_received(rest)
+            return
         except httptools.HttpParserCallbackError as exc:
-            if not isinstance(exc.__context__, _Rejected):  # else: answered and closing already
+            if not isinstance(exc.__context__, _Rejected):  # else: refused and closing already
                 logger.error("a request on %s broke the server", self.client, exc_info=exc.__context__)
                 self.abort()
+            return
         except httptools.HttpParserError as exc:
             with contextlib.suppress(_Rejected):
                 self._reject(400, f"malformed HTTP request: {exc}")
+            return
+        # httptools hands over a header only once its line ends: a line that never ends is
+        # caught here, counting whole chunks (at most one chunk is not counted).
+        if self.in_head and was_in_head:
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEADER_BYTES:
+                with contextlib.suppress(_Rejected):
+                    self._reject(431, f"the request headers are over {MAX_HEADER_BYTES} bytes")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
+        if self.server.closing:
+            self.server.wakeup.set()
         self._cancel_idle_timer()
         for request in (self.active, *self.waiting, self.parsing):
             if request is not None:
@@ -321,7 +375,8 @@ class HTTPConnection(asyncio.Protocol):
         self.requests += 1
         self.url = b""
         self.headers = []
-        self.header_bytes = 0
+        self.header_bytes = self.head_bytes = 0
+        self.in_head = True
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -330,30 +385,32 @@ class HTTPConnection(asyncio.Protocol):
             self._reject(414, f"the request line is over {MAX_HEADER_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.header_bytes += len(name) + len(value)
+        self.header_bytes += len(name) + len(value) + 4  # ": " and CRLF
         if self.header_bytes > MAX_HEADER_BYTES:
             self._reject(431, f"the request headers are over {MAX_HEADER_BYTES} bytes")
         self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
+        self.in_head = False
         parser = self.parser
         try:
             url = httptools.parse_url(self.url)
         except httptools.HttpParserInvalidURLError:
             self._reject(400, "the request target is not a valid URL")
-        raw_path = url.path or b"/"
         method = parser.get_method().decode("ascii")
         request = Request(
             self,
             method,
-            raw_path,
+            url.path or b"/",
             url.query or b"",
             self.headers,
             parser.get_http_version(),
             parser.should_keep_alive() and not self.closing,
         )
         self.parsing = request
-        if method == "POST" and self.server.fast_paths and request.path in self.server.fast_paths:
+        if parser.should_upgrade():
+            self._read_past_upgrade(request)
+        elif method == "POST" and self.server.fast_paths and request.path in self.server.fast_paths:
             # Buffered whole and answered in on_message_complete if the fast path can.
             request.deferred = not request.expect_continue
         if not request.deferred:
@@ -370,8 +427,12 @@ class HTTPConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         request = self.parsing
-        if request is None:
-            return
+        if request is not None and not self.raw_body_left:
+            self._message_complete(request)
+
+    # -- requests: in order, one at a time ---------------------------------------
+
+    def _message_complete(self, request: Request) -> None:
         self.parsing = None
         request.body_complete = True
         if request.deferred:
@@ -379,12 +440,14 @@ class HTTPConnection(asyncio.Protocol):
             if self.active is None and not self.waiting and self._answer_fast(request):
                 return
             self._schedule(request)
-        else:
-            request.wake()
-            if request.response_complete and not self.busy and not self.closed:
-                self._arm_idle_timer()  # answered before its body was all read
-
-    # -- request scheduling ----------------------------------------------------
+            return
+        request.wake()
+        if request.response_complete and not self.busy and not self.closed:
+            # Answered before its body was all read (413, 401): the body has been thrown away.
+            if self.closing or self.server.closing:
+                self.transport.close()
+            else:
+                self._arm_idle_timer()
 
     def _answer_fast(self, request: Request) -> bool:
         """The synchronous fast path; True if it answered."""
@@ -409,6 +472,7 @@ class HTTPConnection(asyncio.Protocol):
             self._start(request)
         else:
             self.waiting.append(request)
+            self.pause_reading()  # one request queued is enough: the client waits for its answers
 
     def _start(self, request: Request) -> None:
         self.active = request
@@ -418,7 +482,7 @@ class HTTPConnection(asyncio.Protocol):
         task.add_done_callback(tasks.discard)
 
     def _finished(self, request: Request) -> None:
-        """The answer to `request` is complete: next request, keep-alive, or close."""
+        """The answer to `request` is complete: next request, refusal, keep-alive, or close."""
         if self.active is request:
             self.active = None
         if not request.keep_alive or self.closed:
@@ -427,15 +491,39 @@ class HTTPConnection(asyncio.Protocol):
             if not self.closed:
                 self.transport.close()
             return
-        if self.reading_paused and self.active is None:
-            self.resume_reading()
         if self.waiting:
             self._start(self.waiting.popleft())
-        elif self.active is None and self.parsing is None:
-            if self.closing or self.server.closing:
+            if not self.waiting and self.refusal is None:
+                self.resume_reading()
+        elif self.active is None:
+            if self.refusal is not None:
+                self._send_refusal()
+            elif self.parsing is None and (self.closing or self.server.closing):
                 self.transport.close()
             else:
+                self.resume_reading()
                 self._arm_idle_timer()
+
+    def _read_past_upgrade(self, request: Request) -> None:
+        """llhttp skips the body of an Upgrade request: a Content-Length body is read here instead."""
+        length = b"0"
+        for name, value in request.headers:
+            if name == b"transfer-encoding":
+                self._reject(400, "an Upgrade request cannot have a chunked body here: send it without Upgrade")
+            if name == b"content-length":
+                length = value
+        self.raw_body_left = int(length) if length.isdigit() else 0
+
+    def _raw_body(self, data: bytes) -> bytes:
+        """Feed an Upgrade request's body from `data`; return what comes after it."""
+        piece, rest = data[: self.raw_body_left], data[self.raw_body_left :]
+        self.raw_body_left -= len(piece)
+        request = self.parsing
+        if request is not None:
+            self.on_body(piece)
+            if not self.raw_body_left:
+                self._message_complete(request)
+        return rest
 
     # -- flow control and closing ----------------------------------------------
 
@@ -445,7 +533,7 @@ class HTTPConnection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self.reading_paused and not self.closed:
+        if self.reading_paused and not self.closed and not self.waiting and self.refusal is None:
             self.reading_paused = False
             self.transport.resume_reading()
 
@@ -454,12 +542,23 @@ class HTTPConnection(asyncio.Protocol):
             await self.writable.wait()
 
     def close_when_idle(self) -> None:
+        """Shutdown: no more requests on this connection; close it now if nothing is owed."""
         self.closing = True
         for request in (self.active, *self.waiting, self.parsing):
             if request is not None and not request.response_started:
                 request.keep_alive = False
         if not self.busy and self.parsing is None and not self.closed:
             self.transport.close()
+
+    def close(self) -> None:
+        """Close once the buffered output is sent."""
+        if not self.closed:
+            self.transport.close()
+
+    def abort_requests(self) -> None:
+        """Shutdown past its grace period: cut the connection if an answer is still owed on it."""
+        if self.busy or self.parsing is not None:
+            self.abort()
 
     def abort(self) -> None:
         if not self.closed:
@@ -473,6 +572,7 @@ class HTTPConnection(asyncio.Protocol):
         # connection only if no request began since it was armed (idle keep_alive_s to 2x).
         if self.idle_timer is None and not self.closed:
             self.requests_seen = self.requests
+            self.bytes_seen = self.bytes_in
             self.idle_timer = self.loop.call_later(self.server.keep_alive_s, self._idle_timeout)
 
     def _cancel_idle_timer(self) -> None:
@@ -482,27 +582,63 @@ class HTTPConnection(asyncio.Protocol):
 
     def _idle_timeout(self) -> None:
         self.idle_timer = None
-        if self.closed or self.busy or self.parsing is not None or self.requests != self.requests_seen:
-            self._arm_idle_timer()
-        else:
+        if self.closed:
+            return
+        if self.busy:
+            self.stalled_ticks = 0
+        elif self.parsing is not None or self.in_head:
+            # A request that stopped arriving part-way, with nothing owed to its client.
+            self.stalled_ticks = 0 if self.bytes_in != self.bytes_seen else self.stalled_ticks + 1
+            if self.stalled_ticks * self.server.keep_alive_s >= REQUEST_STALL_S:
+                logger.info("closing a connection from %s: its request stopped arriving", self.client)
+                self.transport.close()
+                return
+        elif self.requests == self.requests_seen:
             self.transport.close()
+            return
+        self._arm_idle_timer()
 
     def _reject(self, status: int, message: str) -> typing.NoReturn:
-        """Answer a request this server cannot take, close the connection and stop parsing."""
-        if not self.closed and self.active is None and not self.waiting:
-            body = _ERROR_TEMPLATE % (message.replace('"', "'").encode("latin-1", "replace"), status)
-            head = (
-                status_line(status)
-                + b"content-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n" % len(body)
-                + self.server.clock.date()
-                + b"\r\n"
-            )
-            self.transport.write(head + body)
-            self.transport.close()
-        elif not self.closed:
-            self.transport.abort()  # an answer is still owed before this one: nothing can be said in order
-        self.parsing = None
+        """Refuse a request this server cannot take: an error answer, in its turn, then close.
+
+        Raised out of the parser callbacks (`_Rejected`): nothing more is parsed.
+        """
+        body = _ERROR_TEMPLATE % (message.replace('"', "'").encode("latin-1", "replace"), status)
+        self.refusal = (
+            status_line(status)
+            + b"content-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n" % len(body)
+            + self.server.clock.date()
+            + b"\r\n"
+            + body
+        )
+        bad, self.parsing, self.in_head, self.raw_body_left = self.parsing, None, False, 0
+        if bad is not None and bad in self.waiting:
+            self.waiting.remove(bad)  # never started
+        elif bad is not None and bad is self.active:
+            bad.malformed = True  # its app hears a disconnect; the refusal is its answer
+            bad.disconnect()
+        self.pause_reading()
+        if self.active is None and not self.waiting:
+            self._send_refusal()
         raise _Rejected(message)
+
+    def _send_refusal(self) -> None:
+        """Write the refusal and close, lingering: a client still sending gets to read it."""
+        if self.refusal is not None and not self.closed:
+            self.transport.write(self.refusal)
+            # Closing with its bytes unread would reset the connection and could destroy the
+            # answer before the client reads it: stop writing, read and drop, then close.
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self.lingering = True
+                self.loop.call_later(LINGER_S, self.close)
+                self.reading_paused = True  # so that resume_reading acts
+                self.refusal = None
+                self.resume_reading()
+            else:
+                self.transport.close()
+        self.refusal = None
+        self.closing = True
 
 
 class _Rejected(Exception):
@@ -515,6 +651,7 @@ class Request:
     # What every request starts with, as class attributes: a request answered on the
     # fast path sets only what it uses (measured: ~1 µs less per hit than 25 slots).
     deferred = False
+    malformed = False
     body_complete = False
     request_sent = False
     continue_sent = False
@@ -526,6 +663,7 @@ class Request:
     flush_handle: asyncio.Handle | None = None
     expected_length: int | None = None
     written = 0
+    discarded = 0
     waiter: asyncio.Future[None] | None = None
     task: asyncio.Task[None] | None = None
 
@@ -555,6 +693,13 @@ class Request:
     # -- body arriving -----------------------------------------------------------
 
     def add_body(self, chunk: bytes) -> None:
+        if self.response_complete:
+            # Answered without reading it all (413, 401): the rest is read and thrown away,
+            # so that the client, still sending, gets to read its answer; up to a limit.
+            self.discarded += len(chunk)
+            if self.discarded > DISCARD_BYTES:
+                self.conn.close()
+            return
         self.body.append(chunk)
         self.body_size += len(chunk)
         if self.body_size > HIGH_WATER and not self.deferred:
@@ -587,7 +732,7 @@ class Request:
             "raw_path": self.raw_path,
             "query_string": self.query,
             "headers": self.headers,
-            "state": {},
+            "state": conn.server.state.copy(),
             "extensions": self.extensions,
         }
 
@@ -598,18 +743,29 @@ class Request:
             self._cut()
             raise
         except BaseException:
-            logger.exception("%s %s failed", self.method, self.path)
-            if not self.response_started and not self.disconnected:
-                self._internal_error()
-            else:
-                self._cut()
+            if not self.malformed:
+                logger.exception("%s %s failed", self.method, self.path)
+            self._unfinished()
         else:
-            if not self.response_complete:
-                if not self.response_started and not self.disconnected:
-                    logger.error("%s %s: the application returned without answering", self.method, self.path)
-                    self._internal_error()
-                else:
-                    self._cut()
+            if not self.response_complete and not self.disconnected:
+                logger.error("%s %s: the application did not finish its answer", self.method, self.path)
+            self._unfinished()
+
+    def _unfinished(self) -> None:
+        """The app is done with the request: if its answer is not complete, end it as best as can be."""
+        if self.response_complete:
+            return
+        if self.head_pending and self.flush_handle is not None:
+            # Started but not a byte written yet: an error can still be answered instead.
+            self.flush_handle.cancel()
+            self.flush_handle, self.head_pending, self.response_started = None, b"", False
+        if self.malformed and not self.response_started:
+            self.response_complete = True
+            self.conn._finished(self)  # the refusal is written in its turn
+        elif not self.response_started and not self.disconnected:
+            self._internal_error()
+        else:
+            self._cut()
 
     async def receive(self) -> Message:
         conn = self.conn
@@ -634,6 +790,8 @@ class Request:
                 self.waiter = None
 
     async def send(self, message: Message) -> None:
+        if self.malformed:
+            return  # the rest of its request was garbage: the refusal is its answer
         kind = message["type"]
         if kind == "http.response.start":
             if self.response_started:
@@ -647,9 +805,14 @@ class Request:
                     length = int(value)
                 elif name == b"connection" and value.lower() == b"close":
                     self.keep_alive = False
+            status: int = message["status"]
             self.expected_length = length
-            self.chunked = length is None and self.method != "HEAD" and message["status"] not in (204, 304)
-            self.head_pending = self.head(message["status"], headers, length)
+            self.chunked = length is None and self.method != "HEAD" and status not in (204, 304)
+            if self.chunked and self.http_version == "1.0":
+                self.chunked = self.keep_alive = False  # HTTP/1.0 has no chunks: the close ends the body
+            if self.expect_continue and not self.continue_sent and not self.body_complete:
+                self.keep_alive = False  # the client may never send the body it announced
+            self.head_pending = self.head(status, headers, length)
             # Written with the first body part if that comes before the loop turns (one
             # write for a whole answer), else on its own so that a stream's headers are not late.
             self.flush_handle = self.conn.loop.call_soon(self._flush_head)
@@ -664,6 +827,9 @@ class Request:
             if self.method == "HEAD":
                 body = b""
             self.written += len(body)
+            expected = self.expected_length
+            if expected is not None and self.written > expected:
+                raise RuntimeError(f"the answer is longer than its Content-Length {expected}")
             if self.chunked:
                 data = b"%x\r\n%b\r\n" % (len(body), body) if body else b""
                 if not more:
@@ -681,15 +847,9 @@ class Request:
             if not more:
                 self.response_complete = True
                 self.wake()
-                if self.expected_length is not None and self.method != "HEAD" and self.written != self.expected_length:
-                    logger.error(
-                        "%s %s: the answer had %d bytes, not its Content-Length %d",
-                        self.method,
-                        self.path,
-                        self.written,
-                        self.expected_length,
-                    )
-                    self.keep_alive = False
+                if expected is not None and self.method != "HEAD" and self.written != expected:
+                    logger.error("%s %s: %d bytes of a %d-byte answer", self.method, self.path, self.written, expected)
+                    self.keep_alive = False  # the client is waiting for the rest: only a close tells it
                 conn._finished(self)
             else:
                 await conn.drain()
@@ -701,7 +861,7 @@ class Request:
         lines = b"".join([b"%b: %b\r\n" % (n, v) for n, v in headers if n.lower() not in _FRAMING])
         if length is not None:
             lines += b"content-length: %d\r\n" % length
-        elif self.method != "HEAD" and status not in (204, 304) and status >= 200:
+        elif self.chunked:
             lines += b"transfer-encoding: chunked\r\n"
         if not self.keep_alive:
             lines += b"connection: close\r\n"

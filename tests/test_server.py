@@ -58,6 +58,13 @@ class App:
             await answer(send, 200, b"answered")
             await asyncio.sleep(0.1)
             self.events.append("work done")
+        elif path == "/refuse":
+            await answer(send, 401, b"no")  # without reading the body
+        elif path == "/big":
+            await answer(send, 200, b"x" * (8 * HIGH_WATER))
+        elif path == "/overlong":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"okHTTP/1.1 200 OK\r\n\r\nforged"})
         elif path == "/fast":
             await read_all(receive)
             seen = scope["extensions"].get("seen")
@@ -306,7 +313,7 @@ async def test_an_app_failing_before_its_answer_gives_a_500_envelope(caplog: pyt
             assert headers[b"connection"] == b"close"
             assert await conn.closed_by_server()
     assert "boom before" in caplog.text
-    assert "without answering" in caplog.text
+    assert "did not finish its answer" in caplog.text
 
 
 async def test_an_app_failing_mid_answer_cuts_the_connection() -> None:
@@ -442,6 +449,134 @@ async def test_percent_encoded_paths_are_decoded_and_the_raw_path_kept() -> None
         await conn.response()
         conn.close()
     assert seen == [{"path": "/v1/a/b c", "raw_path": b"/v1/a%2Fb%20c", "query": b"x=1&y=%20"}]
+
+
+async def test_an_answer_given_before_the_body_is_read_reaches_a_client_still_sending() -> None:
+    big = b"x" * (4 * HIGH_WATER)
+    async with serving(App()) as server:
+        conn = await Conn.open(server)
+        await conn.send(post("/refuse", big))  # the server reads on (and drops) the body it did not need
+        assert (await conn.response())[2] == b"no"
+        await conn.send(get("/echo"))  # and the connection is still usable
+        assert (await conn.response())[0] == 200
+        conn.close()
+
+
+async def test_an_answer_given_before_100_continue_closes_the_connection() -> None:
+    async with serving(App()) as server:
+        conn = await Conn.open(server)
+        await conn.send(b"POST /refuse HTTP/1.1\r\nHost: t\r\nContent-Length: 5000\r\nExpect: 100-continue\r\n\r\n")
+        status, headers, _ = await conn.response()
+        # The client may now send its next request instead of the body: only a close keeps them apart.
+        assert (status, headers[b"connection"]) == (401, b"close")
+        assert await conn.closed_by_server()
+
+
+async def test_many_pipelined_requests_are_all_answered_in_order() -> None:
+    async with serving(App()) as server:
+        conn = await Conn.open(server)
+        await conn.send(get("/slow?0.05") + b"".join(post("/echo", b"%d" % i) for i in range(200)))
+        assert (await conn.response())[2] == b"slow"
+        assert [(await conn.response())[2] for _ in range(200)] == [b"%d" % i for i in range(200)]
+        conn.close()
+
+
+async def test_a_header_line_that_never_ends_is_refused_with_431() -> None:
+    async with serving(App()) as server:
+        conn = await Conn.open(server)
+        await conn.send(b"GET / HTTP/1.1\r\nX-Endless: ")
+        with contextlib.suppress(ConnectionError):
+            for _ in range(2 * MAX_HEADER_BYTES // 4096 + 8):
+                await conn.send(b"a" * 4096)
+                await asyncio.sleep(0)
+        assert (await conn.response())[0] == 431
+        conn.close()
+
+
+async def test_an_upgrade_request_is_answered_as_plain_http_with_its_body() -> None:
+    async with serving(App()) as server:
+        conn = await Conn.open(server)
+        upgrade = "Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA"
+        await conn.send(post("/echo", b"hello", *upgrade) + get("/echo"))
+        assert (await conn.response())[2] == b"hello"
+        assert (await conn.response())[0] == 200
+        await conn.send(post("/echo", b"split", *upgrade)[:-3])
+        await asyncio.sleep(0.01)
+        await conn.send(b"lit")
+        assert (await conn.response())[2] == b"split"
+        conn.close()
+
+
+async def test_http_1_0_gets_a_streamed_answer_ended_by_the_close_not_chunks() -> None:
+    async with serving(App()) as server:
+        conn = await Conn.open(server)
+        await conn.send(get("/stream", "Connection: keep-alive", version="1.0"))
+        async with asyncio.timeout(5):
+            received = await conn.reader.read()
+        head, _, body = received.partition(b"\r\n\r\n")
+        assert b"transfer-encoding" not in head
+        assert b"connection: close" in head
+        assert body == b"one two three"
+        conn.close()
+
+
+async def test_a_malformed_body_of_a_running_request_gets_400() -> None:
+    async with serving(App()) as server:
+        conn = await Conn.open(server)
+        await conn.send(b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n")
+        status, headers, _ = await conn.response()
+        assert (status, headers[b"connection"]) == (400, b"close")
+        assert await conn.closed_by_server()
+
+
+async def test_a_malformed_request_behind_a_good_one_is_refused_after_its_answer() -> None:
+    async with serving(App()) as server:
+        conn = await Conn.open(server)
+        await conn.send(get("/slow?0.05") + b"GARBAGE\r\n\r\n")
+        assert (await conn.response())[2] == b"slow"
+        assert (await conn.response())[0] == 400
+        assert await conn.closed_by_server()
+
+
+async def test_an_answer_longer_than_its_content_length_is_never_sent() -> None:
+    async with serving(App()) as server:
+        conn = await Conn.open(server)
+        await conn.send(get("/overlong"))
+        async with asyncio.timeout(5):
+            received = await conn.reader.read()
+        assert b"forged" not in received
+        assert received.startswith(b"HTTP/1.1 500")
+        conn.close()
+
+
+async def test_shutdown_delivers_a_large_answer_to_a_slow_reader_in_full() -> None:
+    server = HTTPServer(App(), port=0, shutdown_grace_s=10)
+    await server.start()
+    conn = await Conn.open(server)
+    await conn.send(get("/big"))
+    await asyncio.sleep(0.05)  # answered into the socket's buffer, not yet read
+    stopping = asyncio.create_task(server.shutdown())
+    await asyncio.sleep(0.05)
+    assert len((await conn.response())[2]) == 8 * HIGH_WATER
+    assert await conn.closed_by_server()
+    await stopping
+
+
+async def test_shutdown_waits_for_a_fast_path_request_whose_body_is_still_arriving() -> None:
+    app = App()
+    server = HTTPServer(app, port=0, fast=fast, fast_paths=["/fast"], shutdown_grace_s=5)
+    await server.start()
+    conn = await Conn.open(server)
+    request = post("/fast", b"miss")
+    await conn.send(request[:-2])
+    await asyncio.sleep(0.02)
+    stopping = asyncio.create_task(server.shutdown())
+    await asyncio.sleep(0.05)
+    await conn.send(request[-2:])
+    status, headers, body = await conn.response()
+    assert (status, body, headers[b"connection"]) == (200, b"asgi saw miss", b"close")
+    assert await conn.closed_by_server()
+    await stopping
 
 
 @pytest.fixture(autouse=True)
