@@ -14,7 +14,10 @@ it as real processes on loopback ports, then with wrk (Debian package `wrk`):
 - the upstream client alone: requests/s that app.httpclient, aiohttp and httpx achieve
   against the upstream at 64 concurrent requests (why the pool uses app.httpclient).
 
-wrk and the servers share the machine's cores, as they would a GPU node's CPU.
+wrk and the servers share the machine's cores, as they would a GPU node's CPU. Every run,
+the upstream's own included, uses the same wrk script (a Lua function building each request
+with its own X-Doc-Id, which the upstream ignores), so the load generator does the same work
+per request whichever server it measures.
 """
 
 from __future__ import annotations
@@ -47,15 +50,15 @@ BODY = body(16)
 ANSWER_SIZES = (16, 256)  # tokens per answer: a short one, and a typical synthetic-data one
 
 
-def miss_script(payload: str) -> str:
-    """A new document per request: bench-1, bench-2, ..."""
+def miss_script(payload: str, prefix: str = "bench") -> str:
+    """A new document per request: <prefix>-1, <prefix>-2, ... (a run of its own prefix never hits)."""
     return f"""
 wrk.method = "POST"
 wrk.body = '{payload}'
 counter = 0
 request = function()
   counter = counter + 1
-  return wrk.format(nil, nil, {{["Content-Type"] = "application/json", ["X-Doc-Id"] = "bench-" .. counter}}, nil)
+  return wrk.format(nil, nil, {{["Content-Type"] = "application/json", ["X-Doc-Id"] = "{prefix}-" .. counter}}, nil)
 end
 """
 
@@ -73,13 +76,13 @@ end
 """
 
 
-def plain_script(payload: str) -> str:
-    """No X-Doc-Id: what a client of the upstream itself sends."""
-    return f"""
-wrk.method = "POST"
-wrk.body = '{payload}'
-wrk.headers["Content-Type"] = "application/json"
-"""
+def proxy_stats(url: str) -> dict[str, int]:
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url.split("/v1/")[0] + "/stats", timeout=5) as answer:
+        counts: dict[str, int] = json.load(answer)["requests"]
+    return {"hit": 0, **counts}
 
 
 def wait_until_up(url: str, timeout: float = 30.0) -> None:
@@ -208,17 +211,21 @@ def main() -> None:
                 payload = body(tokens)
                 upstream = f"http://127.0.0.1:{ports[2 + 2 * i]}{path}"
                 proxy = f"http://127.0.0.1:{ports[3 + 2 * i]}{path}"
-                results[f"upstream_{tokens}"] = wrk(upstream, plain_script(payload), connections=c, duration=d)
+                results[f"upstream_{tokens}"] = wrk(upstream, miss_script(payload), connections=c, duration=d)
                 results[f"miss_{tokens}"] = wrk(proxy, miss_script(payload), connections=c, duration=d)
                 time.sleep(0.5)  # past the group-commit window: every answer is in SQLite, not in memory
                 stored = int(results[f"miss_{tokens}"]["requests"]) - c  # the last few may not have finished
+                hits_before = proxy_stats(proxy)["hit"]
                 results[f"hit_{tokens}"] = wrk(proxy, hit_script(payload, stored), connections=c, duration=d)
+                served = proxy_stats(proxy)["hit"] - hits_before
+                if served < results[f"hit_{tokens}"]["requests"]:  # every request of the run must be a HIT
+                    raise RuntimeError(f"only {served} of {results[f'hit_{tokens}']['requests']:.0f} were hits")
             slow_upstream, slow_proxy = f"http://127.0.0.1:{slow_up}{path}", f"http://127.0.0.1:{slow_px}{path}"
             for conns in (1, 64):
-                results[f"slow_upstream_{conns}"] = wrk(
-                    slow_upstream, plain_script(BODY), connections=conns, duration=d
+                results[f"slow_upstream_{conns}"] = wrk(slow_upstream, miss_script(BODY), connections=conns, duration=d)
+                results[f"slow_miss_{conns}"] = wrk(
+                    slow_proxy, miss_script(BODY, f"slow{conns}"), connections=conns, duration=d
                 )
-                results[f"slow_miss_{conns}"] = wrk(slow_proxy, miss_script(BODY), connections=conns, duration=d)
             first_upstream = f"http://127.0.0.1:{ports[2]}{path}"
             rates = {
                 kind: asyncio.run(client_rate(kind, first_upstream, d / 2))

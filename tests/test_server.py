@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from app.asgi import Message, Receive, Scope, Send
-from app.server import HIGH_WATER, MAX_HEADER_BYTES, FastAnswer, HTTPServer
+from app.server import HIGH_WATER, MAX_HEADER_BYTES, FastAnswer, HTTPConnection, HTTPServer
 
 
 class App:
@@ -105,7 +105,7 @@ def fast(path: str, headers: list[tuple[bytes, bytes]], body: bytes, extensions:
     if body == b"explode":
         raise RuntimeError("fast path bug")
     if body == b"hit":
-        return 200, [(b"x-cache", b"HIT")], b"from the fast path"
+        return 200, b"x-cache: HIT\r\n", b"from the fast path"
     extensions["seen"] = body
     return None
 
@@ -577,6 +577,37 @@ async def test_shutdown_waits_for_a_fast_path_request_whose_body_is_still_arrivi
     assert (status, body, headers[b"connection"]) == (200, b"asgi saw miss", b"close")
     assert await conn.closed_by_server()
     await stopping
+
+
+class RecordingTransport(asyncio.Transport):
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.writes.append(bytes(data))
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return ("127.0.0.1", 1)
+
+
+async def test_fast_answers_made_in_one_turn_are_written_together_at_its_end() -> None:
+    """Each write wakes a sleeping client: the answers of one turn go out back to back, in order."""
+    server = HTTPServer(App(), port=0, fast=fast, fast_paths=["/fast"])
+    transports = [RecordingTransport() for _ in range(3)]
+    connections = [HTTPConnection(server) for _ in transports]
+    for connection, transport in zip(connections, transports, strict=True):
+        connection.connection_made(transport)
+        connection.data_received(post("/fast", b"hit") + post("/fast", b"hit"))
+    assert all(t.writes == [] for t in transports)  # nothing written while requests are being parsed
+    await asyncio.sleep(0)
+    for transport in transports:
+        assert len(transport.writes) == 1
+        assert transport.writes[0].count(b"from the fast path") == 2
+    # A write that cannot wait (an error, a stream) sends what was queued before it first.
+    connections[0].write_soon(b"first ")
+    connections[0].write(b"second")
+    assert transports[0].writes[1:] == [b"first ", b"second"]
 
 
 @pytest.fixture(autouse=True)

@@ -52,7 +52,7 @@ async def handle_v1(services: Services, scope: Scope, receive: Receive, send: Se
 
 def answer_hit(
     services: Services, headers: Headers, body: bytes, extensions: dict[str, Any]
-) -> tuple[int, Headers, bytes] | None:
+) -> tuple[int, bytes, bytes] | None:
     """The stored answer for a whole `POST` to a cacheable path, or None: the ASGI path answers.
 
     What it parsed is left in `extensions` for that path; anything it cannot
@@ -73,7 +73,11 @@ def answer_hit(
     if hit is None:
         return None
     services.stats["hit"] += 1
-    return hit.status, stored_headers(hit, b"HIT", digest), hit.body
+    lines = b"content-type: %b\r\nx-cache: HIT\r\nx-payload-hash: %b\r\n" % (
+        hit.content_type.encode("latin-1"),
+        digest.encode(),
+    )
+    return hit.status, lines, hit.body
 
 
 def payload_digest(body: bytes) -> str:
@@ -223,15 +227,12 @@ def cacheable_status(status: int, error_statuses: list[int]) -> bool:
 
 
 async def send_stored(send: Send, answer: StoredResponse, state: bytes, digest: str) -> None:
-    await send_bytes(send, answer.status, stored_headers(answer, state, digest), answer.body)
-
-
-def stored_headers(answer: StoredResponse, state: bytes, digest: str) -> Headers:
-    return [
+    headers: Headers = [
         (b"content-type", answer.content_type.encode("latin-1")),
         (b"x-cache", state),
         (b"x-payload-hash", digest.encode()),
     ]
+    await send_bytes(send, answer.status, headers, answer.body)
 
 
 async def forward_uncached(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
