@@ -159,7 +159,11 @@ class HTTPServer:
     def flush(self) -> None:
         connections, self.flushing = self.flushing, []
         for connection in connections:
-            connection.flush()
+            try:
+                connection.flush()
+            except Exception:  # one broken connection must not strand the others' answers
+                logger.exception("writing to %s failed", connection.client)
+                connection.abort()
 
     def request_exit(self) -> None:
         if self._exit is not None:
@@ -326,7 +330,7 @@ class HTTPConnection(asyncio.Protocol):
             data = self._raw_body(data)
             if not data:
                 return
-        was_in_head = self.in_head
+        was_in_head, requests = self.in_head, self.requests
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
@@ -348,8 +352,8 @@ class HTTPConnection(asyncio.Protocol):
                 self._reject(400, f"malformed HTTP request: {exc}")
             return
         # httptools hands over a header only once its line ends: a line that never ends is
-        # caught here, counting whole chunks (at most one chunk is not counted).
-        if self.in_head and was_in_head:
+        # caught here, counting the chunks that were all head (at most one chunk is not counted).
+        if self.in_head and was_in_head and self.requests == requests:
             self.head_bytes += len(data)
             if self.head_bytes > MAX_HEADER_BYTES:
                 with contextlib.suppress(_Rejected):
@@ -369,13 +373,26 @@ class HTTPConnection(asyncio.Protocol):
             self.writable.set()
 
     def pause_writing(self) -> None:
+        # The client does not read its answers: stop reading its requests too, or a
+        # pipelining client that never reads would make the server buffer without end.
         if self.writable is None:
             self.writable = asyncio.Event()
         self.writable.clear()
+        self.pause_reading()
 
     def resume_writing(self) -> None:
         if self.writable is not None:
             self.writable.set()
+        self.resume_reading()
+
+    def eof_received(self) -> None:
+        """The client closed its side: the answers queued already go out, then the connection closes.
+
+        As with uvicorn, that end is taken for the client leaving (an app streaming to it, or
+        waiting for its body, hears http.disconnect): a client that only half-closes gets the
+        answers made by now and no later one.
+        """
+        self.flush()
 
     # -- httptools callbacks -------------------------------------------------
 
@@ -572,7 +589,13 @@ class HTTPConnection(asyncio.Protocol):
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if self.reading_paused and not self.closed and not self.waiting and self.refusal is None:
+        if (
+            self.reading_paused
+            and not self.closed
+            and not self.waiting
+            and self.refusal is None
+            and (self.writable is None or self.writable.is_set())
+        ):
             self.reading_paused = False
             self.transport.resume_reading()
 
@@ -646,6 +669,10 @@ class HTTPConnection(asyncio.Protocol):
 
         Raised out of the parser callbacks (`_Rejected`): nothing more is parsed.
         """
+        if self.closed or self.transport.is_closing():
+            # Closing after an answer with `connection: close`: what follows it is not a request.
+            self.parsing = None
+            raise _Rejected(message)
         body = _ERROR_TEMPLATE % (message.replace('"', "'").encode("latin-1", "replace"), status)
         self.refusal = (
             status_line(status)
@@ -659,6 +686,9 @@ class HTTPConnection(asyncio.Protocol):
             self.waiting.remove(bad)  # never started
         elif bad is not None and bad is self.active:
             bad.malformed = True  # its app hears a disconnect; the refusal is its answer
+            if bad.flush_handle is not None:  # a head not yet written is not written now
+                bad.flush_handle.cancel()
+                bad.flush_handle, bad.head_pending, bad.response_started = None, b"", False
             bad.disconnect()
         self.pause_reading()
         if self.active is None and not self.waiting:

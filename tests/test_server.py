@@ -579,6 +579,54 @@ async def test_shutdown_waits_for_a_fast_path_request_whose_body_is_still_arrivi
     await stopping
 
 
+async def test_a_client_that_half_closes_still_gets_the_answers_already_made() -> None:
+    async with serving(App(), fast=fast, fast_paths=["/fast"]) as server:
+        conn = await Conn.open(server)
+        await conn.send(post("/fast", b"hit") + post("/echo", b"quick"))
+        conn.writer.write_eof()
+        async with asyncio.timeout(5):
+            received = await conn.reader.read()
+        assert b"from the fast path" in received
+        assert received.endswith(b"quick")
+        conn.close()
+
+
+async def test_a_client_that_pipelines_without_reading_is_not_buffered_without_end() -> None:
+    # A short grace: the server, no longer reading, cannot tell that this client has left.
+    async with serving(App(), fast=fast, fast_paths=["/fast"], shutdown_grace_s=0.2) as server:
+        conn = await Conn.open(server)
+        requests = post("/fast", b"hit") * 5000
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(1):
+                for _ in range(100):
+                    conn.writer.write(requests)
+                    await conn.writer.drain()  # blocks once the server stops reading
+        (connection,) = server.connections
+        assert connection.reading_paused
+        assert connection.transport.get_write_buffer_size() < 4 * HIGH_WATER
+        conn.close()
+
+
+async def test_pipelined_requests_in_large_reads_are_not_mistaken_for_huge_headers() -> None:
+    async with serving(App(), fast=fast, fast_paths=["/fast"]) as server:
+        conn = await Conn.open(server)
+        await conn.send(post("/fast", b"hit") * 3000 + post("/echo", b"x" * (3 * MAX_HEADER_BYTES)) + get("/echo"))
+        answers = [await conn.response() for _ in range(3002)]
+        assert {status for status, _, _ in answers} == {200}
+        conn.close()
+
+
+async def test_nothing_is_answered_after_a_connection_close_answer() -> None:
+    async with serving(App(), fast=fast, fast_paths=["/fast"]) as server:
+        conn = await Conn.open(server)
+        await conn.send(post("/fast", b"hit", "Connection: close") + b"GARBAGE\r\n\r\n")
+        async with asyncio.timeout(5):
+            received = await conn.reader.read()
+        assert received.count(b"HTTP/1.1") == 1
+        assert received.endswith(b"from the fast path")
+        conn.close()
+
+
 class RecordingTransport(asyncio.Transport):
     def __init__(self) -> None:
         super().__init__()
