@@ -22,6 +22,7 @@ class App:
         self.events: list[str] = []
         self.lifespan: list[str] = []
         self.fail_startup = False
+        self.go_on = asyncio.Event()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -65,6 +66,10 @@ class App:
         elif path == "/overlong":
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
             await send({"type": "http.response.body", "body": b"okHTTP/1.1 200 OK\r\n\r\nforged"})
+        elif path == "/head-first":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+            await self.go_on.wait()  # the test lets it go on once it has read the headers
+            await send({"type": "http.response.body", "body": b"body", "more_body": False})
         elif path == "/fast":
             await read_all(receive)
             seen = scope["extensions"].get("seen")
@@ -264,6 +269,20 @@ async def test_a_streamed_answer_is_sent_chunked() -> None:
         assert body == b"one two three"
         await conn.send(get("/stream"))
         assert (await conn.response())[2] == b"one two three"
+        conn.close()
+
+
+async def test_a_streams_headers_are_sent_before_its_first_part_exists() -> None:
+    app = App()
+    async with serving(app) as server:
+        conn = await Conn.open(server)
+        await conn.send(get("/head-first"))
+        async with asyncio.timeout(5):
+            head = await conn.reader.readuntil(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200 OK")
+        app.go_on.set()
+        async with asyncio.timeout(5):
+            assert await conn.reader.readuntil(b"0\r\n\r\n") == b"4\r\nbody\r\n0\r\n\r\n"
         conn.close()
 
 
