@@ -115,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> int:
     import uvloop
 
+    from app.durable import DirectoryInUse
     from app.main import create_server
 
     flags = {name: getattr(args, name) for name in Settings.model_fields}
@@ -134,6 +135,9 @@ def serve(args: argparse.Namespace) -> int:
     gc.freeze()
     try:
         uvloop.run(server.serve(install_signal_handlers=True))
+    except DirectoryInUse as exc:
+        print(f"inferproxy serve: {exc}", file=sys.stderr)
+        return 2
     except OSError as exc:  # the port is taken, the address is not ours
         print(f"inferproxy serve: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
         return 1

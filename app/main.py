@@ -18,6 +18,7 @@ on shutdown.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -31,6 +32,7 @@ from starlette.exceptions import HTTPException
 
 from app import __version__
 from app.asgi import ASGIApp, ClientGone, Headers, JSONResponse, Message, Receive, Scope, Send, header, send_error
+from app.durable import DirectoryLock
 from app.errors import ProxyError, Unauthorized, error_body
 from app.routes import ops
 from app.routes.checkpoints import CHECKPOINT_PATHS, handle_checkpoints
@@ -49,6 +51,10 @@ def create_app(settings: Settings | None = None) -> InferProxy:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
+            # Before anything is read or recovered: one proxy per checkpoints dir.
+            lock = DirectoryLock(str(settings.checkpoints_dir))
+            await asyncio.to_thread(lock.acquire)
+            stack.callback(lock.release)
             pool = UpstreamPool(
                 settings.upstream,
                 retries=settings.upstream_retries,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -182,3 +184,18 @@ def test_upstream_down_gives_502_within_bounded_time(tmp_path: Path) -> None:
             chat(client(Proxy(url, args, None)))  # type: ignore[arg-type]
         assert caught.value.status_code == 502
         assert time.monotonic() - start < 15
+
+
+def test_a_second_proxy_on_the_same_checkpoints_is_refused_before_it_touches_them(
+    proxy: Proxy, upstream: Upstream, tmp_path: Path
+) -> None:
+    chat(client(proxy), doc_id="kept")
+    args, _ = start_proxy(upstream.url, tmp_path)  # the same checkpoints dir, another port
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert done.returncode == 2
+    assert f"in use by another inferproxy (pid {proxy.proc.pid})" in done.stderr
+    assert "Traceback" not in done.stderr
+    # The first proxy is untouched and still serves what it stored.
+    assert chat(client(proxy), doc_id="kept")[0] == "HIT"
