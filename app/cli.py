@@ -117,6 +117,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from app.durable import DirectoryInUse
     from app.main import create_server
+    from app.server import CannotListen
 
     flags = {name: getattr(args, name) for name in Settings.model_fields}
     try:
@@ -138,8 +139,11 @@ def serve(args: argparse.Namespace) -> int:
     except DirectoryInUse as exc:
         print(f"inferproxy serve: {exc}", file=sys.stderr)
         return 2
-    except OSError as exc:  # the port is taken, the address is not ours
-        print(f"inferproxy serve: cannot listen on {settings.host}:{settings.port}: {exc}", file=sys.stderr)
+    except CannotListen as exc:  # the port is taken, the address is not ours
+        print(f"inferproxy serve: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the checkpoints or output dir cannot be created, read or written
+        print(f"inferproxy serve: could not start: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -72,16 +72,19 @@ class DirectoryLock:
         make_dirs_durable(self.directory)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-            os.close(fd)
-            raise DirectoryInUse(
-                f"{self.directory} is in use by another inferproxy (pid {holder}): give this one "
-                f"its own --checkpoints-dir, or stop the other first"
-            ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
+                raise DirectoryInUse(
+                    f"{self.directory} is in use by another inferproxy (pid {holder}): give this one "
+                    f"its own --checkpoints-dir, or stop the other first"
+                ) from None
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)  # closing drops the lock too, if it was taken
+            raise
         self.fd = fd
 
     def release(self) -> None:

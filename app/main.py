@@ -18,7 +18,6 @@ on shutdown.
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -52,8 +51,9 @@ def create_app(settings: Settings | None = None) -> InferProxy:
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
             # Before anything is read or recovered: one proxy per checkpoints dir.
+            # Synchronous (a few system calls): a cancelled startup cannot leave it taken.
             lock = DirectoryLock(str(settings.checkpoints_dir))
-            await asyncio.to_thread(lock.acquire)
+            lock.acquire()
             stack.callback(lock.release)
             pool = UpstreamPool(
                 settings.upstream,

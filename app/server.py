@@ -149,8 +149,10 @@ class HTTPServer:
             self._server = await loop.create_server(
                 lambda: HTTPConnection(self), self.host, self.port, backlog=self.backlog
             )
-        except BaseException:
+        except BaseException as exc:
             await self._lifespan.shutdown()
+            if isinstance(exc, OSError):
+                raise CannotListen(f"cannot listen on {self.host}:{self.port}: {exc}") from exc
             raise
         self.port = self._server.sockets[0].getsockname()[1]
         logger.info("listening on http://%s:%d", self.host, self.port)
@@ -218,6 +220,10 @@ class HTTPServer:
         if self._server is not None:
             await self._server.wait_closed()
         await self._lifespan.shutdown()
+
+
+class CannotListen(OSError):
+    """The address could not be bound (in use, not ours)."""
 
 
 class _Lifespan:

@@ -170,3 +170,16 @@ def test_a_directory_lock_is_held_by_one_holder_at_a_time_and_names_it(tmp_path:
     second.acquire()  # free again, and the file left behind names its new holder
     assert (tmp_path / "ckpt" / DirectoryLock.FILENAME).read_text() == f"{os.getpid()}\n"
     second.release()
+
+
+def test_a_lock_that_fails_half_way_is_not_left_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def disk_full(*_: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "pwrite", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            DirectoryLock(str(tmp_path)).acquire()
+    lock = DirectoryLock(str(tmp_path))
+    lock.acquire()  # not held by the failed attempt
+    lock.release()

@@ -7,6 +7,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.cli import build_parser, flag_name
+from app.durable import DirectoryLock
 from app.settings import Settings
 
 ROOT = Path(__file__).parent.parent
@@ -99,3 +100,25 @@ def test_serve_refuses_checkpoints_written_with_another_records_per_chunk(
     err = capsys.readouterr().err
     assert "records_per_chunk=6000, not 100" in err
     assert "--checkpoints-dir" in err
+
+
+def test_serve_that_cannot_start_says_why_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    from app.cli import main
+
+    (tmp_path / "a-file").write_text("")
+    common = ["serve", "--upstream=http://127.0.0.1:9", f"--output={tmp_path / 'out'}"]
+    assert main([*common, f"--checkpoints-dir={tmp_path / 'a-file' / 'ckpt'}"]) == 1
+    err = capsys.readouterr().err
+    assert "could not start" in err
+    assert "Not a directory" in err
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main([*common, f"--checkpoints-dir={tmp_path / 'ckpt'}", f"--port={port}"]) == 1
+    err = capsys.readouterr().err
+    assert f"cannot listen on 127.0.0.1:{port}" in err
+    # The failed start released its lock on the checkpoints dir.
+    lock = DirectoryLock(str(tmp_path / "ckpt"))
+    lock.acquire()
+    lock.release()
