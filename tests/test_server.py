@@ -1,4 +1,4 @@
-"""app.server: HTTP/1.1 framing, ordering, errors, backpressure, shutdown and the fast path, over raw sockets."""
+"""app.server, app.connection, app.exchange over raw sockets: framing, order, errors, backpressure, shutdown."""
 
 from __future__ import annotations
 
@@ -11,7 +11,9 @@ from typing import Any
 import pytest
 
 from app.asgi import Message, Receive, Scope, Send
-from app.server import HIGH_WATER, MAX_HEADER_BYTES, FastAnswer, HTTPConnection, HTTPServer
+from app.connection import MAX_HEADER_BYTES, HTTPConnection
+from app.exchange import HIGH_WATER
+from app.server import FastAnswer, HTTPServer
 
 
 class App:
@@ -679,4 +681,4 @@ async def test_fast_answers_made_in_one_turn_are_written_together_at_its_end() -
 
 @pytest.fixture(autouse=True)
 def _log_errors(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="app.server")
+    caplog.set_level(logging.INFO, logger="app")

@@ -1,0 +1,477 @@
+"""One client connection of `app.server`: parses requests with httptools, runs them in order.
+
+Requests are answered one at a time, in the order they came (pipelining); a request queued
+behind another stops the reading until its turn. The fast path (`HTTPServer.fast`) answers a
+whole `POST` inside `on_message_complete`, when nothing earlier is owed on the connection.
+What cannot be parsed gets its error answer in its turn, then the connection closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import typing
+
+import httptools
+
+from app.asgi import Headers
+from app.exchange import ERROR_TEMPLATE, Request, status_line
+
+if typing.TYPE_CHECKING:
+    from app.server import HTTPServer
+
+logger = logging.getLogger(__name__)
+
+MAX_HEADER_BYTES = 64 * 1024
+FAST_BODY_BYTES = 256 * 1024
+LINGER_S = 2.0  # after a refusal, how long what the client still sends is read and dropped
+REQUEST_STALL_S = 30.0  # a request that stops arriving part-way, with nothing in flight, is dropped after this
+
+
+class HTTPConnection(asyncio.Protocol):
+    """One client connection: parses requests, runs them in order, writes their answers."""
+
+    def __init__(self, server: HTTPServer) -> None:
+        self.server = server
+        self.loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport = None  # type: ignore[assignment]
+        self.parser = httptools.HttpRequestParser(self)
+        self.client: tuple[str, int] | None = None
+        self.local: tuple[str, int] | None = None
+        self.parsing: Request | None = None  # whose body is arriving (or, once answered, being thrown away)
+        self.active: Request | None = None  # whose answer is being produced
+        self.waiting: collections.deque[Request] = collections.deque()  # pipelined behind it
+        self.url = b""
+        self.headers: Headers = []
+        self.header_bytes = 0  # of the request line and headers parsed so far
+        self.in_head = False  # between a request's first byte and the end of its headers
+        self.head_bytes = 0  # bytes received while in_head, whole chunks after the first
+        self.raw_body_left = 0  # body bytes of an Upgrade request, read past the parser
+        self.refusal: bytes | None = None  # an error answer owed after the answers before it
+        self.closed = False
+        self.closing = False
+        self.reading_paused = False
+        self.writable: asyncio.Event | None = None  # set while the transport accepts writes
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.requests = 0  # begun on this connection; the idle timer compares it with its last look
+        self.requests_seen = -1
+        self.bytes_in = 0
+        self.bytes_seen = -1
+        self.stalled_ticks = 0
+        self.lingering = False  # refused and half-closed: what still arrives is dropped
+        self.outbox: list[bytes] = []  # fast answers waiting for the end of the loop's turn
+
+    @property
+    def busy(self) -> bool:
+        return self.active is not None or bool(self.waiting)
+
+    # -- asyncio.Protocol ------------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = typing.cast(asyncio.Transport, transport)
+        peer = transport.get_extra_info("peername")
+        sock = transport.get_extra_info("sockname")
+        self.client = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else None
+        self.local = (str(sock[0]), int(sock[1])) if isinstance(sock, tuple) else None
+        self.server.connections.add(self)
+        if self.server.closing:
+            self.abort()
+            return
+        self._arm_idle_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self.lingering:
+            return
+        self.bytes_in += len(data)
+        if self.raw_body_left:
+            data = self._raw_body(data)
+            if not data:
+                return
+        was_in_head, requests = self.in_head, self.requests
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade as upgrade:
+            # Upgrades (h2c, websocket) are not spoken here: the request is answered as plain
+            # HTTP/1.1, as RFC 9110 §7.8 allows. llhttp stops parsing at the end of its head;
+            # its body and the requests after it are read on with a fresh parser.
+            self.parser = httptools.HttpRequestParser(self)
+            rest = data[upgrade.args[0] :]
+            if rest:
+                self.data_received(rest)
+            return
+        except httptools.HttpParserCallbackError as exc:
+            if not isinstance(exc.__context__, _Rejected):  # else: refused and closing already
+                logger.error("a request on %s broke the server", self.client, exc_info=exc.__context__)
+                self.abort()
+            return
+        except httptools.HttpParserError as exc:
+            with contextlib.suppress(_Rejected):
+                self._reject(400, f"malformed HTTP request: {exc}")
+            return
+        # httptools hands over a header only once its line ends: a line that never ends is
+        # caught here, counting the chunks that were all head (at most one chunk is not counted).
+        if self.in_head and was_in_head and self.requests == requests:
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEADER_BYTES:
+                with contextlib.suppress(_Rejected):
+                    self._reject(431, f"the request headers are over {MAX_HEADER_BYTES} bytes")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        if self.server.closing:
+            self.server.wakeup.set()
+        self._cancel_idle_timer()
+        for request in (self.active, *self.waiting, self.parsing):
+            if request is not None:
+                request.disconnect()
+        self.waiting.clear()
+        if self.writable is not None:
+            self.writable.set()
+
+    def pause_writing(self) -> None:
+        # The client does not read its answers: stop reading its requests too, or a
+        # pipelining client that never reads would make the server buffer without end.
+        if self.writable is None:
+            self.writable = asyncio.Event()
+        self.writable.clear()
+        self.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self.writable is not None:
+            self.writable.set()
+        self.resume_reading()
+
+    def eof_received(self) -> None:
+        """The client closed its side: the answers queued already go out, then the connection closes.
+
+        As with uvicorn, that end is taken for the client leaving (an app streaming to it, or
+        waiting for its body, hears http.disconnect): a client that only half-closes gets the
+        answers made by now and no later one.
+        """
+        self.flush()
+
+    # -- httptools callbacks -------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        self.requests += 1
+        self.url = b""
+        self.headers = []
+        self.header_bytes = self.head_bytes = 0
+        self.in_head = True
+
+    def on_url(self, url: bytes) -> None:
+        self.url += url
+        self.header_bytes += len(url)
+        if self.header_bytes > MAX_HEADER_BYTES:
+            self._reject(414, f"the request line is over {MAX_HEADER_BYTES} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.header_bytes += len(name) + len(value) + 4  # ": " and CRLF
+        if self.header_bytes > MAX_HEADER_BYTES:
+            self._reject(431, f"the request headers are over {MAX_HEADER_BYTES} bytes")
+        self.headers.append((name.lower(), value))
+
+    def on_headers_complete(self) -> None:
+        self.in_head = False
+        parser = self.parser
+        try:
+            url = httptools.parse_url(self.url)
+        except httptools.HttpParserInvalidURLError:
+            self._reject(400, "the request target is not a valid URL")
+        method = parser.get_method().decode("ascii")
+        request = Request(
+            self,
+            method,
+            url.path or b"/",
+            url.query or b"",
+            self.headers,
+            parser.get_http_version(),
+            parser.should_keep_alive() and not self.closing,
+        )
+        self.parsing = request
+        if parser.should_upgrade():
+            self._read_past_upgrade(request)
+        elif method == "POST" and self.server.fast_paths and request.path in self.server.fast_paths:
+            # Buffered whole and answered in on_message_complete if the fast path can.
+            request.deferred = not request.expect_continue
+        if not request.deferred:
+            self._schedule(request)
+
+    def on_body(self, body: bytes) -> None:
+        request = self.parsing
+        if request is None:
+            return
+        request.add_body(body)
+        if request.deferred and request.body_size > FAST_BODY_BYTES:
+            request.deferred = False
+            self._schedule(request)
+
+    def on_message_complete(self) -> None:
+        request = self.parsing
+        if request is not None and not self.raw_body_left:
+            self._message_complete(request)
+
+    # -- requests: in order, one at a time ---------------------------------------
+
+    def _message_complete(self, request: Request) -> None:
+        self.parsing = None
+        request.body_complete = True
+        if request.deferred:
+            request.deferred = False
+            if self.active is None and not self.waiting and self._answer_fast(request):
+                return
+            self._schedule(request)
+            return
+        request.wake()
+        if request.response_complete and not self.busy and not self.closed:
+            # Answered before its body was all read (413, 401): the body has been thrown away.
+            if self.closing or self.server.closing:
+                self._close()
+            else:
+                self._arm_idle_timer()
+
+    def _answer_fast(self, request: Request) -> bool:
+        """The synchronous fast path; True if it answered."""
+        fast = self.server.fast
+        assert fast is not None
+        body = b"".join(request.body) if len(request.body) != 1 else request.body[0]
+        try:
+            answer = fast(request.path, request.headers, body, request.extensions)
+        except Exception:
+            logger.exception("the fast path failed on %s %s; the app answers instead", request.method, request.path)
+            answer = None
+        if answer is None:
+            request.body = [body]
+            return False
+        status, lines, content = answer
+        self.write_soon(request.head_from_lines(status, lines, len(content)) + content)
+        self._finished(request)
+        return True
+
+    def _schedule(self, request: Request) -> None:
+        if self.active is None:
+            self._start(request)
+        else:
+            self.waiting.append(request)
+            self.pause_reading()  # one request queued is enough: the client waits for its answers
+
+    def _start(self, request: Request) -> None:
+        self.active = request
+        task = request.task = self.loop.create_task(request.run())
+        tasks = self.server.tasks
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+
+    def _finished(self, request: Request) -> None:
+        """The answer to `request` is complete: next request, refusal, keep-alive, or close."""
+        if self.active is request:
+            self.active = None
+        if not request.keep_alive or self.closed:
+            self.closing = True
+            self.waiting.clear()
+            if not self.closed:
+                self._close()
+            return
+        if self.waiting:
+            self._start(self.waiting.popleft())
+            if not self.waiting and self.refusal is None:
+                self.resume_reading()
+        elif self.active is None:
+            if self.refusal is not None:
+                self._send_refusal()
+            elif self.parsing is None and (self.closing or self.server.closing):
+                self._close()
+            else:
+                self.resume_reading()
+                self._arm_idle_timer()
+
+    def _read_past_upgrade(self, request: Request) -> None:
+        """llhttp skips the body of an Upgrade request: a Content-Length body is read here instead."""
+        length = b"0"
+        for name, value in request.headers:
+            if name == b"transfer-encoding":
+                self._reject(400, "an Upgrade request cannot have a chunked body here: send it without Upgrade")
+            if name == b"content-length":
+                length = value
+        self.raw_body_left = int(length) if length.isdigit() else 0
+
+    def _raw_body(self, data: bytes) -> bytes:
+        """Feed an Upgrade request's body from `data`; return what comes after it."""
+        piece, rest = data[: self.raw_body_left], data[self.raw_body_left :]
+        self.raw_body_left -= len(piece)
+        request = self.parsing
+        if request is not None:
+            self.on_body(piece)
+            if not self.raw_body_left:
+                self._message_complete(request)
+        return rest
+
+    # -- writing, flow control and closing ----------------------------------------
+
+    def write(self, data: bytes) -> None:
+        """Write now, after what the fast path queued on this connection."""
+        if self.outbox:
+            self.flush()
+        self.transport.write(data)
+
+    def write_soon(self, data: bytes) -> None:
+        """Queue `data` for one write at the end of this turn of the event loop.
+
+        Each write to a socket whose reader sleeps pays for waking it up (~10 µs here,
+        half a hit's cost): the answers made in one turn go out back to back, so that
+        the client wakes once for all of them rather than once per answer.
+        """
+        if not self.outbox:
+            server = self.server
+            if not server.flushing:
+                self.loop.call_soon(server.flush)
+            server.flushing.append(self)
+        self.outbox.append(data)
+
+    def flush(self) -> None:
+        outbox = self.outbox
+        if outbox:
+            self.outbox = []
+            if not self.closed:
+                self.transport.write(outbox[0] if len(outbox) == 1 else b"".join(outbox))
+
+    def _close(self) -> None:
+        self.flush()
+        self.transport.close()
+
+    def pause_reading(self) -> None:
+        if not self.reading_paused and not self.closed:
+            self.reading_paused = True
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if (
+            self.reading_paused
+            and not self.closed
+            and not self.waiting
+            and self.refusal is None
+            and (self.writable is None or self.writable.is_set())
+        ):
+            self.reading_paused = False
+            self.transport.resume_reading()
+
+    async def drain(self) -> None:
+        if self.writable is not None and not self.writable.is_set() and not self.closed:
+            await self.writable.wait()
+
+    def close_when_idle(self) -> None:
+        """Shutdown: no more requests on this connection; close it now if nothing is owed."""
+        self.closing = True
+        for request in (self.active, *self.waiting, self.parsing):
+            if request is not None and not request.response_started:
+                request.keep_alive = False
+        if not self.busy and self.parsing is None and not self.closed:
+            self._close()
+
+    def close(self) -> None:
+        """Close once the buffered output is sent."""
+        if not self.closed:
+            self._close()
+
+    def abort_requests(self) -> None:
+        """Shutdown past its grace period: cut the connection if an answer is still owed on it."""
+        if self.busy or self.parsing is not None:
+            self.abort()
+
+    def abort(self) -> None:
+        self.abort_transport()
+        for request in (self.active, *self.waiting):
+            if request is not None and request.task is not None:
+                request.task.cancel()
+
+    def abort_transport(self) -> None:
+        self.outbox = []
+        if not self.closed:
+            self.transport.abort()
+
+    def _arm_idle_timer(self) -> None:
+        # One timer per connection, not one per request: when it fires it closes the
+        # connection only if no request began since it was armed (idle keep_alive_s to 2x).
+        if self.idle_timer is None and not self.closed:
+            self.requests_seen = self.requests
+            self.bytes_seen = self.bytes_in
+            self.idle_timer = self.loop.call_later(self.server.keep_alive_s, self._idle_timeout)
+
+    def _cancel_idle_timer(self) -> None:
+        if self.idle_timer is not None:
+            self.idle_timer.cancel()
+            self.idle_timer = None
+
+    def _idle_timeout(self) -> None:
+        self.idle_timer = None
+        if self.closed:
+            return
+        if self.busy:
+            self.stalled_ticks = 0
+        elif self.parsing is not None or self.in_head:
+            # A request that stopped arriving part-way, with nothing owed to its client.
+            self.stalled_ticks = 0 if self.bytes_in != self.bytes_seen else self.stalled_ticks + 1
+            if self.stalled_ticks * self.server.keep_alive_s >= REQUEST_STALL_S:
+                logger.info("closing a connection from %s: its request stopped arriving", self.client)
+                self._close()
+                return
+        elif self.requests == self.requests_seen:
+            self._close()
+            return
+        self._arm_idle_timer()
+
+    def _reject(self, status: int, message: str) -> typing.NoReturn:
+        """Refuse a request this server cannot take: an error answer, in its turn, then close.
+
+        Raised out of the parser callbacks (`_Rejected`): nothing more is parsed.
+        """
+        if self.closed or self.transport.is_closing():
+            # Closing after an answer with `connection: close`: what follows it is not a request.
+            self.parsing = None
+            raise _Rejected(message)
+        body = ERROR_TEMPLATE % (message.replace('"', "'").encode("latin-1", "replace"), status)
+        self.refusal = (
+            status_line(status)
+            + b"content-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n" % len(body)
+            + self.server.clock.date()
+            + b"\r\n"
+            + body
+        )
+        bad, self.parsing, self.in_head, self.raw_body_left = self.parsing, None, False, 0
+        if bad is not None and bad in self.waiting:
+            self.waiting.remove(bad)  # never started
+        elif bad is not None and bad is self.active:
+            bad.malformed = True  # its app hears a disconnect; the refusal is its answer
+            if bad.flush_handle is not None:  # a head not yet written is not written now
+                bad.flush_handle.cancel()
+                bad.flush_handle, bad.head_pending, bad.response_started = None, b"", False
+            bad.disconnect()
+        self.pause_reading()
+        if self.active is None and not self.waiting:
+            self._send_refusal()
+        raise _Rejected(message)
+
+    def _send_refusal(self) -> None:
+        """Write the refusal and close, lingering: a client still sending gets to read it."""
+        if self.refusal is not None and not self.closed:
+            self.write(self.refusal)
+            # Closing with its bytes unread would reset the connection and could destroy the
+            # answer before the client reads it: stop writing, read and drop, then close.
+            if self.transport.can_write_eof():
+                self.transport.write_eof()
+                self.lingering = True
+                self.loop.call_later(LINGER_S, self.close)
+                self.reading_paused = True  # so that resume_reading acts
+                self.refusal = None
+                self.resume_reading()
+            else:
+                self._close()
+        self.refusal = None
+        self.closing = True
+
+
+class _Rejected(Exception):
+    """Raised out of a parser callback: the connection is closing, stop parsing."""
