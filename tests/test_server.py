@@ -617,14 +617,26 @@ async def test_a_client_that_pipelines_without_reading_is_not_buffered_without_e
     async with serving(App(), fast=fast, fast_paths=["/fast"], shutdown_grace_s=0.2) as server:
         conn = await Conn.open(server)
         requests = post("/fast", b"hit") * 5000
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(1):
-                for _ in range(100):
-                    conn.writer.write(requests)
-                    await conn.writer.drain()  # blocks once the server stops reading
-        (connection,) = server.connections
-        assert connection.reading_paused
-        assert connection.transport.get_write_buffer_size() < 4 * HIGH_WATER
+
+        async def flood() -> None:
+            while True:
+                conn.writer.write(requests)
+                await conn.writer.drain()  # blocks once the server stops reading
+
+        flooding = asyncio.create_task(flood())
+        seen_paused, most_buffered = False, 0
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        while loop.time() - start < 10 and not (seen_paused and loop.time() - start > 0.5):
+            await asyncio.sleep(0.01)
+            for connection in server.connections:
+                seen_paused = seen_paused or connection.reading_paused
+                most_buffered = max(most_buffered, connection.transport.get_write_buffer_size())
+        flooding.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await flooding
+        assert seen_paused  # it stopped reading requests while their answers could not be written
+        assert most_buffered < 4 * HIGH_WATER
         conn.close()
 
 
