@@ -229,7 +229,7 @@ class HTTPConnection(asyncio.Protocol):
         if request.response_complete and not self.busy and not self.closed:
             # Answered before its body was all read (413, 401): the body has been thrown away.
             if self.closing or self.server.closing:
-                self._close()
+                self.close()
             else:
                 self._arm_idle_timer()
 
@@ -273,7 +273,7 @@ class HTTPConnection(asyncio.Protocol):
             self.closing = True
             self.waiting.clear()
             if not self.closed:
-                self._close()
+                self.close()
             return
         if self.waiting:
             self._start(self.waiting.popleft())
@@ -283,7 +283,7 @@ class HTTPConnection(asyncio.Protocol):
             if self.refusal is not None:
                 self._send_refusal()
             elif self.parsing is None and (self.closing or self.server.closing):
-                self._close()
+                self.close()
             else:
                 self.resume_reading()
                 self._arm_idle_timer()
@@ -338,10 +338,6 @@ class HTTPConnection(asyncio.Protocol):
             if not self.closed:
                 self.transport.write(outbox[0] if len(outbox) == 1 else b"".join(outbox))
 
-    def _close(self) -> None:
-        self.flush()
-        self.transport.close()
-
     def pause_reading(self) -> None:
         if not self.reading_paused and not self.closed:
             self.reading_paused = True
@@ -369,12 +365,13 @@ class HTTPConnection(asyncio.Protocol):
             if request is not None and not request.response_started:
                 request.keep_alive = False
         if not self.busy and self.parsing is None and not self.closed:
-            self._close()
+            self.close()
 
     def close(self) -> None:
-        """Close once the buffered output is sent."""
+        """Close once the queued and buffered output is sent."""
         if not self.closed:
-            self._close()
+            self.flush()
+            self.transport.close()
 
     def abort_requests(self) -> None:
         """Shutdown past its grace period: cut the connection if an answer is still owed on it."""
@@ -416,10 +413,10 @@ class HTTPConnection(asyncio.Protocol):
             self.stalled_ticks = 0 if self.bytes_in != self.bytes_seen else self.stalled_ticks + 1
             if self.stalled_ticks * self.server.keep_alive_s >= REQUEST_STALL_S:
                 logger.info("closing a connection from %s: its request stopped arriving", self.client)
-                self._close()
+                self.close()
                 return
         elif self.requests == self.requests_seen:
-            self._close()
+            self.close()
             return
         self._arm_idle_timer()
 
@@ -468,7 +465,7 @@ class HTTPConnection(asyncio.Protocol):
                 self.refusal = None
                 self.resume_reading()
             else:
-                self._close()
+                self.close()
         self.refusal = None
         self.closing = True
 
