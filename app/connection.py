@@ -312,9 +312,10 @@ class HTTPConnection(asyncio.Protocol):
     # -- writing, flow control and closing ----------------------------------------
 
     def write(self, data: bytes) -> None:
-        """Write now, after what the fast path queued on this connection."""
+        """Write now, in one write with what is queued on this connection (which goes first)."""
         if self.outbox:
-            self.flush()
+            outbox, self.outbox = self.outbox, []
+            data = b"".join([*outbox, data])
         self.transport.write(data)
 
     def write_soon(self, data: bytes) -> None:
@@ -442,9 +443,7 @@ class HTTPConnection(asyncio.Protocol):
             self.waiting.remove(bad)  # never started
         elif bad is not None and bad is self.active:
             bad.malformed = True  # its app hears a disconnect; the refusal is its answer
-            if bad.flush_handle is not None:  # a head not yet written is not written now
-                bad.flush_handle.cancel()
-                bad.flush_handle, bad.head_pending, bad.response_started = None, b"", False
+            bad.retract_head()  # a head not yet written is not written now
             bad.disconnect()
         self.pause_reading()
         if self.active is None and not self.waiting:

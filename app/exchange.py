@@ -71,8 +71,7 @@ class Request:
     response_started = False
     response_complete = False
     chunked = False
-    head_pending = b""
-    flush_handle: asyncio.Handle | None = None
+    queued_head: bytes | None = None  # the answer's head while it waits in the connection's outbox
     expected_length: int | None = None
     written = 0
     discarded = 0
@@ -167,10 +166,7 @@ class Request:
         """The app is done with the request: if its answer is not complete, end it as best as can be."""
         if self.response_complete:
             return
-        if self.head_pending and self.flush_handle is not None:
-            # Started but not a byte written yet: an error can still be answered instead.
-            self.flush_handle.cancel()
-            self.flush_handle, self.head_pending, self.response_started = None, b"", False
+        self.retract_head()  # if none of it has left yet, an error can still be answered instead
         if self.malformed and not self.response_started:
             self.response_complete = True
             self.conn._finished(self)  # the refusal is written in its turn
@@ -224,10 +220,10 @@ class Request:
                 self.chunked = self.keep_alive = False  # HTTP/1.0 has no chunks: the close ends the body
             if self.expect_continue and not self.continue_sent and not self.body_complete:
                 self.keep_alive = False  # the client may never send the body it announced
-            self.head_pending = self.head(status, headers, length)
-            # Written with the first body part if that comes before the loop turns (one
-            # write for a whole answer), else on its own so that a stream's headers are not late.
-            self.flush_handle = self.conn.loop.call_soon(self._flush_head)
+            # Queued: it goes out with the first body part if that comes in this turn of the
+            # loop (one write for a whole answer), else on its own at the end of the turn.
+            self.queued_head = self.head(status, headers, length)
+            self.conn.write_soon(self.queued_head)
         elif kind == "http.response.body":
             if not self.response_started:
                 raise RuntimeError("http.response.body sent before http.response.start")
@@ -248,12 +244,7 @@ class Request:
                     data += b"0\r\n\r\n"
             else:
                 data = body
-            if self.head_pending:
-                data = self.head_pending + data
-                self.head_pending = b""
-                if self.flush_handle is not None:
-                    self.flush_handle.cancel()
-                    self.flush_handle = None
+            self.queued_head = None  # body follows it: it can no longer be taken back
             if data and not conn.closed:
                 # The last part goes out with the other answers of this turn; a stream's
                 # parts go out at once, as they come.
@@ -289,11 +280,15 @@ class Request:
             lines += b"connection: keep-alive\r\n"
         return status_line(status) + lines + self.conn.server.clock.date() + b"\r\n"
 
-    def _flush_head(self) -> None:
-        self.flush_handle = None
-        if self.head_pending and not self.conn.closed:
-            self.conn.write(self.head_pending)
-        self.head_pending = b""
+    def retract_head(self) -> bool:
+        """Take back a started answer's head if none of it has left yet; True if it was."""
+        outbox = self.conn.outbox
+        if self.queued_head is None or not outbox or outbox[-1] is not self.queued_head:
+            return False
+        outbox.pop()
+        self.queued_head = None
+        self.response_started = False
+        return True
 
     def _internal_error(self) -> None:
         body = ERROR_TEMPLATE % (b"inferproxy failed on this request", 500)
@@ -310,8 +305,6 @@ class Request:
             return  # answered already; what failed came after
         self.response_complete = True
         self.keep_alive = False
-        if self.flush_handle is not None:
-            self.flush_handle.cancel()
         conn = self.conn
         conn.abort_transport()
         if conn.active is self:

@@ -49,6 +49,9 @@ class App:
             await send({"type": "http.response.start", "status": 200, "headers": []})
             await send({"type": "http.response.body", "body": b"partial", "more_body": True})
             raise RuntimeError("boom after")
+        elif path == "/fail-after-start":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+            raise RuntimeError("boom between start and body")
         elif path == "/nothing":
             return
         elif path == "/until-disconnect":
@@ -335,6 +338,16 @@ async def test_an_app_failing_before_its_answer_gives_a_500_envelope(caplog: pyt
             assert await conn.closed_by_server()
     assert "boom before" in caplog.text
     assert "did not finish its answer" in caplog.text
+
+
+async def test_an_app_failing_before_a_byte_of_its_answer_left_still_gets_a_500() -> None:
+    async with serving(App()) as server:
+        conn = await Conn.open(server)
+        await conn.send(get("/fail-after-start"))
+        status, headers, body = await conn.response()
+        assert (status, headers[b"connection"]) == (500, b"close")
+        assert b'"error"' in body
+        assert await conn.closed_by_server()
 
 
 async def test_an_app_failing_mid_answer_cuts_the_connection() -> None:
@@ -688,7 +701,7 @@ async def test_fast_answers_made_in_one_turn_are_written_together_at_its_end() -
     # A write that cannot wait (an error, a stream) sends what was queued before it first.
     connections[0].write_soon(b"first ")
     connections[0].write(b"second")
-    assert transports[0].writes[1:] == [b"first ", b"second"]
+    assert transports[0].writes[1:] == [b"first second"]
 
 
 @pytest.fixture(autouse=True)
