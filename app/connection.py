@@ -17,7 +17,7 @@ import typing
 import httptools
 
 from app.asgi import Headers
-from app.exchange import ERROR_TEMPLATE, Request, status_line
+from app.exchange import Request, error_answer
 
 if typing.TYPE_CHECKING:
     from app.server import HTTPServer
@@ -430,14 +430,7 @@ class HTTPConnection(asyncio.Protocol):
             # Closing after an answer with `connection: close`: what follows it is not a request.
             self.parsing = None
             raise _Rejected(message)
-        body = ERROR_TEMPLATE % (message.replace('"', "'").encode("latin-1", "replace"), status)
-        self.refusal = (
-            status_line(status)
-            + b"content-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n" % len(body)
-            + self.server.clock.date()
-            + b"\r\n"
-            + body
-        )
+        self.refusal = error_answer(status, message, self.server.clock.date())
         bad, self.parsing, self.in_head, self.raw_body_left = self.parsing, None, False, 0
         if bad is not None and bad in self.waiting:
             self.waiting.remove(bad)  # never started

@@ -18,6 +18,7 @@ from http import HTTPStatus
 from urllib.parse import unquote
 
 from app.asgi import Headers, Message
+from app.errors import error_body
 
 if typing.TYPE_CHECKING:
     from app.connection import HTTPConnection
@@ -26,7 +27,6 @@ logger = logging.getLogger(__name__)
 
 HIGH_WATER = 1 << 20  # request body bytes buffered before the socket stops being read
 DISCARD_BYTES = 64 * 1024 * 1024  # of a body left unread by an early answer, read and dropped before closing
-ERROR_TEMPLATE = b'{"error":{"message":"%s","type":"invalid_request_error","param":null,"code":%d}}'
 
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 _STATUS_LINES: dict[int, bytes] = {}
@@ -40,6 +40,13 @@ def status_line(status: int) -> bytes:
         line = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))
         _STATUS_LINES[status] = line
     return line
+
+
+def error_answer(status: int, message: str, date: bytes) -> bytes:
+    """The server's own error answer, in the OpenAI envelope; the connection closes after it."""
+    body = error_body(message, type_="invalid_request_error", code=status)
+    head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body)
+    return status_line(status) + head + date + b"\r\n" + body
 
 
 class Clock:
@@ -291,11 +298,9 @@ class Request:
         return True
 
     def _internal_error(self) -> None:
-        body = ERROR_TEMPLATE % (b"inferproxy failed on this request", 500)
         self.keep_alive = False
-        head = self.head(500, [(b"content-type", b"application/json")], len(body))
         if not self.conn.closed:
-            self.conn.write(head + body)
+            self.conn.write(error_answer(500, "inferproxy failed on this request", self.conn.server.clock.date()))
         self.response_started = self.response_complete = True
         self.conn._finished(self)
 
