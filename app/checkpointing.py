@@ -31,28 +31,26 @@ import asyncio
 import contextlib
 import logging
 import os
-import re
 import shutil
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-import orjson
-
 from app.cache import RequestCache
 from app.documents import Document, DocumentLike, OutputWriter, encode_document, is_removed
-from app.durable import (
-    AppendFile,
-    CorruptFileError,
-    GroupSync,
-    atomic_write_bytes,
-    fsync_dir,
-    make_dirs_durable,
-    read_jsonl_repairing_tail,
+from app.durable import AppendFile, GroupSync, atomic_write_bytes, fsync_dir, make_dirs_durable
+from app.layout import META_FILENAME, CheckpointsLayout, RankPaths
+from app.resume import (
+    RecordsPerChunkMismatch,
+    check_records_per_chunk,
+    docs_to_skip,
+    read_chunk_file,
+    read_last_chunk,
 )
 
 __all__ = [
+    "META_FILENAME",
     "BatchOutcome",
     "CheckpointDurabilityError",
     "CheckpointManager",
@@ -66,17 +64,11 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 D = TypeVar("D", bound=DocumentLike)
-META_FILENAME = "checkpoint_meta.json"
 FsyncPolicy = Literal["always", "never"]
-_CHUNK_FILE = re.compile(r"^chunk_(\d+)\.jsonl$")
 
 
 class ChunkCompleteError(ValueError):
     """A document was sent to a chunk that is already complete."""
-
-
-class RecordsPerChunkMismatch(ValueError):
-    """The checkpoints were written with another `records_per_chunk`."""
 
 
 class CheckpointDurabilityError(OSError):
@@ -308,7 +300,7 @@ class CheckpointManager:
     async def _open_chunk_file(self, rank: int, chunk_index: int) -> AppendFile:
         """Open (creating it durably) the chunk's file for appending; kept open until the chunk completes."""
         self._ensure_meta()
-        path = self._chunk_path(rank, chunk_index)
+        path = self._paths(rank).chunk_file(chunk_index)
         created = not os.path.exists(path)
         if created:
             await asyncio.to_thread(make_dirs_durable, os.path.dirname(path))
@@ -392,35 +384,18 @@ class CheckpointManager:
 
     def _read_chunks(self, rank: int) -> list[tuple[int, list[DocumentLike]]]:
         """Decode the rank's unfinished chunk files, validating all before anything is written."""
-        assert self.checkpoints_local_dir is not None
-        rank_dir = os.path.join(self.checkpoints_local_dir, f"{rank:05d}")
         chunks: list[tuple[int, list[DocumentLike]]] = []
-        for chunk_index, path in _chunk_files(rank_dir):
+        for chunk_index, path in self._paths(rank).chunk_files():
             if chunk_index <= self.last_chunk_index:
                 # Left by a crash after last_chunk moved past it: already published.
                 logger.info("Removing %s: chunk %d is already complete", path, chunk_index)
                 os.remove(path)
                 continue
-            documents = []
-            for number, record in enumerate(read_jsonl_repairing_tail(path), start=1):
-                if not isinstance(record, dict) or not isinstance(record.get("id"), str):
-                    raise CorruptFileError(
-                        f"{path}: record {number} is not a document (a JSON object with a string id): "
-                        f"{str(record)[:80]!r}. Move the file aside or repair that line, then restart"
-                    )
-                documents.append(self.document_factory(record))
-            distinct = len({document.id for document in documents})
-            if distinct > self.records_per_chunk:
-                raise RecordsPerChunkMismatch(
-                    f"{path} holds {distinct} distinct documents but records_per_chunk is "
-                    f"{self.records_per_chunk}: these checkpoints were written with a larger "
-                    f"records_per_chunk; resume with that value or use a fresh checkpoints dir"
-                )
-            chunks.append((chunk_index, documents))
+            chunks.append((chunk_index, read_chunk_file(path, self.records_per_chunk, self.document_factory)))
         return chunks
 
     def _read_last_chunk(self, rank: int) -> int:
-        return read_last_chunk(self._last_chunk_path(rank))
+        return read_last_chunk(self._paths(rank).last_chunk_file)
 
     # -------------------------------------------------------------- completing
 
@@ -439,7 +414,7 @@ class CheckpointManager:
             async with self.file_locks[chunk_index]:
                 self._ready.add(chunk_index)
             await asyncio.shield(self._publish_ready(rank))
-        rank_dir = os.path.join(self.checkpoints_local_dir, f"{rank:05d}")
+        rank_dir = self._paths(rank).rank_dir
         if self.last_chunk_index >= chunk_index:
             if self.last_chunk_index == chunk_index and os.path.exists(rank_dir):
                 await self._close_files()
@@ -471,7 +446,8 @@ class CheckpointManager:
         async with self.checkpoint_file_lock:
             while self.last_chunk_index + 1 in self.new_completed_chunks:
                 chunk_index = self.last_chunk_index + 1
-                await asyncio.to_thread(atomic_write_bytes, self._last_chunk_path(rank), str(chunk_index).encode())
+                last_chunk_file = self._paths(rank).last_chunk_file
+                await asyncio.to_thread(atomic_write_bytes, last_chunk_file, str(chunk_index).encode())
                 self.last_chunk_index = chunk_index
                 self._fault("last_chunk_written")
                 async with self.file_locks[chunk_index]:
@@ -479,7 +455,7 @@ class CheckpointManager:
                     if file is not None:
                         file.close()
                     with contextlib.suppress(FileNotFoundError):
-                        os.remove(self._chunk_path(rank, chunk_index))
+                        os.remove(self._paths(rank).chunk_file(chunk_index))
                 self._fault("chunk_file_deleted")
                 logger.info("Finished chunk %d", chunk_index)
                 self.file_locks.pop(chunk_index, None)
@@ -536,96 +512,15 @@ class CheckpointManager:
 
     def _ensure_meta(self) -> None:
         """Record `records_per_chunk` beside the checkpoints, or check it against the recorded one."""
-        if self._meta_checked:
-            return
-        assert self.checkpoints_local_dir is not None
-        path = os.path.join(self.checkpoints_local_dir, META_FILENAME)
-        try:
-            with open(path, "rb") as f:
-                meta = orjson.loads(f.read())
-            recorded = meta["records_per_chunk"]
-        except FileNotFoundError:
-            if os.path.isdir(os.path.join(self.checkpoints_local_dir, "last_chunk")):
-                logger.warning(
-                    "%s holds checkpoints but no %s (written by datatrove or an older inferproxy): "
-                    "trusting records_per_chunk=%d and recording it; a different value would shift every chunk",
-                    self.checkpoints_local_dir,
-                    META_FILENAME,
-                    self.records_per_chunk,
-                )
-            make_dirs_durable(self.checkpoints_local_dir)
-            atomic_write_bytes(path, orjson.dumps({"records_per_chunk": self.records_per_chunk}))
-        except (ValueError, TypeError, KeyError) as exc:
-            raise CorruptFileError(
-                f"{path} is not a JSON object with records_per_chunk ({exc}); write "
-                f'{{"records_per_chunk": N}} with the value the checkpoints were written with'
-            ) from exc
-        else:
-            if recorded != self.records_per_chunk:
-                raise RecordsPerChunkMismatch(
-                    f"the checkpoints in {self.checkpoints_local_dir} were written with "
-                    f"records_per_chunk={recorded}, this run uses records_per_chunk={self.records_per_chunk}: "
-                    f"every chunk boundary would shift. Resume with records_per_chunk={recorded}, "
-                    f"or use a fresh checkpoints dir"
-                )
-        self._meta_checked = True
+        if not self._meta_checked:
+            assert self.checkpoints_local_dir is not None
+            check_records_per_chunk(CheckpointsLayout(self.checkpoints_local_dir), self.records_per_chunk, record=True)
+            self._meta_checked = True
 
-    def _chunk_path(self, rank: int, chunk_index: int) -> str:
+    def _paths(self, rank: int) -> RankPaths:
         assert self.checkpoints_local_dir is not None
-        return os.path.join(self.checkpoints_local_dir, f"{rank:05d}", f"chunk_{chunk_index:05d}.jsonl")
-
-    def _last_chunk_path(self, rank: int) -> str:
-        assert self.checkpoints_local_dir is not None
-        return os.path.join(self.checkpoints_local_dir, "last_chunk", f"{rank:05d}.txt")
+        return RankPaths(self.checkpoints_local_dir, rank)
 
     def _fault(self, step: str) -> None:
         if self.fault is not None:
             self.fault(step)
-
-
-def _chunk_files(rank_dir: str) -> list[tuple[int, str]]:
-    """`(chunk_index, path)` of every chunk file in a rank dir, by chunk index."""
-    try:
-        names = os.listdir(rank_dir)
-    except FileNotFoundError:
-        return []
-    found = []
-    for name in names:
-        match = _CHUNK_FILE.match(name)
-        if match:
-            found.append((int(match.group(1)), os.path.join(rank_dir, name)))
-    return sorted(found)
-
-
-def read_last_chunk(path: str) -> int:
-    """The value of a `last_chunk/<rank>.txt` file: -1 if absent, and -1 (logged) if unreadable."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except FileNotFoundError:
-        return -1
-    except OSError as exc:
-        text = f"<unreadable: {exc}>"
-    try:
-        value = int(text.strip())
-        if value < -1:
-            raise ValueError(value)
-    except ValueError:
-        # Left by a writer that truncated the file and died before writing
-        # it again (datatrove rewrites it in place). The true value is lost;
-        # the only safe lower bound is "no chunk complete": finished chunks
-        # are generated again and their outputs rewritten, none is lost.
-        logger.warning(
-            "%s is empty or unreadable (%r), probably left by a crash while it was rewritten in place; "
-            "resuming as if no chunk were complete: chunks already published will be generated again "
-            "and their output files rewritten",
-            path,
-            text[:80],
-        )
-        return -1
-    return value
-
-
-def docs_to_skip(last_chunk_index: int, records_per_chunk: int) -> int:
-    """How many input documents the published chunks `0..last_chunk_index` cover."""
-    return (last_chunk_index + 1) * records_per_chunk if last_chunk_index >= 0 else 0

@@ -115,7 +115,6 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> int:
     import uvloop
 
-    from app.durable import DirectoryInUse
     from app.main import create_server
     from app.server import CannotListen
 
@@ -136,9 +135,6 @@ def serve(args: argparse.Namespace) -> int:
     gc.freeze()
     try:
         uvloop.run(server.serve(install_signal_handlers=True))
-    except DirectoryInUse as exc:
-        print(f"inferproxy serve: {exc}", file=sys.stderr)
-        return 2
     except CannotListen as exc:  # the port is taken, the address is not ours
         print(f"inferproxy serve: {exc}", file=sys.stderr)
         return 1
@@ -161,23 +157,10 @@ def describe_errors(exc: ValidationError) -> str:
 
 def check_checkpoints_dir(settings: Settings) -> None:
     """Refuse to start on checkpoints written with another records_per_chunk, before serving anything."""
-    import orjson
+    from app.layout import CheckpointsLayout
+    from app.resume import check_records_per_chunk
 
-    from app.checkpointing import META_FILENAME
-
-    meta = settings.checkpoints_dir / META_FILENAME
-    if not meta.is_file():
-        return
-    try:
-        recorded = orjson.loads(meta.read_bytes()).get("records_per_chunk")
-    except (ValueError, AttributeError) as exc:
-        raise ValueError(f"{meta} is not a JSON object with records_per_chunk ({exc})") from exc
-    if recorded != settings.records_per_chunk:
-        raise ValueError(
-            f"the checkpoints in {settings.checkpoints_dir} were written with records_per_chunk={recorded}, "
-            f"not {settings.records_per_chunk}: every chunk boundary would shift. Start with "
-            f"--records-per-chunk {recorded} to resume that job, or give a new job its own --checkpoints-dir"
-        )
+    check_records_per_chunk(CheckpointsLayout(str(settings.checkpoints_dir)), settings.records_per_chunk, record=False)
 
 
 def fake_upstream(args: argparse.Namespace) -> int:

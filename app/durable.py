@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import tempfile
@@ -47,51 +46,6 @@ def make_dirs_durable(path: str) -> None:
         with contextlib.suppress(FileExistsError):
             os.mkdir(directory)
         fsync_dir(os.path.dirname(directory))
-
-
-class DirectoryInUse(RuntimeError):
-    """Another process holds the directory's lock."""
-
-
-class DirectoryLock:
-    """This process's exclusive claim on a directory, held until `release()` or the process ends.
-
-    An `flock` on `inferproxy.lock` in the directory, which also records the holder's pid: two
-    `inferproxy serve` on one checkpoints dir would each recover, append to and publish the
-    same chunks. The kernel drops the lock with the process, `kill -9` included; the file stays.
-    """
-
-    FILENAME = "inferproxy.lock"
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self.path = os.path.join(directory, self.FILENAME)
-        self.fd: int | None = None
-
-    def acquire(self) -> None:
-        make_dirs_durable(self.directory)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
-                raise DirectoryInUse(
-                    f"{self.directory} is in use by another inferproxy (pid {holder}): give this one "
-                    f"its own --checkpoints-dir, or stop the other first"
-                ) from None
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        except BaseException:
-            os.close(fd)  # closing drops the lock too, if it was taken
-            raise
-        self.fd = fd
-
-    def release(self) -> None:
-        """Idempotent. The file is left in place: removing it would race with the next holder."""
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:

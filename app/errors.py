@@ -5,6 +5,7 @@
     ├── Unauthorized            401 authentication_error
     ├── NotFound                404 not_found_error
     ├── ChunkConflict           409 conflict_error           (chunk already complete)
+    ├── RankOwned               409 conflict_error           (another live proxy owns the rank)
     ├── PayloadTooLarge         413 invalid_request_error
     ├── UpstreamUnreachable     502 upstream_error
     ├── ServiceUnavailable      503 service_unavailable
@@ -50,6 +51,13 @@ class NotFound(ProxyError):
 
 
 class ChunkConflict(ProxyError):
+    status = 409
+    type = "conflict_error"
+
+
+class RankOwned(ProxyError):
+    """Another live proxy owns the rank; the message names it (host, pid)."""
+
     status = 409
     type = "conflict_error"
 

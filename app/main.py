@@ -11,9 +11,10 @@ Where a request goes:
 - `/healthz`, `/readyz`, `/stats`: `app.routes.ops`, through FastAPI;
 - everything passes `--api-key` authentication first, except `/healthz`.
 
-The lifespan opens the upstream pool and the per-rank caches into one
+The lifespan opens the upstream pool and the per-rank registries into one
 `Services` on `app.state.services`, and closes them (flushing every cache)
-on shutdown.
+on shutdown. A rank is claimed (`app.ownership`) and restored from disk on
+its first request, so several proxies can share one checkpoints dir.
 """
 
 from __future__ import annotations
@@ -31,8 +32,11 @@ from starlette.exceptions import HTTPException
 
 from app import __version__
 from app.asgi import ASGIApp, ClientGone, Headers, JSONResponse, Message, Receive, Scope, Send, header, send_error
-from app.durable import DirectoryLock
+from app.durable import make_dirs_durable
 from app.errors import ProxyError, Unauthorized, error_body
+from app.layout import CheckpointsLayout
+from app.ownership import RankOwnership
+from app.resume import check_records_per_chunk
 from app.routes import ops
 from app.routes.checkpoints import CHECKPOINT_PATHS, handle_checkpoints
 from app.routes.proxy import CACHEABLE_PATHS, answer_hit, handle_v1
@@ -50,11 +54,13 @@ def create_app(settings: Settings | None = None) -> InferProxy:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
-            # Before anything is read or recovered: one proxy per checkpoints dir.
-            # Synchronous (a few system calls): a cancelled startup cannot leave it taken.
-            lock = DirectoryLock(str(settings.checkpoints_dir))
-            lock.acquire()
-            stack.callback(lock.release)
+            # Several proxies may share the checkpoints dir: each rank is owned by one of them,
+            # claimed on its first request and released when this proxy stops (or dies).
+            layout = CheckpointsLayout(str(settings.checkpoints_dir))
+            check_records_per_chunk(layout, settings.records_per_chunk, record=False)
+            make_dirs_durable(layout.root)
+            ownership = RankOwnership(layout, port=settings.port)
+            stack.callback(ownership.release_all)
             pool = UpstreamPool(
                 settings.upstream,
                 retries=settings.upstream_retries,
@@ -66,14 +72,10 @@ def create_app(settings: Settings | None = None) -> InferProxy:
             )
             await pool.start()
             stack.push_async_callback(pool.close)
-            caches = CacheRegistry(settings.checkpoints_dir, flush_interval_ms=settings.flush_interval_ms)
+            caches = CacheRegistry(settings.checkpoints_dir, ownership, flush_interval_ms=settings.flush_interval_ms)
             stack.push_async_callback(caches.close)
             checkpoints = CheckpointRegistry(settings, caches)
             stack.push_async_callback(checkpoints.close)
-            # Before the first request: every rank answers /resume as the proxy that stopped would have.
-            ranks = await checkpoints.recover()
-            if ranks:
-                logger.info("restored the checkpoints of ranks %s from %s", ranks, settings.checkpoints_dir)
             services = Services(settings=settings, pool=pool, caches=caches, checkpoints=checkpoints)
             api.state.services = proxy.services = services
             stack.callback(setattr, proxy, "services", None)

@@ -1,10 +1,10 @@
-"""`ChunkPublisher`: the checkpoint service's output writer.
+"""`ChunkPublisher`: the one writer of published chunks, for the service and the library alike.
 
-The service's documents are durable in the chunk's checkpoint file as soon
-as they are acknowledged, so nothing is streamed to the output meanwhile
-(`write` does nothing). When the checkpoint manager completes a chunk it
-closes the chunk's output file, and that is when the publisher reads the
-chunk file and publishes it as one file named by `output_filename`:
+A chunk's documents are durable in its checkpoint file as soon as they are
+acknowledged, so nothing is streamed to the output meanwhile (`write` does
+nothing). When the checkpoint manager completes a chunk it closes the
+chunk's output file, and that is when the publisher reads the chunk file
+and publishes it as one file named by `output_filename`:
 
 - locally: written under a temporary name in the target folder, fsynced,
   renamed over the final name, the folder fsynced: the file is whole or absent;
@@ -12,11 +12,19 @@ chunk file and publishes it as one file named by `output_filename`:
 - `.gz` and `.zst` endings compress (zstd needs the `zstandard` package);
 - documents marked `__no_rollouts_remove` are left out, a document id that
   repeats in the chunk file is published once, and a chunk with nothing
-  left to publish produces no file.
+  left to publish produces no file;
+- each line is what datatrove's `JsonlWriter` writes by default: the
+  document's non-empty fields.
 
 Publishing is deterministic (same documents, same order, gzip without a
 timestamp), so a chunk published again after a crash replaces the file
 with the same bytes: never a second copy.
+
+It has the surface of datatrove's `DiskWriter` that checkpointing uses
+(`write`, `close_file`, `_get_output_filename`, and `with`), so the library's
+`CheckpointManager` takes it as its `output_writer_context`. A manager
+without a checkpoints dir has no chunk files to publish from: give it a
+datatrove writer instead, as datatrove does.
 """
 
 from __future__ import annotations
@@ -31,8 +39,11 @@ import orjson
 
 from app.documents import NO_ROLLOUTS_MARKER
 from app.durable import atomic_write_bytes, read_jsonl_whole_lines
+from app.layout import DEFAULT_OUTPUT_FILENAME, CheckpointsLayout, OutputNames, rank_name
+from app.resume import last_published_chunk
 
-DEFAULT_OUTPUT_FILENAME = "${rank}_chunk_${chunk_index}.jsonl"
+__all__ = ["DEFAULT_OUTPUT_FILENAME", "ChunkPublisher", "PublishError", "check_output_filename", "is_remote"]
+
 _ALLOWED_FIELDS = frozenset({"rank", "chunk_index"})
 
 
@@ -62,8 +73,9 @@ def is_remote(output: str) -> bool:
 class ChunkPublisher:
     def __init__(self, output: str, checkpoints_dir: str, output_filename: str = DEFAULT_OUTPUT_FILENAME) -> None:
         self.output = output.removeprefix("file://")
-        self.checkpoints_dir = checkpoints_dir
-        self.template = check_output_filename(output_filename)
+        self.layout = CheckpointsLayout(checkpoints_dir)
+        check_output_filename(output_filename)
+        self.names = OutputNames(output_filename)
         self.published: list[str] = []
         self._chunks: dict[str, tuple[int, int]] = {}
         self._fs: Any = None
@@ -82,7 +94,7 @@ class ChunkPublisher:
         self, document: Any, rank: int | str = 0, chunk_index: int | None = None, **kwargs: Any
     ) -> str:
         assert chunk_index is not None
-        name = self.template.substitute(rank=f"{int(rank):05d}", chunk_index=int(chunk_index))
+        name = self.names.name(rank, chunk_index)
         self._chunks[name] = (int(rank), int(chunk_index))
         return name
 
@@ -96,11 +108,51 @@ class ChunkPublisher:
         except Exception as exc:
             raise PublishError(f"publishing {original_name} failed: {exc}") from exc
 
+    def close(self) -> None:
+        """Nothing to flush: every chunk is published when the manager completes it."""
+
+    def __enter__(self) -> ChunkPublisher:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # -- resuming from the output
+    def last_published_chunk(self, rank: int) -> int:
+        """The last chunk of an unbroken run `0..i` of this rank's published chunks (-1 if none)."""
+        return last_published_chunk(self._listing(rank), self.names.pattern(rank))
+
+    def _listing(self, rank: int) -> list[str]:
+        """Names (relative to the output) that may be this rank's chunks: one listing where the
+        template puts the chunk index in the file name only, else every name under the output."""
+        template = self.names.template.template
+        directory = template.rpartition("/")[0]
+        fixed = "chunk_index" not in directory
+        prefix = Template(directory).substitute(rank=rank_name(rank)) if fixed and directory else ""
+        if self._fs is not None:
+            root = self._root.rstrip("/")
+            where = f"{root}/{prefix}" if prefix else root
+            try:
+                paths = self._fs.find(where) if not fixed else self._fs.ls(where, detail=False)
+            except FileNotFoundError:
+                return []
+            return [str(path)[len(root) + 1 :] for path in paths if str(path).startswith(root + "/")]
+        where = os.path.join(self.output, prefix)
+        if fixed:
+            try:
+                return [os.path.join(prefix, name) if prefix else name for name in os.listdir(where)]
+            except FileNotFoundError:
+                return []
+        found: list[str] = []
+        for folder, _, files in os.walk(self.output):
+            relative = os.path.relpath(folder, self.output)
+            found.extend(name if relative == "." else os.path.join(relative, name) for name in files)
+        return found
+
     # -- publishing
     def _publish(self, name: str) -> None:
         rank, chunk_index = self._chunks[name]
-        chunk_file = os.path.join(self.checkpoints_dir, f"{rank:05d}", f"chunk_{chunk_index:05d}.jsonl")
-        data = self._render(chunk_file, name)
+        data = self._render(self.layout.rank(rank).chunk_file(chunk_index), name)
         if data is not None:
             if self._fs is not None:
                 self._fs.pipe_file(f"{self._root.rstrip('/')}/{name}", data)

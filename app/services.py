@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.cache import RequestCache, StoredResponse
-from app.checkpointing import CheckpointManager, read_last_chunk
+from app.checkpointing import CheckpointManager
+from app.durable import atomic_write_bytes
+from app.layout import CheckpointsLayout
+from app.ownership import RankOwnership
 from app.publish import ChunkPublisher
+from app.resume import read_last_chunk
 from app.settings import Settings
 from app.upstream import UpstreamPool
 
@@ -23,10 +26,15 @@ CacheKey = tuple[int, str, int, str]
 
 
 class CacheRegistry:
-    """One `RequestCache` per rank, opened on first use: `<checkpoints_dir>/<rank:05d>/replay.sqlite3`."""
+    """One `RequestCache` per rank this proxy owns, opened on first use: `<checkpoints_dir>/<rank:05d>/replay.sqlite3`.
 
-    def __init__(self, root: Path, *, flush_interval_ms: float) -> None:
+    Opening a rank's cache claims the rank first (`RankOwned` if another live
+    proxy has it): only one host ever has a rank's SQLite file open.
+    """
+
+    def __init__(self, root: Path, ownership: RankOwnership, *, flush_interval_ms: float) -> None:
         self.root = root
+        self.ownership = ownership
         self.flush_interval_ms = flush_interval_ms
         self._caches: dict[int, RequestCache] = {}
         self._opening: dict[int, asyncio.Lock] = {}
@@ -39,6 +47,7 @@ class CacheRegistry:
         async with lock:
             cache = self._caches.get(rank)
             if cache is None:
+                self.ownership.claim(rank)
                 # replay_same_run: the proxy answers a repeated request with the first answer at once.
                 cache = RequestCache(str(self.root), flush_interval_ms=self.flush_interval_ms, replay_same_run=True)
                 await cache.initialize(rank)
@@ -73,17 +82,22 @@ class CacheRegistry:
 
 
 class CheckpointRegistry:
-    """One `CheckpointManager` per rank, restored from the checkpoints dir before it serves anything.
+    """One `CheckpointManager` per rank this proxy owns, restored from disk before it serves anything.
 
+    A rank is claimed and restored on its first request: its checkpoints
+    are read back, or, when it has none (its node was lost with its disk),
+    its last published chunk is recovered from the output's listing.
     Completed chunks are published through one `ChunkPublisher`. A rank
-    whose last chunk is completed is closed: its working files are gone, and
-    its next use starts from what the disk says (`last_chunk/<rank>.txt`).
+    whose last chunk is completed is closed and released: its working files
+    are gone, and its next use starts from what the disk says.
     """
 
     def __init__(self, settings: Settings, caches: CacheRegistry) -> None:
         self.settings = settings
         self.caches = caches
+        self.ownership = caches.ownership
         self.root = str(settings.checkpoints_dir)
+        self.layout = CheckpointsLayout(self.root)
         self.publisher = ChunkPublisher(settings.output, self.root, settings.output_filename)
         self._managers: dict[int, CheckpointManager] = {}
         self._opening: dict[int, asyncio.Lock] = {}
@@ -96,6 +110,8 @@ class CheckpointRegistry:
         async with lock:
             manager = self._managers.get(rank)
             if manager is None:
+                self.ownership.claim(rank)
+                await self.recover_from_output(rank)
                 cache = await self.caches.get(rank)
                 manager = CheckpointManager(
                     self.root, self.settings.records_per_chunk, request_cache=cache, fsync=self.settings.fsync
@@ -108,38 +124,48 @@ class CheckpointRegistry:
         return rank in self._managers
 
     def has_working_files(self, rank: int) -> bool:
-        return (Path(self.root) / f"{rank:05d}").is_dir()
+        return self.layout.rank(rank).has_working_files()
 
-    def last_chunk_on_disk(self, rank: int) -> int:
-        """What `last_chunk/<rank>.txt` says, as the checkpoint manager reads it (-1 if absent)."""
-        return read_last_chunk(os.path.join(self.root, "last_chunk", f"{rank:05d}.txt"))
+    async def last_chunk(self, rank: int) -> int:
+        """The rank's last published chunk as the disk says, without opening it (claims it)."""
+        self.ownership.claim(rank)
+        await self.recover_from_output(rank)
+        return read_last_chunk(self.layout.rank(rank).last_chunk_file)
 
-    def known_ranks(self) -> list[int]:
-        """Ranks with anything in the checkpoints dir: a rank folder or a last_chunk file."""
-        ranks: set[int] = set()
-        root = Path(self.root)
-        if root.is_dir():
-            ranks.update(int(p.name) for p in root.iterdir() if p.is_dir() and p.name.isdigit() and len(p.name) == 5)
-        last = root / "last_chunk"
-        if last.is_dir():
-            ranks.update(int(p.stem) for p in last.glob("*.txt") if p.stem.isdigit())
-        return sorted(ranks)
+    async def recover_from_output(self, rank: int) -> None:
+        """A rank without any checkpoint on disk resumes after its last published chunk.
 
-    async def recover(self) -> list[int]:
-        """Restore every rank found on disk, as the proxy that stopped left it."""
-        ranks = [rank for rank in self.known_ranks() if (Path(self.root) / f"{rank:05d}").is_dir()]
-        for rank in ranks:
-            await self.get(rank)
-        return ranks
+        Its checkpoints were lost with a node's own disk (or never existed):
+        the output's listing says which chunks are published, and
+        `last_chunk/<rank>.txt` is written so that every later step agrees.
+        """
+        paths = self.layout.rank(rank)
+        if paths.has_checkpoints():
+            return
+        last = await asyncio.to_thread(self.publisher.last_published_chunk, rank)
+        if last < 0:
+            return
+        logger.warning(
+            "rank %d has no checkpoints in %s but chunks 0..%d of it are published in %s: resuming after "
+            "chunk %d (its checkpoints were lost, e.g. with a node's disk); only documents of unpublished "
+            "chunks are generated again",
+            rank,
+            self.root,
+            last,
+            self.settings.output,
+            last,
+        )
+        await asyncio.to_thread(atomic_write_bytes, paths.last_chunk_file, str(last).encode())
 
     async def complete(self, rank: int, chunk_index: int) -> CheckpointManager:
         manager = await self.get(rank)
         await manager.cleanup_last_chunk(rank, chunk_index)
         if manager.last_chunk_index == chunk_index:
-            # The rank dir is gone: close its cache and start afresh on the next use.
+            # The rank dir is gone: close its cache, start afresh on the next use, let another proxy have it.
             await manager.close()
             self._managers.pop(rank, None)
             await self.caches.discard(rank)
+            self.ownership.release(rank)
         return manager
 
     async def close(self) -> None:

@@ -203,7 +203,7 @@ async def test_a_restarted_proxy_answers_resume_as_the_one_that_stopped(tmp_path
             before = [(await c.get("/resume", headers={"X-Rank": str(r)})).json() for r in (0, 4)]
         async with proxy_client(config(tmp_path, url)) as c:
             after = [(await c.get("/resume", headers={"X-Rank": str(r)})).json() for r in (0, 4)]
-            assert (await c.get("/stats")).json()["ranks"] == [0, 4]  # restored before any request
+            assert (await c.get("/stats")).json()["ranks"] == [0, 4]  # restored on their first request
         assert after == before
         assert before[1]["processed_ids"] == ["4-d"]
 
@@ -287,8 +287,9 @@ async def test_a_crash_while_publishing_leaves_no_output_and_a_restart_publishes
         assert published(tmp_path) == {}
         assert os.listdir(tmp_path / "out") == []  # no partial file left behind either
     async with proxy_client(config(tmp_path, "http://127.0.0.1:9")) as c:
-        assert published(tmp_path) == {"00000_chunk_0.jsonl": ["a", "b", "c"]}
+        # the rank is restored on its first request, and its full chunk published then
         assert (await c.get("/resume")).json()["last_chunk_index"] == 0
+        assert published(tmp_path) == {"00000_chunk_0.jsonl": ["a", "b", "c"]}
         assert (await post(c, doc("d"), chunk=0)).status_code == 409
 
 

@@ -371,13 +371,13 @@ async def test_fsync_never_does_not_sync_chunk_files(
 
 async def test_the_final_chunk_is_published_before_last_chunk_moves(tmp_path: Path) -> None:
     # A job killed right after cleanup_last_chunk (before its writer's exit) must not lose its last chunk.
-    from app.output import ChunkOutputWriter
+    from app.publish import ChunkPublisher
 
     cm = manager(tmp_path / "ckpt", 2)
-    writer = ChunkOutputWriter(str(tmp_path / "out"))
+    writer = ChunkPublisher(str(tmp_path / "out"), str(tmp_path / "ckpt"))
     await write_all(cm, documents(3), writer)
     await cm.cleanup_last_chunk(0, 1)
-    writer.abandon()  # the process dies here: nothing the writer still holds is published
+    # the process dies here, without leaving any `with` block
     assert sorted(os.listdir(tmp_path / "out")) == ["00000_chunk_0.jsonl", "00000_chunk_1.jsonl"]
     assert (tmp_path / "out" / "00000_chunk_1.jsonl").read_text().count("\n") == 1
 

@@ -11,8 +11,6 @@ import app.durable
 from app.durable import (
     AppendFile,
     CorruptFileError,
-    DirectoryInUse,
-    DirectoryLock,
     GroupSync,
     atomic_write_bytes,
     read_jsonl_repairing_tail,
@@ -158,28 +156,3 @@ def test_a_bad_line_followed_by_good_ones_is_corruption_and_changes_nothing(tmp_
     with pytest.raises(CorruptFileError, match=r"chunk.jsonl: line 2 is not valid JSON"):
         read_jsonl_repairing_tail(str(path))
     assert path.read_bytes() == content
-
-
-def test_a_directory_lock_is_held_by_one_holder_at_a_time_and_names_it(tmp_path: Path) -> None:
-    first, second = DirectoryLock(str(tmp_path / "ckpt")), DirectoryLock(str(tmp_path / "ckpt"))
-    first.acquire()
-    with pytest.raises(DirectoryInUse, match=rf"in use by another inferproxy \(pid {os.getpid()}\).*--checkpoints-dir"):
-        second.acquire()
-    first.release()
-    first.release()  # idempotent
-    second.acquire()  # free again, and the file left behind names its new holder
-    assert (tmp_path / "ckpt" / DirectoryLock.FILENAME).read_text() == f"{os.getpid()}\n"
-    second.release()
-
-
-def test_a_lock_that_fails_half_way_is_not_left_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    def disk_full(*_: object) -> int:
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    with monkeypatch.context() as patched:
-        patched.setattr(os, "pwrite", disk_full)
-        with pytest.raises(OSError, match="No space left"):
-            DirectoryLock(str(tmp_path)).acquire()
-    lock = DirectoryLock(str(tmp_path))
-    lock.acquire()  # not held by the failed attempt
-    lock.release()

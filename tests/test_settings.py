@@ -7,7 +7,8 @@ import pytest
 from pydantic import ValidationError
 
 from app.cli import build_parser, flag_name
-from app.durable import DirectoryLock
+from app.layout import CheckpointsLayout
+from app.ownership import RankOwnership
 from app.settings import Settings
 
 ROOT = Path(__file__).parent.parent
@@ -98,8 +99,10 @@ def test_serve_refuses_checkpoints_written_with_another_records_per_chunk(
     (tmp_path / "checkpoint_meta.json").write_text('{"records_per_chunk": 6000}')
     assert main(["serve", f"--checkpoints-dir={tmp_path}", "--records-per-chunk=100"]) == 2
     err = capsys.readouterr().err
-    assert "records_per_chunk=6000, not 100" in err
+    assert "written with records_per_chunk=6000, this run uses records_per_chunk=100" in err
+    assert "--records-per-chunk 6000" in err
     assert "--checkpoints-dir" in err
+    assert not (tmp_path / "owners").exists()  # refused before anything was created
 
 
 def test_serve_that_cannot_start_says_why_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -118,7 +121,5 @@ def test_serve_that_cannot_start_says_why_in_one_line(tmp_path: Path, capsys: py
         assert main([*common, f"--checkpoints-dir={tmp_path / 'ckpt'}", f"--port={port}"]) == 1
     err = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{port}" in err
-    # The failed start released its lock on the checkpoints dir.
-    lock = DirectoryLock(str(tmp_path / "ckpt"))
-    lock.acquire()
-    lock.release()
+    # The failed start released every rank it had.
+    RankOwnership(CheckpointsLayout(str(tmp_path / "ckpt"))).claim(0)

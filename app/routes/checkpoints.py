@@ -23,12 +23,12 @@ from app.checkpointing import (
     CheckpointManager,
     ChunkCompleteError,
     RecordsPerChunkMismatch,
-    docs_to_skip,
 )
 from app.documents import Document, DocumentError
 from app.errors import BadRequest, ChunkConflict, InsufficientStorage, NotFound, ProxyError
 from app.headers import parse_int, parse_rank
 from app.publish import PublishError
+from app.resume import docs_to_skip
 from app.services import Services
 
 logger = logging.getLogger(__name__)
@@ -172,8 +172,8 @@ async def get_resume(services: Services, scope: Scope) -> dict[str, Any]:
         records_per_chunk, last = manager.records_per_chunk, manager.last_chunk_index
         skip, processed = manager.resume_state()
     else:
-        # Nothing in progress for this rank: answer from last_chunk alone, creating no files.
-        records_per_chunk, last = services.settings.records_per_chunk, registry.last_chunk_on_disk(rank)
+        # Nothing in progress for this rank: answer from last_chunk (or the output) alone, opening nothing.
+        records_per_chunk, last = services.settings.records_per_chunk, await registry.last_chunk(rank)
         skip, processed = docs_to_skip(last, records_per_chunk), set()
     return {
         "rank": rank,

@@ -186,16 +186,21 @@ def test_upstream_down_gives_502_within_bounded_time(tmp_path: Path) -> None:
         assert time.monotonic() - start < 15
 
 
-def test_a_second_proxy_on_the_same_checkpoints_is_refused_before_it_touches_them(
+def test_a_second_proxy_shares_the_checkpoints_and_takes_a_rank_over_when_its_owner_is_killed(
     proxy: Proxy, upstream: Upstream, tmp_path: Path
 ) -> None:
-    chat(client(proxy), doc_id="kept")
-    args, _ = start_proxy(upstream.url, tmp_path)  # the same checkpoints dir, another port
-    done = subprocess.run(
-        [sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=60, check=False
-    )
-    assert done.returncode == 2
-    assert f"in use by another inferproxy (pid {proxy.proc.pid})" in done.stderr
-    assert "Traceback" not in done.stderr
-    # The first proxy is untouched and still serves what it stored.
-    assert chat(client(proxy), doc_id="kept")[0] == "HIT"
+    first = chat(client(proxy), doc_id="kept")
+    args, port = start_proxy(upstream.url, tmp_path)  # the same checkpoints dir, another port
+    with process(*args):
+        other = Proxy(f"http://127.0.0.1:{port}", args, proxy.proc)
+        wait_for_http(other.url + "/healthz")
+        with pytest.raises(openai.APIStatusError) as refused:
+            chat(client(other), doc_id="kept")
+        assert refused.value.status_code == 409
+        assert f"rank 0 is owned by another inferproxy (pid {proxy.proc.pid} on host" in refused.value.message
+        assert chat(client(other, default_headers={"X-Rank": "1"}), doc_id="elsewhere")[0] == "MISS"
+        proxy.proc.kill()  # the owner dies: its lock goes with it
+        proxy.proc.wait(timeout=10)
+        taken_over = chat(client(other), doc_id="kept")
+        assert taken_over == ("HIT", first[1])  # what the dead proxy stored, replayed by the new owner
+    assert upstream.stats()["generations"] == 2

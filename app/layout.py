@@ -1,0 +1,131 @@
+"""Where everything of a checkpoints dir lives: the one place that formats its paths.
+
+    <root>/checkpoint_meta.json              records_per_chunk, for the resume check
+    <root>/<rank:05d>/chunk_<i:05d>.jsonl    a rank's unfinished chunks, one document per line
+    <root>/<rank:05d>/replay.sqlite3         a rank's RequestCache
+    <root>/last_chunk/<rank:05d>.txt         a rank's last_chunk_index
+    <root>/owners/<rank:05d>.lock            which proxy owns the rank (flock'ed; never deleted)
+
+The first four are datatrove's layout, file for file; `owners/` is
+inferproxy's own and datatrove ignores it. A published chunk's name comes
+from the output filename template, `${rank}` (zero-padded to five digits,
+as datatrove's writers pad it) and `${chunk_index}`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from string import Template
+
+META_FILENAME = "checkpoint_meta.json"
+CACHE_FILENAME = "replay.sqlite3"
+DEFAULT_OUTPUT_FILENAME = "${rank}_chunk_${chunk_index}.jsonl"
+_CHUNK_FILE = re.compile(r"^chunk_(\d+)\.jsonl$")
+_RANK_NAME = re.compile(r"^\d{5}$")
+
+
+def rank_name(rank: int | str) -> str:
+    """A rank as it appears in every path: five digits, as datatrove pads it."""
+    return str(rank).zfill(5)
+
+
+@dataclass(frozen=True, slots=True)
+class RankPaths:
+    """Every path of one rank in a checkpoints dir."""
+
+    root: str
+    rank: int
+
+    @property
+    def name(self) -> str:
+        return rank_name(self.rank)
+
+    @property
+    def rank_dir(self) -> str:
+        return os.path.join(self.root, self.name)
+
+    @property
+    def cache_file(self) -> str:
+        return os.path.join(self.rank_dir, CACHE_FILENAME)
+
+    @property
+    def last_chunk_file(self) -> str:
+        return os.path.join(self.root, "last_chunk", f"{self.name}.txt")
+
+    @property
+    def owner_file(self) -> str:
+        return os.path.join(self.root, "owners", f"{self.name}.lock")
+
+    def chunk_file(self, chunk_index: int) -> str:
+        return os.path.join(self.rank_dir, f"chunk_{chunk_index:05d}.jsonl")
+
+    def chunk_files(self) -> list[tuple[int, str]]:
+        """`(chunk_index, path)` of every chunk file in the rank dir, by chunk index."""
+        try:
+            names = os.listdir(self.rank_dir)
+        except FileNotFoundError:
+            return []
+        found = []
+        for name in names:
+            match = _CHUNK_FILE.match(name)
+            if match:
+                found.append((int(match.group(1)), os.path.join(self.rank_dir, name)))
+        return sorted(found)
+
+    def has_working_files(self) -> bool:
+        return os.path.isdir(self.rank_dir)
+
+    def has_checkpoints(self) -> bool:
+        """Whether anything of this rank is on disk: its rank dir or its last_chunk file."""
+        return self.has_working_files() or os.path.exists(self.last_chunk_file)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointsLayout:
+    """A checkpoints dir."""
+
+    root: str
+
+    def rank(self, rank: int) -> RankPaths:
+        return RankPaths(self.root, rank)
+
+    @property
+    def meta_file(self) -> str:
+        return os.path.join(self.root, META_FILENAME)
+
+    def known_ranks(self) -> list[int]:
+        """Ranks with anything in the checkpoints dir: a rank folder or a last_chunk file."""
+        ranks: set[int] = set()
+        try:
+            ranks.update(
+                int(name)
+                for name in os.listdir(self.root)
+                if _RANK_NAME.match(name) and os.path.isdir(os.path.join(self.root, name))
+            )
+            ranks.update(
+                int(name[:-4])
+                for name in os.listdir(os.path.join(self.root, "last_chunk"))
+                if name.endswith(".txt") and name[:-4].isdigit()
+            )
+        except FileNotFoundError:
+            pass
+        return sorted(ranks)
+
+
+class OutputNames:
+    """The names of published chunks, from an output filename template with `${rank}` and `${chunk_index}`."""
+
+    def __init__(self, template: str = DEFAULT_OUTPUT_FILENAME) -> None:
+        self.template = Template(template)
+
+    def name(self, rank: int | str, chunk_index: int) -> str:
+        return self.template.substitute(rank=rank_name(rank), chunk_index=int(chunk_index))
+
+    def pattern(self, rank: int) -> re.Pattern[str]:
+        """Matches the names of `rank`'s chunks; group 1 is the chunk index."""
+        marker = "\x00"
+        text = self.template.template.replace("${chunk_index}", marker).replace("$chunk_index", marker)
+        text = Template(text).substitute(rank=rank_name(rank))
+        return re.compile("^" + "(\\d+)".join(re.escape(part) for part in text.split(marker)) + "$")

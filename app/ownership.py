@@ -1,0 +1,111 @@
+"""Which proxy owns which rank, when several share one checkpoints dir.
+
+On a cluster the checkpoints dir is a shared filesystem and a rank's job may
+be restarted on another node. Each rank is owned by one live proxy at a
+time: the proxy takes it when the rank's first request arrives, with an
+`flock` on `<checkpoints>/owners/<rank:05d>.lock`, and holds it while it
+runs. The kernel (or the NFS/Lustre lock manager) drops the lock when the
+owner dies, `kill -9` included, so any other proxy can take the rank over
+at once and restore it from what the disk holds. A rank owned by a live
+proxy is refused elsewhere with `RankOwned` (409), which names the owner.
+
+The lock is what makes SQLite's WAL safe on a shared filesystem too: only
+one host ever has a rank's cache file open.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import socket
+import time
+
+import orjson
+
+from app.durable import make_dirs_durable
+from app.errors import RankOwned
+from app.layout import CheckpointsLayout
+
+logger = logging.getLogger(__name__)
+
+
+class RankOwnership:
+    """The ranks this process owns in one checkpoints dir; `release_all()` gives them back."""
+
+    def __init__(self, layout: CheckpointsLayout, *, port: int | None = None) -> None:
+        self.layout = layout
+        self.identity: dict[str, object] = {"host": socket.gethostname(), "pid": os.getpid()}
+        if port:
+            self.identity["port"] = port
+        self._fds: dict[int, int] = {}
+
+    def owns(self, rank: int) -> bool:
+        return rank in self._fds
+
+    def owned(self) -> list[int]:
+        return sorted(self._fds)
+
+    def claim(self, rank: int) -> None:
+        """Own `rank` from now on, or raise `RankOwned` naming the live proxy that does.
+
+        Synchronous and short (an open, an flock and a write): callers claim
+        before they read anything of the rank, and a cancelled caller
+        cannot leave the lock half-taken.
+        """
+        if rank in self._fds:
+            return
+        path = self.layout.rank(rank).owner_file
+        make_dirs_durable(os.path.dirname(path))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise RankOwned(_owned_message(rank, _read_owner(fd))) from None
+            previous = _read_owner(fd)
+            record = orjson.dumps({**self.identity, "since": round(time.time(), 3)})
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, record + b"\n", 0)
+        except BaseException:
+            os.close(fd)  # closing drops the lock too, if it was taken
+            raise
+        self._fds[rank] = fd
+        if previous.get("pid") is not None and (previous.get("pid"), previous.get("host")) != (
+            self.identity["pid"],
+            self.identity["host"],
+        ):
+            logger.info(
+                "took over rank %d from a proxy that is gone (pid %s on host %s)",
+                rank,
+                previous.get("pid"),
+                previous.get("host"),
+            )
+
+    def release(self, rank: int) -> None:
+        """Idempotent. The file stays: removing it would race with the next owner."""
+        fd = self._fds.pop(rank, None)
+        if fd is not None:
+            os.close(fd)
+
+    def release_all(self) -> None:
+        for rank in list(self._fds):
+            self.release(rank)
+
+
+def _read_owner(fd: int) -> dict[str, object]:
+    raw = os.pread(fd, 4096, 0)
+    try:
+        owner = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return {"pid": raw.decode("ascii", "replace").strip() or "?"} if raw.strip() else {}
+    return owner if isinstance(owner, dict) else {}
+
+
+def _owned_message(rank: int, owner: dict[str, object]) -> str:
+    host, pid = owner.get("host", "?"), owner.get("pid", "?")
+    where = f", listening on port {owner['port']}" if owner.get("port") else ""
+    return (
+        f"rank {rank} is owned by another inferproxy (pid {pid} on host {host}{where}): send this rank's "
+        f"requests to that proxy, or stop it; a proxy that dies releases its ranks at once"
+    )

@@ -1,0 +1,90 @@
+"""Ranks owned per proxy (`app.ownership`): one live owner at a time, named to the others, taken over at once."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from app.errors import RankOwned
+from app.layout import CheckpointsLayout
+from app.ownership import RankOwnership
+from tests.servers import fake_upstream, proxy_client
+from tests.test_checkpoint_service import config, doc, post
+
+
+def test_a_rank_is_owned_by_one_holder_at_a_time_and_the_refusal_names_it(tmp_path: Path) -> None:
+    layout = CheckpointsLayout(str(tmp_path))
+    first, second = RankOwnership(layout, port=8123), RankOwnership(layout)
+    first.claim(3)
+    first.claim(3)  # again: already ours
+    second.claim(4)  # other ranks are free
+    with pytest.raises(RankOwned, match=rf"rank 3 is owned by .*pid {os.getpid()} on host {socket.gethostname()}"):
+        second.claim(3)
+    with pytest.raises(RankOwned, match="listening on port 8123"):
+        second.claim(3)
+    assert first.owned() == [3]
+    first.release(3)
+    first.release(3)  # idempotent
+    second.claim(3)  # free again: taken over at once
+    assert second.owned() == [3, 4]
+    second.release_all()
+    assert not second.owns(3)
+
+
+def test_a_claim_that_fails_half_way_is_not_left_taken(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def disk_full(*_: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    layout = CheckpointsLayout(str(tmp_path))
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "pwrite", disk_full)
+        with pytest.raises(OSError, match="No space left"):
+            RankOwnership(layout).claim(0)
+    RankOwnership(layout).claim(0)  # not held by the failed attempt
+
+
+async def test_two_proxies_share_a_checkpoints_dir_and_each_rank_has_one_owner(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, _):
+        settings = config(tmp_path, url)
+        async with proxy_client(settings) as first, proxy_client(settings) as second:
+            assert (await post(first, doc("a"), rank=0)).status_code == 200
+            assert (await post(second, doc("b"), rank=1)).status_code == 200
+            for route in ("post", "resume", "complete", "v1"):
+                if route == "post":
+                    answer = await post(second, doc("c"), rank=0)
+                elif route == "resume":
+                    answer = await second.get("/resume", headers={"X-Rank": "0"})
+                elif route == "complete":
+                    answer = await second.post("/chunks/0/complete", headers={"X-Rank": "0"})
+                else:
+                    answer = await second.post(
+                        "/v1/completions",
+                        json={"model": "m", "prompt": "p"},
+                        headers={"X-Rank": "0", "X-Doc-Id": "a"},
+                    )
+                assert answer.status_code == 409, route
+                error = answer.json()["error"]
+                assert error["type"] == "conflict_error"
+                assert f"rank 0 is owned by another inferproxy (pid {os.getpid()}" in error["message"]
+            # the first proxy's rank 0 is untouched by the refusals
+            assert (await first.get("/resume", headers={"X-Rank": "0"})).json()["processed_ids"] == ["a"]
+        # both stopped: either can take either rank, and it resumes as the first left it
+        async with proxy_client(settings) as third:
+            resume = (await third.get("/resume", headers={"X-Rank": "0"})).json()
+            assert resume["processed_ids"] == ["a"]
+            assert (await third.get("/resume", headers={"X-Rank": "1"})).json()["processed_ids"] == ["b"]
+
+
+async def test_a_finished_rank_is_released_for_another_proxy(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, _):
+        settings = config(tmp_path, url)
+        async with proxy_client(settings) as first, proxy_client(settings) as second:
+            assert (await post(first, [doc("a"), doc("b")], rank=2)).status_code == 200
+            assert (await first.post("/chunks/0/complete", headers={"X-Rank": "2"})).status_code == 200
+            resume = (await second.get("/resume", headers={"X-Rank": "2"})).json()
+            assert resume["last_chunk_index"] == 0
+            assert resume["docs_to_skip"] == 3

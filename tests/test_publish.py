@@ -1,0 +1,80 @@
+"""`ChunkPublisher` as the library's output writer: whole files, datatrove's lines, resume from the output."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from datatrove.data import Document as DatatroveDocument
+from datatrove.pipeline.writers import JsonlWriter
+
+from app.checkpointing import CheckpointManager
+from app.layout import OutputNames
+from app.publish import ChunkPublisher
+from app.resume import last_published_chunk
+from tests.factories import document, documents, manager
+
+
+async def test_a_chunk_file_appears_only_when_complete_and_then_whole(tmp_path: Path) -> None:
+    cm = manager(tmp_path / "ckpt", 2)
+    with ChunkPublisher(str(tmp_path / "out"), str(tmp_path / "ckpt")) as writer:
+        await cm.write_document(document("a"), 0, 3, writer)
+        assert not (tmp_path / "out").exists()
+        await cm.write_document(document("b"), 0, 3, writer)
+        assert (tmp_path / "out" / "00000_chunk_3.jsonl").read_text().count("\n") == 2
+    assert os.listdir(tmp_path / "out") == ["00000_chunk_3.jsonl"]
+
+
+async def test_a_chunk_of_removed_documents_publishes_no_file(tmp_path: Path) -> None:
+    cm = CheckpointManager(str(tmp_path / "ckpt"), 2)
+    with ChunkPublisher(str(tmp_path / "out"), str(tmp_path / "ckpt")) as writer:
+        for doc_id in ("a", "b"):
+            await cm.write_document(document(doc_id, __no_rollouts_remove=True), 0, 0, writer)
+        await cm.write_document(document("c"), 0, 1, writer)
+        await cm.write_document(document("d"), 0, 1, writer)
+    assert os.listdir(tmp_path / "out") == ["00000_chunk_1.jsonl"]
+    assert cm.last_chunk_index == 1
+
+
+async def test_names_and_lines_match_datatrove_jsonl_writer(tmp_path: Path) -> None:
+    docs = [DatatroveDocument(text=f"t{i}", id=f"d{i}", metadata={"k": i} if i else {}) for i in range(3)]
+    template = "${rank}/part_${chunk_index}.jsonl"
+    with JsonlWriter(str(tmp_path / "dt"), output_filename=template, compression=None) as theirs:
+        for doc in docs:
+            theirs.write(doc, rank=2, chunk_index=7)
+    cm = CheckpointManager(str(tmp_path / "ckpt"), 3)
+    with ChunkPublisher(str(tmp_path / "ip"), str(tmp_path / "ckpt"), template) as ours:
+        assert ours._get_output_filename(docs[0], 2, chunk_index=7) == theirs._get_output_filename(
+            docs[0], 2, chunk_index=7
+        )
+        for doc in docs:
+            await cm.write_document(doc, 2, 7, ours)
+    assert (tmp_path / "ip/00002/part_7.jsonl").read_bytes() == (tmp_path / "dt/00002/part_7.jsonl").read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("template", "names", "expected"),
+    [
+        ("${rank}_chunk_${chunk_index}.jsonl", ["00001_chunk_0.jsonl", "00001_chunk_1.jsonl"], 1),
+        # a gap: chunk 3 may be one the lost checkpoints had not reached
+        ("${rank}_chunk_${chunk_index}.jsonl", [f"00001_chunk_{i}.jsonl" for i in (0, 1, 3)], 1),
+        ("${rank}_chunk_${chunk_index}.jsonl", ["00002_chunk_0.jsonl", "00001_chunk_1.jsonl"], -1),  # another rank's
+        ("${rank}_chunk_${chunk_index}.jsonl", ["00001_chunk_0.jsonl.partial", ".00001_chunk_0.jsonl.x.tmp"], -1),
+        ("out/${rank}/c${chunk_index}.jsonl.gz", ["out/00001/c0.jsonl.gz", "out/00001/c1.jsonl.gz"], 1),
+        ("c${chunk_index}/${rank}.jsonl", ["c0/00001.jsonl", "c1/00001.jsonl", "c2/00011.jsonl"], 1),
+    ],
+)
+def test_the_last_published_chunk_is_the_end_of_an_unbroken_run(template: str, names: list[str], expected: int) -> None:
+    assert last_published_chunk(names, OutputNames(template).pattern(1)) == expected
+
+
+@pytest.mark.parametrize("template", ["${rank}_chunk_${chunk_index}.jsonl", "p/${rank}/c_${chunk_index}.jsonl"])
+async def test_the_publisher_lists_what_it_published(tmp_path: Path, template: str) -> None:
+    cm = manager(tmp_path / "ckpt", 2)
+    with ChunkPublisher(str(tmp_path / "out"), str(tmp_path / "ckpt"), template) as writer:
+        assert writer.last_published_chunk(0) == -1  # no output folder yet
+        for position, doc in enumerate(documents(7)):
+            await cm.write_document(doc, 0, position // 2, writer)
+        assert writer.last_published_chunk(0) == 2
+        assert writer.last_published_chunk(1) == -1
