@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
