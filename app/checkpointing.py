@@ -10,6 +10,11 @@ stand in for the other and resume the other's checkpoints::
 
 plus `checkpoint_meta.json`, recording `records_per_chunk` for the resume check.
 
+The manager decides what is written where and when a chunk completes; the
+rest has a module each: `app.layout` (every path), `app.chunkfiles` (open
+chunk files and their fsync), `app.resume` (reading checkpoints back, the
+`records_per_chunk` check), `app.publish` (the one publisher of chunks).
+
 Where datatrove can lose or repeat work, these do not:
 
 - a document id already written to a chunk is not written or counted again
@@ -28,18 +33,18 @@ Where datatrove can lose or repeat work, these do not:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import shutil
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 from app.cache import RequestCache
+from app.chunkfiles import CheckpointDurabilityError, ChunkFiles, FsyncPolicy
 from app.documents import Document, DocumentLike, OutputWriter, encode_document, is_removed
-from app.durable import AppendFile, GroupSync, atomic_write_bytes, fsync_dir, make_dirs_durable
+from app.durable import atomic_write_bytes
 from app.layout import META_FILENAME, CheckpointsLayout, RankPaths
 from app.resume import (
     RecordsPerChunkMismatch,
@@ -64,15 +69,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 D = TypeVar("D", bound=DocumentLike)
-FsyncPolicy = Literal["always", "never"]
 
 
 class ChunkCompleteError(ValueError):
     """A document was sent to a chunk that is already complete."""
-
-
-class CheckpointDurabilityError(OSError):
-    """An fsync failed: this manager refuses further work until the job restarts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,15 +143,13 @@ class CheckpointManager:
         self.last_chunk_index = -1
 
         self._chunk_ids: defaultdict[int, set[str]] = defaultdict(set)
-        self._files: dict[int, AppendFile] = {}
-        self._sync = GroupSync()
+        self._chunk_files = ChunkFiles(fsync)
         self._meta_checked = False
         # The output file of each chunk with documents, to close when it completes.
         self._outputs: dict[int, tuple[OutputWriter, str]] = {}
         # Chunks with all their documents, not yet published (their output not closed).
         self._ready: set[int] = set()
         self._publish_lock = asyncio.Lock()
-        self._broken: BaseException | None = None
         self._warned_duplicates: set[int] = set()
 
     # ----------------------------------------------------------------- writing
@@ -188,7 +186,7 @@ class CheckpointManager:
         would overfill it, `OSError` if the disk refuses the append.
         """
         lines = [encode_document(document) for document in documents]
-        self._check_usable()
+        self._chunk_files.check_usable()
         if self.checkpoints_local_dir is None:
             # datatrove's behaviour without checkpoints: output only, nothing remembered.
             for document in documents:
@@ -213,7 +211,8 @@ class CheckpointManager:
                         f"{self.records_per_chunk}), this request brings {len(fresh)}: the rest belong in the next"
                     )
                 data = lines[0] if len(lines) == 1 else b"".join(lines[position] for position in fresh.values())
-                file = self._files.get(chunk_index) or await self._open_chunk_file(rank, chunk_index)
+                self._ensure_meta()
+                file = await self._chunk_files.open(chunk_index, self._paths(rank).chunk_file(chunk_index))
                 file.append(data)
                 try:
                     for position in fresh.values():
@@ -232,10 +231,8 @@ class CheckpointManager:
                     # Decided here, under the lock: a caller cancelled below cannot lose it.
                     self._ready.add(chunk_index)
             count = self.per_chunk_counts[chunk_index]
-            file_to_sync = self._files.get(chunk_index)
-        if file_to_sync is not None and self.fsync == "always":
-            # Outside the chunk lock, so the chunk's other writers share this fsync.
-            await self._durable(file_to_sync)
+        # Outside the chunk lock, so the chunk's other writers share this fsync.
+        await self._chunk_files.make_durable(chunk_index)
         if self._ready:
             # Shielded: once started, publishing finishes even if this caller is cancelled.
             await asyncio.shield(self._publish_ready(rank))
@@ -255,22 +252,6 @@ class CheckpointManager:
             doc_id for chunk, ids in self._chunk_ids.items() if chunk > self.last_chunk_index for doc_id in ids
         }
         return skip, processed
-
-    def _check_usable(self) -> None:
-        if self._broken is not None:
-            raise CheckpointDurabilityError(
-                f"a checkpoint file could not be made durable earlier ({self._broken}); what was acknowledged "
-                f"since may not be on disk. Restart the job: it resumes from what the disk holds"
-            ) from self._broken
-
-    async def _durable(self, file: AppendFile) -> None:
-        try:
-            await self._sync.sync(file)
-        except OSError as exc:
-            # After a failed fsync the kernel may have dropped the pages: the only
-            # safe state is the one a restart reads back (as PostgreSQL does).
-            self._broken = exc
-            self._check_usable()
 
     def _warn_duplicate(self, doc_id: str, chunk_index: int) -> None:
         if chunk_index in self._warned_duplicates or chunk_index in self._ready:
@@ -297,24 +278,6 @@ class CheckpointManager:
                 f"a document for it belongs to another chunk, or was already written before a restart"
             )
 
-    async def _open_chunk_file(self, rank: int, chunk_index: int) -> AppendFile:
-        """Open (creating it durably) the chunk's file for appending; kept open until the chunk completes."""
-        self._ensure_meta()
-        path = self._paths(rank).chunk_file(chunk_index)
-        created = not os.path.exists(path)
-        if created:
-            await asyncio.to_thread(make_dirs_durable, os.path.dirname(path))
-            logger.info("Creating checkpoint file %s", path)
-        file = AppendFile(path)
-        if created and self.fsync == "always":
-            try:
-                await asyncio.to_thread(fsync_dir, os.path.dirname(path))
-            except BaseException:
-                file.close()
-                raise
-        self._files[chunk_index] = file
-        return file
-
     async def _publish_ready(self, rank: int) -> None:
         """Publish every chunk that has all its documents, then advance `last_chunk_index`.
 
@@ -324,9 +287,7 @@ class CheckpointManager:
         """
         async with self._publish_lock:
             for chunk_index in sorted(self._ready):
-                file = self._files.get(chunk_index)
-                if file is not None and self.fsync == "always":
-                    await self._durable(file)
+                await self._chunk_files.make_durable(chunk_index)
                 output = self._outputs.get(chunk_index)
                 if output is not None:
                     writer, name = output
@@ -353,7 +314,7 @@ class CheckpointManager:
         all_ids: set[str] = set()
         if not self.checkpoints_local_dir:
             return 0, all_ids
-        self._check_usable()
+        self._chunk_files.check_usable()
         self._ensure_meta()
         async with self.checkpoint_file_lock:
             self.last_chunk_index = max(self.last_chunk_index, self._read_last_chunk(rank))
@@ -408,7 +369,7 @@ class CheckpointManager:
         if self.checkpoints_local_dir is None:
             return
         if chunk_index > self.last_chunk_index:  # else done already: marking it again is harmless
-            self._check_usable()
+            self._chunk_files.check_usable()
             # Under the chunk's lock: a write already appending finishes first (and is published),
             # any later one is refused as a write to a complete chunk.
             async with self.file_locks[chunk_index]:
@@ -417,7 +378,7 @@ class CheckpointManager:
         rank_dir = self._paths(rank).rank_dir
         if self.last_chunk_index >= chunk_index:
             if self.last_chunk_index == chunk_index and os.path.exists(rank_dir):
-                await self._close_files()
+                await self._chunk_files.close()
                 shutil.rmtree(rank_dir)
             return
         waiting = sorted(c for c in range(self.last_chunk_index + 1, chunk_index) if c not in self.new_completed_chunks)
@@ -451,11 +412,7 @@ class CheckpointManager:
                 self.last_chunk_index = chunk_index
                 self._fault("last_chunk_written")
                 async with self.file_locks[chunk_index]:
-                    file = self._files.pop(chunk_index, None)
-                    if file is not None:
-                        file.close()
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(self._paths(rank).chunk_file(chunk_index))
+                    self._chunk_files.remove(chunk_index, self._paths(rank).chunk_file(chunk_index))
                 self._fault("chunk_file_deleted")
                 logger.info("Finished chunk %d", chunk_index)
                 self.file_locks.pop(chunk_index, None)
@@ -496,19 +453,9 @@ class CheckpointManager:
 
     async def close(self) -> None:
         """Make every append durable and close the chunk files; idempotent."""
-        await self._close_files()
+        await self._chunk_files.close()
 
     # ----------------------------------------------------------------- helpers
-
-    async def _close_files(self) -> None:
-        files = list(self._files.values())
-        self._files.clear()
-        try:
-            if files and self.fsync == "always":
-                await self._sync.sync(*files)
-        finally:
-            for file in files:
-                file.close()
 
     def _ensure_meta(self) -> None:
         """Record `records_per_chunk` beside the checkpoints, or check it against the recorded one."""

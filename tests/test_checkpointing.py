@@ -419,13 +419,13 @@ async def test_a_completing_write_cancelled_while_it_waits_for_fsync_still_compl
     cm = manager(tmp_path, 2)
     await cm.write_document(document("a"), 0, 0, writer)
     release = asyncio.Event()
-    real_sync = cm._sync.sync
+    real_sync = cm._chunk_files._sync.sync
 
     async def slow_sync(*files: Any) -> None:
         await release.wait()
         await real_sync(*files)
 
-    monkeypatch.setattr(cm._sync, "sync", slow_sync)
+    monkeypatch.setattr(cm._chunk_files._sync, "sync", slow_sync)
     completing = asyncio.create_task(cm.write_document(document("b"), 0, 0, writer))
     await asyncio.sleep(0.01)
     completing.cancel()
