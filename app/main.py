@@ -33,6 +33,7 @@ from app import __version__
 from app.asgi import ASGIApp, ClientGone, Headers, JSONResponse, Message, Receive, Scope, Send, header, send_error
 from app.durable import DirectoryLock
 from app.errors import ProxyError, Unauthorized, error_body
+from app.publish import redact_url
 from app.routes import ops
 from app.routes.checkpoints import CHECKPOINT_PATHS, handle_checkpoints
 from app.routes.proxy import CACHEABLE_PATHS, answer_hit, handle_v1
@@ -81,6 +82,7 @@ def create_app(settings: Settings | None = None) -> InferProxy:
             shown = settings.model_dump(mode="json")
             for secret in ("api_key", "upstream_api_key"):
                 shown[secret] = "***" if shown[secret] else None
+            shown["output"] = redact_url(settings.output)
             logger.info("settings: %s", shown)
             yield
 
