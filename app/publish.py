@@ -34,7 +34,7 @@ import os
 import threading
 from string import Template
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import orjson
 
@@ -282,10 +282,13 @@ def _secrets(url: str) -> list[str]:
 
 
 def redact_url(url: str) -> str:
-    """The URL without the credentials it may hold (`user:password@`, query values)."""
+    """The URL without the credentials it may hold: `user:password@` and query values become `***`."""
     if "://" not in url:
         return url
-    return scrub(url, url)
+    parts = urlsplit(url)
+    netloc = "***@" + parts.netloc.rsplit("@", 1)[1] if "@" in parts.netloc else parts.netloc
+    query = "&".join(f"{key}=***" for key, _ in parse_qsl(parts.query, keep_blank_values=True))
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 def scrub(text: str, url: str) -> str:
