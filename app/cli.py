@@ -117,7 +117,7 @@ def serve(args: argparse.Namespace) -> int:
 
     from app.durable import DirectoryInUse
     from app.main import create_server
-    from app.publish import check_output
+    from app.output_check import check_output
     from app.server import CannotListen
 
     flags = {name: getattr(args, name) for name in Settings.model_fields}

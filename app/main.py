@@ -33,7 +33,7 @@ from app import __version__
 from app.asgi import ASGIApp, ClientGone, Headers, JSONResponse, Message, Receive, Scope, Send, header, send_error
 from app.durable import DirectoryLock
 from app.errors import ProxyError, Unauthorized, error_body
-from app.publish import redact_url
+from app.output_check import redact_url
 from app.routes import ops
 from app.routes.checkpoints import CHECKPOINT_PATHS, handle_checkpoints
 from app.routes.proxy import CACHEABLE_PATHS, answer_hit, handle_v1
