@@ -116,12 +116,15 @@ def serve(args: argparse.Namespace) -> int:
     import uvloop
 
     from app.main import create_server
+    from app.output_check import check_output
     from app.server import CannotListen
 
     flags = {name: getattr(args, name) for name in Settings.model_fields}
     try:
         settings = Settings.load(args.config, **flags)
+        # Before the lifespan takes its lock: a start that fails here has created nothing.
         check_checkpoints_dir(settings)
+        check_output(settings.output)
     except ValidationError as exc:
         print(f"inferproxy serve: invalid settings:\n{describe_errors(exc)}", file=sys.stderr)
         return 2

@@ -35,6 +35,7 @@ from app.asgi import ASGIApp, ClientGone, Headers, JSONResponse, Message, Receiv
 from app.durable import make_dirs_durable
 from app.errors import ProxyError, Unauthorized, error_body
 from app.layout import CheckpointsLayout
+from app.output_check import redact_url
 from app.ownership import RankOwnership
 from app.resume import check_records_per_chunk
 from app.routes import ops
@@ -83,6 +84,7 @@ def create_app(settings: Settings | None = None) -> InferProxy:
             shown = settings.model_dump(mode="json")
             for secret in ("api_key", "upstream_api_key"):
                 shown[secret] = "***" if shown[secret] else None
+            shown["output"] = redact_url(settings.output)
             logger.info("settings: %s", shown)
             yield
 

@@ -8,7 +8,8 @@ and publishes it as one file named by `output_filename`:
 
 - locally: written under a temporary name in the target folder, fsynced,
   renamed over the final name, the folder fsynced: the file is whole or absent;
-- to an fsspec URL (`s3://bucket/prefix`, ...): uploaded in one piece;
+- to an fsspec URL (`s3://bucket/prefix`, ...): uploaded in one piece (one
+  PUT on S3, which stores an object only once its whole body has arrived);
 - `.gz` and `.zst` endings compress (zstd needs the `zstandard` package);
 - documents marked `__no_rollouts_remove` are left out, a document id that
   repeats in the chunk file is published once, and a chunk with nothing
@@ -25,6 +26,8 @@ It has the surface of datatrove's `DiskWriter` that checkpointing uses
 `CheckpointManager` takes it as its `output_writer_context`. A manager
 without a checkpoints dir has no chunk files to publish from: give it a
 datatrove writer instead, as datatrove does.
+`app.output_check` checks the output at start; its `redact_url` and `scrub`
+keep credentials written into an output URL out of every message.
 """
 
 from __future__ import annotations
@@ -43,8 +46,12 @@ from app.layout import DEFAULT_OUTPUT_FILENAME, CheckpointsLayout, OutputNames, 
 from app.resume import last_published_chunk
 
 __all__ = ["DEFAULT_OUTPUT_FILENAME", "ChunkPublisher", "PublishError", "check_output_filename", "is_remote"]
+from app.output_check import S3_PROTOCOLS, install_hint, protocols, redact_url, scrub
 
 _ALLOWED_FIELDS = frozenset({"rank", "chunk_index"})
+# S3 takes up to 5 GiB in one PutObject; s3fs switches to a multipart upload
+# at twice its chunksize (100 MiB by default): raise it so a chunk is one PUT.
+_S3_SINGLE_PUT = {"chunksize": 5 * 2**30}
 
 
 def check_output_filename(template: str) -> Template:
@@ -83,8 +90,9 @@ class ChunkPublisher:
             try:
                 import fsspec
             except ImportError:
-                raise ValueError(f"output {output!r} is a URL: install fsspec (and its s3fs/gcsfs driver)") from None
+                raise ValueError(f"output {redact_url(output)} is a URL: {install_hint(output)}") from None
             self._fs, self._root = fsspec.core.url_to_fs(self.output)
+            self._put_options = _S3_SINGLE_PUT if protocols(output) & S3_PROTOCOLS else {}
 
     # -- the DiskWriter surface CheckpointManager uses
     def write(self, document: Any, rank: int = 0, **kwargs: Any) -> None:
@@ -106,7 +114,7 @@ class ChunkPublisher:
         try:
             await asyncio.to_thread(self._publish, original_name)
         except Exception as exc:
-            raise PublishError(f"publishing {original_name} failed: {exc}") from exc
+            raise PublishError(f"publishing {original_name} failed: {scrub(str(exc), self.output)}") from exc
 
     def close(self) -> None:
         """Nothing to flush: every chunk is published when the manager completes it."""
@@ -155,7 +163,7 @@ class ChunkPublisher:
         data = self._render(self.layout.rank(rank).chunk_file(chunk_index), name)
         if data is not None:
             if self._fs is not None:
-                self._fs.pipe_file(f"{self._root.rstrip('/')}/{name}", data)
+                self._fs.pipe_file(f"{self._root.rstrip('/')}/{name}", data, **self._put_options)
             else:
                 atomic_write_bytes(os.path.join(self.output, name), data)
             self.published.append(name)

@@ -1,0 +1,111 @@
+"""app.output_check: the start-up check of --output, and credentials kept out of messages."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import fsspec
+import pytest
+from fsspec.implementations.memory import MemoryFileSystem
+
+from app.output_check import OutputError, check_output, redact_url, scrub
+
+
+class _BlockedFS(MemoryFileSystem):
+    """A filesystem whose every look-up waits for `release`, or is denied."""
+
+    protocol = "blockedfs"
+    release = threading.Event()
+    deny = False
+
+    def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+        if self.deny:
+            raise PermissionError("Access Denied")
+        self.release.wait()
+        return {"name": path, "type": "directory", "size": 0}
+
+
+@pytest.fixture
+def blocked_fs() -> Iterator[type[_BlockedFS]]:
+    fsspec.register_implementation("blockedfs", _BlockedFS, clobber=True)
+    _BlockedFS.release.clear()
+    _BlockedFS.deny = False
+    yield _BlockedFS
+    _BlockedFS.release.set()  # let the check's thread finish
+
+
+@pytest.fixture
+def memory() -> Iterator[MemoryFileSystem]:
+    fs = MemoryFileSystem()
+    fs.store.clear()
+    fs.pseudo_dirs.clear()
+    fs.pseudo_dirs.append("")
+    yield fs
+    fs.store.clear()
+
+
+def test_a_local_output_that_does_not_exist_yet_passes_and_is_not_created(tmp_path: Path) -> None:
+    check_output(str(tmp_path / "a" / "b" / "out"))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_local_output_under_a_file_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(OutputError, match=r"file is a file, not a folder"):
+        check_output(str(tmp_path / "file" / "out"))
+
+
+def test_an_unknown_protocol_is_refused_naming_it() -> None:
+    with pytest.raises(OutputError, match=r"--output foo://bar: unknown protocol 'foo'"):
+        check_output("foo://bar")
+
+
+def test_a_protocol_whose_package_is_missing_names_what_to_install() -> None:
+    with pytest.raises(OutputError, match=r"pip install 'inferproxy\[fsspec\]'; .*gcsfs"):
+        check_output("gs://bucket/run")  # gcsfs is not a dev dependency
+
+
+def test_an_existing_bucket_passes_and_a_missing_one_is_refused(memory: MemoryFileSystem) -> None:
+    memory.mkdir("/bucket")
+    check_output("memory://bucket/run/1")
+    with pytest.raises(OutputError, match=r"'other' does not exist .*create it"):
+        check_output("memory://other/run")
+
+
+def test_an_output_that_is_an_object_is_refused(memory: MemoryFileSystem) -> None:
+    memory.pipe("/bucket/run", b"x")
+    with pytest.raises(OutputError, match=r"/bucket/run is a file, not a folder"):
+        check_output("memory://bucket/run")
+
+
+def test_an_output_that_does_not_answer_is_refused_after_the_timeout(blocked_fs: type[_BlockedFS]) -> None:
+    with pytest.raises(OutputError, match=r"blockedfs://bucket/run did not answer within 0.05 s"):
+        check_output("blockedfs://bucket/run", timeout_s=0.05)
+
+
+def test_an_output_that_denies_looking_is_a_warning_not_a_failure(
+    blocked_fs: type[_BlockedFS], caplog: pytest.LogCaptureFixture
+) -> None:
+    blocked_fs.deny = True
+    with caplog.at_level(logging.WARNING, logger="app.output_check"):
+        check_output("blockedfs://bucket/run")
+    assert "access denied (PermissionError: Access Denied); starting anyway" in caplog.text
+
+
+def test_credentials_in_an_s3_url_are_refused_without_being_shown() -> None:
+    with pytest.raises(OutputError) as caught:
+        check_output("s3://AKIAEXAMPLE:wJalrXUtnFEMI@bucket/run")
+    assert "AKIAEXAMPLE" not in str(caught.value)
+    assert "wJalrXUtnFEMI" not in str(caught.value)
+    assert "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in str(caught.value)
+
+
+def test_redact_url_hides_the_user_the_password_and_query_values() -> None:
+    assert redact_url("ftp://bob:hunter22@host:21/out?token=abc123&x=1") == "ftp://***@host:21/out?token=***&x=***"
+    assert redact_url("s3://bucket/prefix") == "s3://bucket/prefix"
+    assert redact_url("relative/folder") == "relative/folder"
+    assert scrub("login hunter22 failed for bob", "ftp://bob:hunter22@host/") == "login *** failed for ***"
