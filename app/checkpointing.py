@@ -33,6 +33,7 @@ Where datatrove can lose or repeat work, these do not:
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import shutil
@@ -69,6 +70,7 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 D = TypeVar("D", bound=DocumentLike)
+_SHOWN_CHUNKS = 10  # incomplete chunks named in a warning
 
 
 class ChunkCompleteError(ValueError):
@@ -381,12 +383,18 @@ class CheckpointManager:
                 await self._chunk_files.close()
                 shutil.rmtree(rank_dir)
             return
-        waiting = sorted(c for c in range(self.last_chunk_index + 1, chunk_index) if c not in self.new_completed_chunks)
+        # The first few only: chunk_index comes from the job and may be far ahead (listing all could fill memory).
+        incomplete = (c for c in range(self.last_chunk_index + 1, chunk_index) if c not in self.new_completed_chunks)
+        waiting = list(itertools.islice(incomplete, _SHOWN_CHUNKS + 1))
+        more = ", ..." if len(waiting) > _SHOWN_CHUNKS else ""
+        waiting = waiting[:_SHOWN_CHUNKS]
         logger.warning(
-            "the job ended but chunks %s are incomplete (%s of %d documents): some documents failed or the "
+            "the job ended but chunks [%s%s] are incomplete (%s%s of %d documents): some documents failed or the "
             "input repeats ids. Their checkpoints stay in %s, so a restart retries what is missing",
-            waiting,
+            ", ".join(map(str, waiting)),
+            more,
             ", ".join(str(self.per_chunk_counts[c]) for c in waiting),
+            more,
             self.records_per_chunk,
             rank_dir,
         )

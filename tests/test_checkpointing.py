@@ -395,6 +395,21 @@ async def test_repeated_ids_in_the_input_are_reported_and_the_checkpoint_kept(
     assert os.path.exists(chunk_path(tmp_path, 0))
 
 
+async def test_a_last_chunk_far_ahead_is_reported_without_listing_every_chunk_before_it(
+    tmp_path: Path, writer: RecordingWriter, caplog: pytest.LogCaptureFixture
+) -> None:
+    # POST /chunks/{i}/complete takes any i: the warning once listed every chunk before it,
+    # a list of 2**62 ints for a hostile i (MemoryError, or the machine's memory).
+    cm = manager(tmp_path, 3)
+    await cm.write_document(document("a"), 0, 0, writer)
+    with caplog.at_level(logging.WARNING):
+        await cm.cleanup_last_chunk(0, 10**6)
+    [warning] = [r.getMessage() for r in caplog.records if "are incomplete" in r.getMessage()]
+    assert "chunks [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, ...] are incomplete (1, 0, 0, 0" in warning
+    assert len(warning) < 1000
+    assert cm.new_completed_chunks == {10**6}
+
+
 async def test_a_failed_fsync_stops_the_manager_until_a_restart(
     tmp_path: Path, writer: RecordingWriter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
