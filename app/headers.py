@@ -14,6 +14,7 @@ from app.errors import BadRequest
 
 MAX_DOC_ID_BYTES = 1024
 MAX_RANK = 99_999
+MAX_INT64 = 2**63 - 1
 
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
@@ -73,11 +74,13 @@ def parse_doc_id(value: bytes) -> str:
     return text
 
 
-def parse_int(value: bytes, header: str, *, maximum: int | None = None) -> int:
+def parse_int(value: bytes, header: str, *, maximum: int = MAX_INT64) -> int:
+    """A non-negative integer up to `maximum` (by default what SQLite and orjson store: 64 bits)."""
     text = value.decode("latin-1").strip()
-    limit = f" and <= {maximum}" if maximum is not None else ""
-    if not text.isascii() or not text.isdigit() or (maximum is not None and int(text) > maximum):
-        raise BadRequest(f"{header} must be an integer >= 0{limit}, got {text!r}", param=header)
+    limit = "2^63-1" if maximum == MAX_INT64 else str(maximum)
+    # the length first: int() of more than 4300 digits raises ValueError
+    if not text.isascii() or not text.isdigit() or len(text) > len(str(maximum)) or int(text) > maximum:
+        raise BadRequest(f"{header} must be an integer >= 0 and <= {limit}, got {text[:40]!r}", param=header)
     return int(text)
 
 

@@ -329,3 +329,17 @@ async def test_resume_for_a_rank_never_used_creates_no_files(client: httpx.Async
         "processed_ids": [],
     }
     assert not (tmp_path / "ckpt" / "00007").exists()
+
+
+async def test_integers_out_of_range_in_headers_and_paths_are_refused(client: httpx.AsyncClient) -> None:
+    # each was a 500 (int() of 5000 digits, orjson or SQLite past 64 bits), one after writing the document
+    for chunk in ("9" * 5000, str(2**64)):
+        answer = await client.post("/documents", json=doc("a"), headers={"X-Rank": "0", "X-Chunk-Index": chunk})
+        assert answer.status_code == 400, chunk
+        assert answer.json()["error"]["param"] == "X-Chunk-Index"
+        answer = await client.post(f"/chunks/{chunk}/complete", headers={"X-Rank": "0"})
+        assert answer.status_code == 400, chunk
+    answer = await client.get("/resume", headers={"X-Rank": "9" * 5000})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == "X-Rank"
+    assert (await client.get("/resume")).json()["processed_ids"] == []  # nothing was written

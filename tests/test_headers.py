@@ -23,16 +23,22 @@ def test_all_headers_are_read() -> None:
         cache_control="no-cache, no-store",
     )
     assert key == RequestKey("é/../../etc", 3, 12, 99999, no_cache=True, no_store=True)
+    assert parse(x_chunk_index=str(2**63 - 1)).chunk_index == 2**63 - 1
 
 
 @pytest.mark.parametrize(
     ("headers", "param", "message"),
     [
-        ({"x_rollout_idx": "abc"}, "X-Rollout-Idx", "X-Rollout-Idx must be an integer >= 0, got 'abc'"),
+        ({"x_rollout_idx": "abc"}, "X-Rollout-Idx", "X-Rollout-Idx must be an integer >= 0 and <= 2\\^63-1, got 'abc'"),
         ({"x_rollout_idx": "-1"}, "X-Rollout-Idx", "got '-1'"),
         ({"x_chunk_index": "1.5"}, "X-Chunk-Index", "X-Chunk-Index must be an integer >= 0"),
         ({"x_rank": "100000"}, "X-Rank", "X-Rank must be an integer >= 0 and <= 99999"),
         ({"x_rank": "٣"}, "X-Rank", "X-Rank must be an integer"),
+        # past SQLite's (and orjson's) 64-bit integers, or past Python's 4300-digit int() limit: 400, not 500
+        ({"x_chunk_index": str(2**63)}, "X-Chunk-Index", "X-Chunk-Index must be an integer >= 0 and <= 2\\^63-1"),
+        ({"x_rollout_idx": str(2**63)}, "X-Rollout-Idx", "X-Rollout-Idx must be an integer >= 0 and <= 2\\^63-1"),
+        ({"x_chunk_index": "9" * 5000}, "X-Chunk-Index", "X-Chunk-Index must be an integer"),
+        ({"x_rank": "9" * 5000}, "X-Rank", "X-Rank must be an integer >= 0 and <= 99999"),
         ({"x_doc_id": ""}, "X-Doc-Id", "must not be empty"),
         ({"x_doc_id": "a" * 1025}, "X-Doc-Id", "at most 1024 bytes, got 1025"),
         ({"x_doc_id": "a\tb"}, "X-Doc-Id", "control characters"),

@@ -47,7 +47,7 @@ async def handle_checkpoints(services: Services, scope: Scope, receive: Receive,
         elif path == "/resume" and method == "GET":
             answer = await get_resume(services, scope)
         elif (match := _COMPLETE.match(path)) and method == "POST":
-            answer = await complete_chunk(services, scope, int(match.group(1)))
+            answer = await complete_chunk(services, scope, parse_int(match.group(1).encode(), "chunk index"))
         else:
             raise NotFound(f"no route {method} {path}: POST /documents, POST /chunks/{{i}}/complete, GET /resume")
     except ProxyError as error:
