@@ -173,7 +173,11 @@ class ChunkPublisher:
         try:
             records = read_jsonl_whole_lines(chunk_file)
         except FileNotFoundError:
-            return None
+            # A chunk with documents always has its file until last_chunk has moved past it.
+            raise FileNotFoundError(
+                f"its checkpoint file {chunk_file} is gone (removed while the proxy ran?), so its documents "
+                f"cannot be published; restart the job: it generates again what the checkpoints lost"
+            ) from None
         seen: set[str] = set()
         lines = []
         for record in records:

@@ -6,6 +6,7 @@ import errno
 import gzip
 import json
 import os
+import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -343,3 +344,20 @@ async def test_integers_out_of_range_in_headers_and_paths_are_refused(client: ht
     assert answer.status_code == 400
     assert answer.json()["error"]["param"] == "X-Rank"
     assert (await client.get("/resume")).json()["processed_ids"] == []  # nothing was written
+
+
+async def test_a_chunk_whose_checkpoint_file_vanished_is_not_reported_complete(
+    client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    # The rank dir removed under a running proxy (an operator's rm -rf, a wiped scratch disk): the chunk's
+    # documents are in no file any more. Publishing found nothing, published nothing, and moved last_chunk
+    # past the chunk: its documents were lost without a word.
+    assert (await post(client, [doc("a"), doc("b")], rank=5)).status_code == 200
+    shutil.rmtree(tmp_path / "ckpt" / "00005")
+    answer = await post(client, doc("c"), rank=5)
+    assert answer.status_code == 500
+    assert "checkpoint file" in answer.json()["error"]["message"]
+    assert "is gone" in answer.json()["error"]["message"]
+    resume = (await client.get("/resume", headers={"X-Rank": "5"})).json()
+    assert resume["last_chunk_index"] == -1
+    assert not (tmp_path / "ckpt" / "last_chunk" / "00005.txt").exists()
