@@ -78,8 +78,12 @@ class RankPaths:
         return os.path.isdir(self.rank_dir)
 
     def has_checkpoints(self) -> bool:
-        """Whether anything of this rank is on disk: its rank dir or its last_chunk file."""
-        return self.has_working_files() or os.path.exists(self.last_chunk_file)
+        """Whether any checkpoint of this rank is on disk: a chunk file or its last_chunk file.
+
+        A rank dir holding only the request cache does not count: opening the cache (a generation
+        request) creates it, and the rank's checkpoints may still be lost.
+        """
+        return os.path.exists(self.last_chunk_file) or bool(self.chunk_files())
 
 
 @dataclass(frozen=True, slots=True)

@@ -361,3 +361,19 @@ async def test_a_chunk_whose_checkpoint_file_vanished_is_not_reported_complete(
     resume = (await client.get("/resume", headers={"X-Rank": "5"})).json()
     assert resume["last_chunk_index"] == -1
     assert not (tmp_path / "ckpt" / "last_chunk" / "00005.txt").exists()
+
+
+async def test_a_rank_first_named_by_a_v1_request_still_resumes_from_the_output(tmp_path: Path) -> None:
+    # Checkpoints lost, chunks 0 and 1 of rank 0 published. The rank's first request is a generation:
+    # opening its cache created the rank dir, which then counted as "checkpoints", so /resume said
+    # last_chunk_index -1 and the whole rank was generated again.
+    (tmp_path / "out").mkdir()
+    for i in range(2):
+        (tmp_path / "out" / f"00000_chunk_{i}.jsonl").write_text(json.dumps({"id": f"d{i}", "text": "t"}) + "\n")
+    async with fake_upstream() as (url, _), proxy_client(config(tmp_path, url)) as client:
+        answer = await client.post(
+            "/v1/completions", json={"model": "fake-model", "prompt": "p"}, headers={"X-Rank": "0", "X-Doc-Id": "d6"}
+        )
+        assert answer.status_code == 200
+        resume = (await client.get("/resume", headers={"X-Rank": "0"})).json()
+        assert (resume["last_chunk_index"], resume["docs_to_skip"]) == (1, 6)
