@@ -13,6 +13,7 @@ from app.cache import RequestCache, StoredResponse
 from app.checkpointing import CheckpointManager
 from app.durable import atomic_write_bytes
 from app.layout import CheckpointsLayout
+from app.output_check import redact_url
 from app.ownership import RankOwnership
 from app.publish import ChunkPublisher
 from app.resume import read_last_chunk
@@ -152,7 +153,7 @@ class CheckpointRegistry:
             rank,
             self.root,
             last,
-            self.settings.output,
+            redact_url(self.settings.output),
             last,
         )
         await asyncio.to_thread(atomic_write_bytes, paths.last_chunk_file, str(last).encode())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import gzip
 import json
+import logging
 import os
 import shutil
 from collections.abc import AsyncIterator
@@ -377,3 +378,21 @@ async def test_a_rank_first_named_by_a_v1_request_still_resumes_from_the_output(
         assert answer.status_code == 200
         resume = (await client.get("/resume", headers={"X-Rank": "0"})).json()
         assert (resume["last_chunk_index"], resume["docs_to_skip"]) == (1, 6)
+
+
+async def test_recovering_from_the_output_logs_no_credential_of_its_url(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fsspec = pytest.importorskip("fsspec")
+    output = f"memory://user:s3cret@{tmp_path.name}/prefix"
+    fs, root = fsspec.core.url_to_fs(output)
+    fs.pipe_file(f"{root}/00000_chunk_0.jsonl", b'{"id": "d0", "text": "t"}\n')
+    try:
+        async with fake_upstream() as (url, _), proxy_client(config(tmp_path, url, output=output)) as client:
+            with caplog.at_level(logging.INFO):
+                resume = (await client.get("/resume", headers={"X-Rank": "0"})).json()
+    finally:
+        fs.rm(root, recursive=True)
+    assert resume["last_chunk_index"] == 0
+    assert "chunks 0..0 of it are published in memory://***@" in caplog.text
+    assert "s3cret" not in caplog.text
