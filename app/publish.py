@@ -140,6 +140,8 @@ class ChunkPublisher:
         if self._fs is not None:
             root = self._root.rstrip("/")
             where = f"{root}/{prefix}" if prefix else root
+            # s3fs & co. keep listings for good: other proxies publish to the same output meanwhile.
+            self._fs.invalidate_cache(where)
             try:
                 paths = self._fs.find(where) if not fixed else self._fs.ls(where, detail=False)
             except FileNotFoundError:

@@ -30,6 +30,7 @@ import pytest
 
 from app.client import run_job
 from app.documents import DocumentLike
+from app.publish import ChunkPublisher
 from tests.e2e.conftest import Upstream, start_proxy
 from tests.servers import free_port, process, wait_for_http
 
@@ -305,3 +306,18 @@ def test_credentials_in_the_output_url_are_never_printed(tmp_path: Path, output:
     assert "wJalrXUtnSECRET" not in stderr
     assert "AKIAEXAMPLEKEY" not in stderr
     assert "***@" in stderr
+
+
+def test_the_listing_for_a_lost_rank_sees_what_other_proxies_published_since_an_earlier_one(
+    s3: S3, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Proxies on several nodes share one output. s3fs keeps every listing it made, for good: a proxy
+    # that had listed the prefix once (recovering one rank) recovered the next lost rank from that old
+    # listing and missed every chunk published by the other proxies since, generating them again.
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    s3.client.put_object(Bucket=s3.bucket, Key="run/00000_chunk_0.jsonl", Body=b'{"id":"a"}\n')
+    publisher = ChunkPublisher(s3.url(), str(tmp_path / "checkpoints"))
+    assert publisher.last_published_chunk(0) == 0
+    s3.client.put_object(Bucket=s3.bucket, Key="run/00001_chunk_0.jsonl", Body=b'{"id":"b"}\n')  # another proxy
+    assert publisher.last_published_chunk(1) == 0
