@@ -247,6 +247,15 @@ class CheckpointManager:
             last_chunk_index=self.last_chunk_index,
         )
 
+    def busy(self) -> bool:
+        """Whether a write, a publication or a completion is under way (or a chunk awaits publication)."""
+        return bool(
+            self._ready
+            or self._publish_lock.locked()
+            or self.checkpoint_file_lock.locked()
+            or any(lock.locked() for lock in self.file_locks.values())
+        )
+
     def resume_state(self) -> tuple[int, set[str]]:
         """`(docs_to_skip, processed_ids)` as `parse_existing_checkpoints` would return them now."""
         skip = docs_to_skip(self.last_chunk_index, self.records_per_chunk)

@@ -5,7 +5,7 @@
     ├── Unauthorized            401 authentication_error
     ├── NotFound                404 not_found_error
     ├── ChunkConflict           409 conflict_error           (chunk already complete)
-    ├── RankOwned               409 conflict_error           (another live proxy owns the rank)
+    ├── RankOwned               409 rank_owned_error         (another live proxy owns the rank: retry later)
     ├── PayloadTooLarge         413 invalid_request_error
     ├── UpstreamUnreachable     502 upstream_error
     ├── ServiceUnavailable      503 service_unavailable
@@ -56,10 +56,11 @@ class ChunkConflict(ProxyError):
 
 
 class RankOwned(ProxyError):
-    """Another live proxy owns the rank; the message names it (host, pid)."""
+    """Another live proxy owns the rank; the message names it (host, pid). Worth retrying: the
+    owner gives the rank up when it dies or leaves the rank idle."""
 
     status = 409
-    type = "conflict_error"
+    type = "rank_owned_error"
 
 
 class PayloadTooLarge(ProxyError):

@@ -19,6 +19,8 @@ its first request, so several proxies can share one checkpoints dir.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator
@@ -78,6 +80,9 @@ def create_app(settings: Settings | None = None) -> InferProxy:
             checkpoints = CheckpointRegistry(settings, caches)
             stack.push_async_callback(checkpoints.close)
             services = Services(settings=settings, pool=pool, caches=caches, checkpoints=checkpoints)
+            if settings.rank_idle_s > 0:
+                janitor = asyncio.create_task(release_idle_ranks(services), name="release-idle-ranks")
+                stack.push_async_callback(cancel, janitor)
             api.state.services = proxy.services = services
             stack.callback(setattr, proxy, "services", None)
             logger.info("inferproxy %s forwarding to %s", __version__, ", ".join(settings.upstream))
@@ -111,6 +116,26 @@ def create_app(settings: Settings | None = None) -> InferProxy:
 
     proxy = InferProxy(api, api_key=settings.api_key)
     return proxy
+
+
+async def release_idle_ranks(services: Services) -> None:
+    """Give up ranks no request has used for `rank_idle_s`, so that a moved job can take them elsewhere."""
+    idle_s = services.settings.rank_idle_s
+    while True:
+        await asyncio.sleep(min(max(idle_s / 4, 0.05), 15.0))
+        try:
+            released = await services.checkpoints.release_idle(services.activity, idle_s)
+        except Exception:  # the next round tries again; a rank that fails to close stays owned
+            logger.exception("releasing idle ranks failed")
+            continue
+        if released:
+            logger.info("released ranks %s, unused for %g s: another proxy may take them over", released, idle_s)
+
+
+async def cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 def create_server(settings: Settings, app: InferProxy | None = None) -> HTTPServer:

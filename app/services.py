@@ -4,8 +4,11 @@ in progress, and counters. Built and torn down by the lifespan in `app.main`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -55,12 +58,20 @@ class CacheRegistry:
                 self._caches[rank] = cache
         return cache
 
+    def opening(self, rank: int) -> asyncio.Lock:
+        """The lock under which the rank's cache is opened (and closed when the rank is released)."""
+        return self._opening.setdefault(rank, asyncio.Lock())
+
     def opened_cache(self, rank: int) -> RequestCache | None:
         """The rank's cache if it is open already: the hot path's lookup, without an await."""
         return self._caches.get(rank)
 
     def opened(self) -> dict[int, RequestCache]:
         return dict(self._caches)
+
+    def take(self, rank: int) -> RequestCache | None:
+        """Forget the rank's cache without closing it: the caller closes it."""
+        return self._caches.pop(rank, None)
 
     async def discard(self, rank: int) -> None:
         """Close a rank's cache whose file was removed (its job finished)."""
@@ -80,6 +91,37 @@ class CacheRegistry:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+class RankActivity:
+    """When each rank was last used, and how many requests are using it now.
+
+    A rank's owner gives it up once it has been idle for `idle_s`: a job
+    moved to another node's proxy (its own node preempted, the proxy's
+    spared) can then take the rank over there instead of getting 409 for
+    as long as this proxy lives.
+    """
+
+    def __init__(self) -> None:
+        self.last_used: dict[int, float] = {}
+        self.in_flight: Counter[int] = Counter()
+
+    def touch(self, rank: int) -> None:
+        self.last_used[rank] = time.monotonic()
+
+    @contextlib.contextmanager
+    def using(self, rank: int) -> Iterator[None]:
+        self.in_flight[rank] += 1
+        try:
+            yield
+        finally:
+            self.in_flight[rank] -= 1
+            if not self.in_flight[rank]:
+                del self.in_flight[rank]
+            self.last_used[rank] = time.monotonic()
+
+    def idle(self, rank: int, idle_s: float) -> bool:
+        return not self.in_flight[rank] and time.monotonic() - self.last_used.get(rank, 0.0) >= idle_s
 
 
 class CheckpointRegistry:
@@ -169,6 +211,35 @@ class CheckpointRegistry:
             self.ownership.release(rank)
         return manager
 
+    async def release_idle(self, activity: RankActivity, idle_s: float) -> list[int]:
+        """Give up every owned rank that no request has used for `idle_s`; return them.
+
+        The rank leaves the registries before anything is awaited, so that a
+        request arriving meanwhile reopens it (after the close, under the
+        rank's opening lock) instead of using what is being closed.
+        """
+        released = []
+        for rank in self.ownership.owned():
+            manager = self._managers.get(rank)
+            if not activity.idle(rank, idle_s) or (manager is not None and manager.busy()):
+                continue
+            lock = self._opening.setdefault(rank, asyncio.Lock())
+            async with lock, self.caches.opening(rank):
+                if not activity.idle(rank, idle_s) or not self.ownership.owns(rank):
+                    continue
+                manager = self._managers.pop(rank, None)
+                cache = self.caches.take(rank)
+                try:
+                    if manager is not None:
+                        await manager.close()
+                    if cache is not None:
+                        await cache.close()
+                finally:
+                    self.ownership.release(rank)
+            activity.last_used.pop(rank, None)
+            released.append(rank)
+        return released
+
     async def close(self) -> None:
         managers, self._managers = self._managers, {}
         for manager in managers.values():
@@ -181,5 +252,6 @@ class Services:
     pool: UpstreamPool
     caches: CacheRegistry
     checkpoints: CheckpointRegistry
+    activity: RankActivity = field(default_factory=RankActivity)
     flights: dict[CacheKey, asyncio.Future[StoredResponse | None]] = field(default_factory=dict)
     stats: Counter[str] = field(default_factory=Counter)

@@ -56,6 +56,9 @@ class Settings(BaseSettings):
     fsync: Literal["always", "never"] = Field("always", description="checkpoint durability policy")
     health_interval_s: float = Field(5.0, gt=0, description="how often an unhealthy replica is probed")
     shutdown_grace_s: float = Field(30.0, ge=0, description="time in-flight requests get to finish on SIGTERM")
+    rank_idle_s: float = Field(
+        60.0, ge=0, description="a rank unused this long is released for another proxy to take over (0: never)"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
 
     @field_validator("upstream", mode="before")

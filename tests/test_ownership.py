@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import socket
@@ -12,6 +13,7 @@ import pytest
 from app.errors import RankOwned
 from app.layout import CheckpointsLayout
 from app.ownership import RankOwnership
+from tests.factories import completion_request
 from tests.servers import fake_upstream, proxy_client
 from tests.test_checkpoint_service import config, doc, post
 
@@ -68,7 +70,7 @@ async def test_two_proxies_share_a_checkpoints_dir_and_each_rank_has_one_owner(t
                     )
                 assert answer.status_code == 409, route
                 error = answer.json()["error"]
-                assert error["type"] == "conflict_error"
+                assert error["type"] == "rank_owned_error"
                 assert f"rank 0 is owned by another inferproxy (pid {os.getpid()}" in error["message"]
             # the first proxy's rank 0 is untouched by the refusals
             assert (await first.get("/resume", headers={"X-Rank": "0"})).json()["processed_ids"] == ["a"]
@@ -88,3 +90,26 @@ async def test_a_finished_rank_is_released_for_another_proxy(tmp_path: Path) -> 
             resume = (await second.get("/resume", headers={"X-Rank": "2"})).json()
             assert resume["last_chunk_index"] == 0
             assert resume["docs_to_skip"] == 3
+
+
+async def test_an_idle_rank_is_released_for_another_proxy_and_a_busy_one_is_not(tmp_path: Path) -> None:
+    async with fake_upstream(latency_ms=600) as (url, _):
+        settings = config(tmp_path, url, rank_idle_s=0.1)
+        async with proxy_client(settings) as first, proxy_client(settings) as second:
+            slow = asyncio.create_task(
+                first.post("/v1/completions", json=completion_request(), headers={"X-Doc-Id": "b"})
+            )
+            await asyncio.sleep(0.4)  # several release rounds while the request is in flight
+            assert (await second.get("/resume")).status_code == 409
+            assert (await slow).headers["x-cache"] == "MISS"
+            assert (await post(first, doc("a"))).status_code == 200
+            # the job has moved on: once the rank is idle, the other proxy gets it and resumes it
+            for _ in range(100):
+                answer = await second.get("/resume")
+                if answer.status_code == 200:
+                    break
+                await asyncio.sleep(0.05)
+            assert answer.json()["processed_ids"] == ["a"]
+            assert (await first.get("/stats")).json()["ranks"] == []
+            again = await second.post("/v1/completions", json=completion_request(), headers={"X-Doc-Id": "b"})
+            assert again.headers["x-cache"] == "HIT"  # the cache moved with the rank

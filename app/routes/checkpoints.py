@@ -42,14 +42,15 @@ _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 async def handle_checkpoints(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
     path, method = scope["path"], scope["method"]
     try:
-        if path == "/documents" and method == "POST":
-            answer = await post_documents(services, scope, receive)
-        elif path == "/resume" and method == "GET":
-            answer = await get_resume(services, scope)
-        elif (match := _COMPLETE.match(path)) and method == "POST":
-            answer = await complete_chunk(services, scope, parse_int(match.group(1).encode(), "chunk index"))
-        else:
-            raise NotFound(f"no route {method} {path}: POST /documents, POST /chunks/{{i}}/complete, GET /resume")
+        with services.activity.using(rank_of(scope)):
+            if path == "/documents" and method == "POST":
+                answer = await post_documents(services, scope, receive)
+            elif path == "/resume" and method == "GET":
+                answer = await get_resume(services, scope)
+            elif (match := _COMPLETE.match(path)) and method == "POST":
+                answer = await complete_chunk(services, scope, parse_int(match.group(1).encode(), "chunk index"))
+            else:
+                raise NotFound(f"no route {method} {path}: POST /documents, POST /chunks/{{i}}/complete, GET /resume")
     except ProxyError as error:
         await send_error(send, error)
         return

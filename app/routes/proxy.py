@@ -72,6 +72,7 @@ def answer_hit(
     hit = cache.get_response(key.doc_id, key.rollout_idx, digest) if cache is not None else None
     if hit is None:
         return None
+    services.activity.touch(key.rank)
     services.stats["hit"] += 1
     lines = b"content-type: %b\r\nx-cache: HIT\r\nx-payload-hash: %b\r\n" % (
         hit.content_type.encode("latin-1"),
@@ -102,6 +103,14 @@ async def cacheable(services: Services, scope: Scope, receive: Receive, send: Se
         services.stats["bypass"] += 1
         await forward(services, scope, receive, send, key, digest, body, b"BYPASS", cache=None)
         return
+    with services.activity.using(key.rank):
+        await cached_or_forwarded(services, scope, receive, send, key, digest, body)
+
+
+async def cached_or_forwarded(
+    services: Services, scope: Scope, receive: Receive, send: Send, key: RequestKey, digest: str, body: bytes
+) -> None:
+    assert key.doc_id is not None
     cache = services.caches.opened_cache(key.rank) or await services.caches.get(key.rank)
     flight_key = (key.rank, key.doc_id, key.rollout_idx, digest)
     if not key.no_cache:
