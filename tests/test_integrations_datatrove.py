@@ -341,6 +341,20 @@ def test_the_drop_in_swaps_datatroves_cache_and_checkpoints_for_inferproxys(tmp_
     )
 
 
+def test_both_runners_survive_the_pickling_datatroves_executors_do(tmp_path: Path) -> None:
+    import dill
+
+    config = InferenceConfig(server_type="endpoint", endpoint_url="http://127.0.0.1:8080", model_name_or_path="m")
+    writer = JsonlWriter(str(tmp_path / "out"), output_filename=TEMPLATE)
+    drop_in = with_inferproxy_checkpointing(
+        InferenceRunner(ask, config, writer, checkpoints_local_dir=str(tmp_path / "ck"), records_per_chunk=7)
+    )
+    copy = dill.loads(dill.dumps(drop_in))
+    assert (copy.checkpoint_manager.records_per_chunk, copy.request_cache.base_dir) == (7, str(tmp_path / "ck"))
+    proxied = dill.loads(dill.dumps(ProxyInferenceRunner(ask, config, writer, records_per_chunk=7)))
+    assert (proxied.proxy_url, proxied.checkpoint_manager.requested_records_per_chunk) == ("http://127.0.0.1:8080", 7)
+
+
 def test_inferproxys_core_never_imports_datatrove() -> None:
     code = (
         "import pkgutil, importlib, sys, app\n"

@@ -219,3 +219,48 @@ def test_ray_executor_on_a_local_cluster_publishes_every_document_once(
     assert slow_upstream.stats()["generations"] == DOCUMENTS * ROLLOUTS
     resume = httpx.get(datatrove_proxy.url + "/resume", headers={"X-Rank": "3"}).json()
     assert resume["output"] == str(tmp_path / "output")
+
+
+def test_datatroves_own_runner_on_inferproxys_checkpointing_runs_a_pipeline_to_exactly_once_output(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.inference.run_inference import InferenceConfig, InferenceRunner
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.writers import JsonlWriter
+
+    from app.integrations.datatrove import with_inferproxy_checkpointing
+
+    make_input(tmp_path / "input")
+    sys.path.insert(0, str(EXAMPLE.parent))
+    try:
+        from datatrove_pipeline import rollout
+    finally:
+        sys.path.remove(str(EXAMPLE.parent))
+    checkpoints, output = tmp_path / "checkpoints", tmp_path / "output"
+    runner = with_inferproxy_checkpointing(
+        InferenceRunner(
+            rollout_fn=rollout,
+            config=InferenceConfig(
+                server_type="endpoint",
+                endpoint_url=upstream.url,
+                model_name_or_path="fake-model",
+                rollouts_per_document=ROLLOUTS,
+                metric_interval=3600,
+            ),
+            output_writer=JsonlWriter(str(output), output_filename="${rank}_chunk_${chunk_index}.jsonl"),
+            checkpoints_local_dir=str(checkpoints),
+            records_per_chunk=RECORDS_PER_CHUNK,
+        )
+    )
+    # workers=1: the tasks run one after the other in this process (a pool's forkserver would start
+    # pytest again as its __main__); test_integrations_datatrove checks the runner survives pickling.
+    LocalPipelineExecutor(
+        pipeline=[JsonlReader(str(tmp_path / "input")), runner], tasks=4, workers=1, logging_dir=str(tmp_path / "logs")
+    ).run()
+    assert_exactly_once(output)
+    assert upstream.stats()["generations"] == DOCUMENTS * ROLLOUTS
+    # inferproxy's CheckpointManager did the checkpointing: its meta file, and every rank's work done
+    assert json.loads((checkpoints / "checkpoint_meta.json").read_text())["records_per_chunk"] == RECORDS_PER_CHUNK
+    assert sorted(p.read_text() for p in (checkpoints / "last_chunk").iterdir()) == ["3"] * 4
+    assert not [p for p in checkpoints.iterdir() if p.name.isdigit()]
