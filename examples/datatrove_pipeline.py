@@ -28,7 +28,7 @@ from datatrove.pipeline.inference.run_inference import InferenceConfig
 from datatrove.pipeline.readers import JsonlReader
 from datatrove.pipeline.writers import JsonlWriter
 
-from app.integrations.datatrove import ProxyInferenceRunner
+from app.integrations.datatrove import ProxyInferenceRunner  # was: InferenceRunner
 
 
 async def rollout(document: Any, generate: Any) -> str:
