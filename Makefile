@@ -15,13 +15,13 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 check: $(STAMP)
-	$(BIN)/ruff format --check app tests bench
-	$(BIN)/ruff check app tests bench
+	$(BIN)/ruff format --check app tests bench examples
+	$(BIN)/ruff check app tests bench examples
 	$(BIN)/mypy
 
 format: $(STAMP)
-	$(BIN)/ruff format app tests bench
-	$(BIN)/ruff check --fix app tests bench
+	$(BIN)/ruff format app tests bench examples
+	$(BIN)/ruff check --fix app tests bench examples
 
 # Coverage of app/ in this process (the e2e tests' subprocesses are not counted): ~86% now.
 test: $(STAMP)

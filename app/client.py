@@ -56,17 +56,33 @@ class Resume:
     last_chunk_index: int
     docs_to_skip: int
     processed_ids: frozenset[str]
+    #: Where the proxy publishes chunks and how it names them (None from a proxy too old to say).
+    output: str | None = None
+    output_filename: str | None = None
 
 
 class ProxyJob:
-    """One rank of a job, as the checkpoint service sees it."""
+    """One rank of a job, as the checkpoint service sees it.
 
-    def __init__(self, base_url: str, rank: int = 0, api_key: str | None = None, *, retries: int = 5) -> None:
+    `client` shares an `HTTPClient` (and its kept-alive connections) with the
+    caller, who then closes it; by default the job has its own.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        rank: int = 0,
+        api_key: str | None = None,
+        *,
+        retries: int = 5,
+        client: HTTPClient | None = None,
+    ) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.rank = rank
         self.retries = retries
         self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
-        self._client = HTTPClient(read_timeout=600.0)
+        self._owns_client = client is None
+        self._client = client or HTTPClient(read_timeout=600.0)
 
     def headers(self, doc_id: str, rollout_idx: int = 0, chunk_index: int | None = None) -> dict[str, str]:
         """The headers for an OpenAI client's `extra_headers`: the answer is cached under this key."""
@@ -82,6 +98,8 @@ class ProxyJob:
             last_chunk_index=answer["last_chunk_index"],
             docs_to_skip=answer["docs_to_skip"],
             processed_ids=frozenset(answer["processed_ids"]),
+            output=answer.get("output"),
+            output_filename=answer.get("output_filename"),
         )
 
     async def write_documents(self, documents: Sequence[DocumentLike | dict[str, Any]], chunk_index: int) -> Any:
@@ -103,7 +121,8 @@ class ProxyJob:
         return await self._call("POST", f"/chunks/{chunk_index}/complete")
 
     async def close(self) -> None:
-        await self._client.close()
+        if self._owns_client:
+            await self._client.close()
 
     async def _call(self, method: str, path: str, body: bytes = b"", extra: Sequence[tuple[bytes, bytes]] = ()) -> Any:
         headers = [(b"x-rank", str(self.rank).encode()), (b"content-type", b"application/json"), *self._auth, *extra]

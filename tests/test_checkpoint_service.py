@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 import app.durable
+from app.routes.checkpoints import public_output
 from app.settings import Settings
 from tests.servers import fake_upstream, proxy_client
 
@@ -169,6 +170,8 @@ async def test_completing_the_last_chunk_publishes_it_and_removes_the_working_fi
         "last_chunk_index": 1,
         "docs_to_skip": 6,
         "processed_ids": [],
+        "output": str(tmp_path / "out"),
+        "output_filename": "${rank}_chunk_${chunk_index}.jsonl",
     }
 
 
@@ -329,6 +332,8 @@ async def test_resume_for_a_rank_never_used_creates_no_files(client: httpx.Async
         "last_chunk_index": -1,
         "docs_to_skip": 0,
         "processed_ids": [],
+        "output": str(tmp_path / "out"),
+        "output_filename": "${rank}_chunk_${chunk_index}.jsonl",
     }
     assert not (tmp_path / "ckpt" / "00007").exists()
 
@@ -396,3 +401,26 @@ async def test_recovering_from_the_output_logs_no_credential_of_its_url(
     assert resume["last_chunk_index"] == 0
     assert "chunks 0..0 of it are published in memory://***@" in caplog.text
     assert "s3cret" not in caplog.text
+
+
+async def test_resume_reports_a_relative_output_as_an_absolute_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    settings = config(tmp_path, "http://127.0.0.1:9", output="published", output_filename="${rank}-${chunk_index}.gz")
+    async with proxy_client(settings) as c:
+        answer = (await c.get("/resume")).json()
+    assert (answer["output"], answer["output_filename"]) == (str(tmp_path / "published"), "${rank}-${chunk_index}.gz")
+
+
+@pytest.mark.parametrize(
+    ("output", "shown"),
+    [
+        ("s3://bucket/prefix", "s3://bucket/prefix"),
+        ("s3://AKIA123:s3cr3t@bucket/prefix/", "s3://bucket/prefix/"),
+        ("https://user:pw@example.org:8443/out?token=abc#x", "https://example.org:8443/out"),
+        ("file:///data/out", "/data/out"),
+    ],
+)
+def test_resume_never_shows_credentials_embedded_in_the_output_url(output: str, shown: str) -> None:
+    assert public_output(output) == shown

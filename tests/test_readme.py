@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import textwrap
 from pathlib import Path
 
 from app.cli import build_parser
@@ -29,3 +30,17 @@ def test_quickstart_is_two_make_commands_that_exist() -> None:
         assert f"make {target}" in README
         assert re.search(rf"^{target}:", makefile, re.MULTILINE)
     assert "$(BIN)/inferproxy demo" in makefile
+
+
+def test_the_datatrove_snippet_is_the_example_that_the_e2e_tests_run() -> None:
+    section = README.split("## From a datatrove pipeline", 1)[1].split("\n## ", 1)[0]
+    snippet = re.search(
+        r"```python\n(from app\.integrations\.datatrove .*?)\n\n(LocalPipelineExecutor.*?)```", section, re.DOTALL
+    )
+    assert snippet, "the README's datatrove section lacks the pipeline snippet"
+    example = (Path(__file__).parent.parent / "examples" / "datatrove_pipeline.py").read_text()
+    body = example.split("    LocalPipelineExecutor(", 1)[1].split("\n\n", 1)[0]
+    assert textwrap.dedent("    LocalPipelineExecutor(" + body).replace("  # fmt: skip", "") + "\n" == snippet.group(2)
+    assert snippet.group(1) + "\n" in example
+    for flag in re.findall(r"--[a-z-]+", section.split("```sh", 1)[1].split("```", 1)[0]):
+        assert flag in example or flag in ("--upstream", "--port", "--output-filename"), flag

@@ -5,15 +5,19 @@
   rewritten; 400 malformed, 409 chunk complete, 413 too large, 507 disk
   full, and in each case nothing of the request is written;
 - `POST /chunks/{i}/complete` (header `X-Rank`): the job's last chunk;
-- `GET /resume` (header `X-Rank`): where a restarted job carries on.
+- `GET /resume` (header `X-Rank`): where a restarted job carries on, and
+  where the proxy publishes (`output`, `output_filename`), so that a job can
+  check that its own idea of the output is the proxy's.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import os
 import re
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
@@ -27,7 +31,7 @@ from app.checkpointing import (
 from app.documents import Document, DocumentError
 from app.errors import BadRequest, ChunkConflict, InsufficientStorage, NotFound, ProxyError
 from app.headers import parse_int, parse_rank
-from app.publish import PublishError
+from app.publish import PublishError, is_remote
 from app.resume import docs_to_skip
 from app.services import Services
 
@@ -182,4 +186,17 @@ async def get_resume(services: Services, scope: Scope) -> dict[str, Any]:
         "last_chunk_index": last,
         "docs_to_skip": skip,
         "processed_ids": sorted(processed),
+        "output": public_output(services.settings.output),
+        "output_filename": services.settings.output_filename,
     }
+
+
+def public_output(output: str) -> str:
+    """The output as a job may see it: a local folder made absolute (against the proxy's working
+    directory), a URL without the credentials, query or fragment it may carry."""
+    if not is_remote(output):
+        return os.path.abspath(output.removeprefix("file://"))
+    parts = urlsplit(output)
+    host = parts.hostname or ""
+    netloc = f"{host}:{parts.port}" if parts.port else host
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))

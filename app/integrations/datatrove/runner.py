@@ -1,0 +1,269 @@
+"""`ProxyInferenceRunner`: datatrove's `InferenceRunner` through a running `inferproxy serve`, and
+`with_inferproxy_checkpointing`: datatrove's own runner on inferproxy's checkpointing library."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterable
+from typing import Any
+
+import orjson
+from datatrove.data import Document as DatatroveDocument
+from datatrove.pipeline.inference.run_inference import InferenceRunner
+from datatrove.pipeline.inference.types import InferenceError, ServerError
+
+# datatrove's own logger: these messages land in the task logs a datatrove user reads.
+from datatrove.utils.logging import logger
+
+from app.checkpointing import CheckpointManager, RequestCache
+from app.httpclient import HTTPClient
+from app.integrations.datatrove.checkpoints import UNREACHABLE, DocumentRefused, ProxyCheckpointManager
+
+#: Answers worth waiting for: the upstream is busy, restarting or briefly gone.
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
+#: datatrove's `request_timeout=None` means no timeout; the client needs a number.
+NO_TIMEOUT_S = 7 * 24 * 3600.0
+
+
+def retry_after_s(value: bytes | None) -> float | None:
+    """`Retry-After` in seconds (the HTTP-date form is not used by vLLM or the proxy)."""
+    if value is None:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+class _DocumentRequests:
+    """What datatrove's `_send_request` calls `make_request` on: the proxy, for one rollout of one document."""
+
+    def __init__(self, runner: ProxyInferenceRunner, headers: list[tuple[bytes, bytes]]) -> None:
+        self.runner = runner
+        self.headers = headers
+
+    async def make_request(self, payload: dict[str, Any]) -> dict[str, Any]:
+        return await self.runner._generate(payload, self.headers)
+
+
+class ProxyEndpoint:
+    """What `InferenceRunner.run_async` uses as its server: the proxy, already running."""
+
+    def __init__(self, runner: ProxyInferenceRunner, rank: int) -> None:
+        self.runner = runner
+        self.rank = rank
+        self._common = [(b"x-rank", str(rank).encode()), (b"content-type", b"application/json")]
+        if runner.config.api_key:
+            self._common.append((b"authorization", f"Bearer {runner.config.api_key}".encode()))
+
+    async def __aenter__(self) -> ProxyEndpoint:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        return None
+
+    def for_rollout(self, doc_id: str, rollout_idx: int, chunk_index: int) -> _DocumentRequests:
+        return _DocumentRequests(
+            self.runner,
+            [
+                *self._common,
+                (b"x-doc-id", doc_id.encode()),
+                (b"x-rollout-idx", str(rollout_idx).encode()),
+                (b"x-chunk-index", str(chunk_index).encode()),
+            ],
+        )
+
+
+class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove is untyped
+    """datatrove's `InferenceRunner` through a running `inferproxy serve`; see the module docstring.
+
+    Arguments are datatrove's, except: `config` must be `server_type="endpoint"`
+    with `endpoint_url` the proxy's root; `checkpoints_local_dir` is refused
+    (the proxy keeps the checkpoints); `records_per_chunk` defaults to the
+    proxy's. `retries` and `retry_backoff_s` (first delay, doubling) bound
+    the wait for a proxy or upstream in trouble before the task fails.
+    """
+
+    name = "Inference through inferproxy 🔍"
+
+    def __init__(
+        self,
+        rollout_fn: Any,
+        config: Any,
+        output_writer: Any,
+        shared_context: Any = None,
+        checkpoints_local_dir: str | None = None,
+        records_per_chunk: int | None = None,
+        metadata_key: str = "rollout_results",
+        skip_bad_requests: bool = False,
+        *,
+        retries: int = 5,
+        retry_backoff_s: float = 5.0,
+    ) -> None:
+        if config.server_type != "endpoint" or not config.endpoint_url:
+            raise ValueError(
+                f"ProxyInferenceRunner sends to a running inferproxy serve: use InferenceConfig("
+                f"server_type='endpoint', endpoint_url='http://127.0.0.1:8080') with the proxy's address, got "
+                f"server_type={config.server_type!r} and endpoint_url={config.endpoint_url!r}"
+            )
+        if checkpoints_local_dir is not None:
+            raise ValueError(
+                f"checkpoints_local_dir={checkpoints_local_dir!r}: ProxyInferenceRunner checkpoints at the proxy "
+                f"(its --checkpoints-dir), so remove the argument"
+            )
+        if retries < 0 or retry_backoff_s <= 0:
+            raise ValueError(f"retries must be >= 0 and retry_backoff_s > 0, got {retries} and {retry_backoff_s}")
+        manager = ProxyCheckpointManager(
+            config.endpoint_url, records_per_chunk, api_key=config.api_key, retries=retries
+        )
+        # datatrove's constructor, without checkpoints: its RequestCache(None) is disabled and writes no file.
+        super().__init__(
+            rollout_fn,
+            config,
+            output_writer,
+            shared_context=shared_context,
+            checkpoints_local_dir=None,
+            records_per_chunk=records_per_chunk or 6000,
+            metadata_key=metadata_key,
+            skip_bad_requests=skip_bad_requests,
+        )
+        self.checkpoint_manager = manager
+        self.proxy_url = manager.proxy_url
+        self.retries = retries
+        self.retry_backoff_s = retry_backoff_s
+        self._client: HTTPClient | None = None
+        path = "/v1/chat/completions" if config.use_chat else "/v1/completions"
+        self._generate_url = self.proxy_url + path
+
+    async def run_async(self, data_gen: Iterable[Any], rank: int = 0) -> None:
+        # One client (one pool of kept-alive connections) per run: each task runs in its own event loop.
+        client = HTTPClient(read_timeout=self.config.request_timeout or NO_TIMEOUT_S)
+        self._client = client
+        self.checkpoint_manager.use_client(client)
+        try:
+            await super().run_async(data_gen, rank)
+            await self.checkpoint_manager.finish(rank)
+        finally:
+            self.checkpoint_manager.use_client(None)
+            self._client = None
+            await client.close()
+
+    def _init_server(self, rank: int) -> ProxyEndpoint:
+        return ProxyEndpoint(self, rank)
+
+    async def _cached_request(
+        self,
+        payload: dict[str, Any],
+        semaphore: asyncio.Semaphore,
+        server: ProxyEndpoint,
+        doc_id: str,
+        rollout_idx: int,
+        chunk_index: int,
+        request_counters: list[int] | None = None,
+    ) -> Any:
+        # No local cache: the proxy answers a request it has seen from its own.
+        if request_counters is not None:
+            request_counters[rollout_idx] += 1
+        return await self._send_request(server.for_rollout(doc_id, rollout_idx, chunk_index), payload, semaphore)
+
+    async def _save_document(
+        self, document: Any, output_writer_context: Any, rank: int, chunk_index: int, count_processed_stat: bool = True
+    ) -> None:
+        # datatrove's logs a warning and carries on whatever went wrong: here a refused document is an
+        # error that fails the task at its end, and an unreachable proxy (ServerError) fails it now.
+        if count_processed_stat:
+            self.stat_update("documents_processed", value=1, unit="document")
+        try:
+            await self.checkpoint_manager.write_document(document, rank, chunk_index, output_writer_context)
+        except DocumentRefused as exc:
+            logger.error(f"rank {rank}: the proxy refused {exc}; it is NOT in the output and the task will fail")
+            self.stat_update("failed_documents", value=1, unit="document")
+
+    async def _generate(self, payload: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
+        """POST one generation to the proxy, retrying what a busy or restarting server answers."""
+        client = self._client
+        if client is None:
+            raise RuntimeError("ProxyInferenceRunner sends requests only inside run_async()")
+        body = orjson.dumps(payload)
+        problem = ""
+        for attempt in range(self.retries + 1):
+            wait = None
+            try:
+                answer = await client.request("POST", self._generate_url, headers=headers, body=body)
+                try:
+                    data = await answer.read()
+                finally:
+                    answer.release()
+            except UNREACHABLE as exc:
+                problem = f"{type(exc).__name__}: {exc}"
+            else:
+                text = data.decode("utf-8", "replace")
+                if answer.status == 200:
+                    if answer.header(b"x-cache") in (b"HIT", b"COALESCED"):
+                        self.stat_update("proxy_cache_hits", value=1, unit="request")
+                    result: dict[str, Any] = orjson.loads(data)
+                    return result
+                if answer.status == 400:
+                    raise InferenceError(None, f"Got BadRequestError from server: {text}", payload=payload)
+                if answer.status == 500:
+                    raise ServerError(f"Got InternalServerError from server: {text}")
+                if answer.status == 401:
+                    raise ServerError(
+                        f"the proxy at {self.proxy_url} refused the API key: set InferenceConfig(api_key=...) "
+                        f"to its --api-key ({text})"
+                    )
+                if answer.status not in RETRY_STATUSES:
+                    raise InferenceError(None, f"Error http status {answer.status}: {text}", payload=payload)
+                problem = f"status {answer.status}: {text[:300]}"
+                wait = retry_after_s(answer.header(b"retry-after"))
+            if attempt == self.retries:
+                break
+            delay = self.retry_backoff_s * 2**attempt * random.uniform(1.0, 1.25)
+            delay = max(delay, wait) if wait is not None else delay
+            logger.warning(
+                f"the proxy at {self.proxy_url} answered {problem}; retry {attempt + 1}/{self.retries} in {delay:.1f} s"
+            )
+            await asyncio.sleep(delay)
+        raise ServerError(
+            f"the proxy at {self.proxy_url} still failed after {self.retries} retries ({problem}): the task fails so "
+            f"that the executor runs it again; the answers it got so far are cached at the proxy"
+        )
+
+
+def with_inferproxy_checkpointing(runner: Any) -> Any:
+    """datatrove's own `InferenceRunner`, in-process, on inferproxy's checkpointing library.
+
+    Replaces `runner.request_cache` and `runner.checkpoint_manager` with
+    `app.checkpointing`'s `RequestCache` and `CheckpointManager`, built from
+    the same `checkpoints_local_dir` and `records_per_chunk` (same files on
+    disk, durable and faster); returns the runner::
+
+        runner = with_inferproxy_checkpointing(InferenceRunner(..., checkpoints_local_dir="checkpoints"))
+    """
+    if isinstance(runner, ProxyInferenceRunner):
+        raise ValueError("a ProxyInferenceRunner checkpoints at the proxy already: use it as it is")
+    if not isinstance(runner, InferenceRunner):
+        raise TypeError(f"expected datatrove's InferenceRunner, got {type(runner).__name__}")
+    directory = runner.checkpoint_manager.checkpoints_local_dir
+    if directory is None:
+        raise ValueError(
+            "this runner has no checkpoints_local_dir, so nothing is checkpointed: build it with "
+            "InferenceRunner(..., checkpoints_local_dir='<a local folder>') first"
+        )
+    cache = RequestCache(directory)
+    runner.request_cache = cache
+    runner.checkpoint_manager = CheckpointManager(
+        directory, runner.checkpoint_manager.records_per_chunk, request_cache=cache, document_factory=datatrove_document
+    )
+    return runner
+
+
+def datatrove_document(data: dict[str, Any]) -> Any:
+    """A checkpoint line read back as datatrove's `Document`, for its output writer."""
+    return DatatroveDocument(
+        text=data.get("text", ""),
+        id=data["id"],
+        media=list(data.get("media") or []),
+        metadata=dict(data.get("metadata") or {}),
+    )
