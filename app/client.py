@@ -46,6 +46,10 @@ class ProxyJobError(RuntimeError):
         self.message = message
 
 
+class RankOwnedElsewhere(ProxyJobError):
+    """Another live proxy owns this rank (409 `rank_owned_error`); retried for `owned_wait_s`."""
+
+
 class _RetriedConflict(ProxyJobError):
     """A 409 to a request sent again after its first attempt's answer was lost."""
 
@@ -76,10 +80,12 @@ class ProxyJob:
         *,
         retries: int = 5,
         client: HTTPClient | None = None,
+        owned_wait_s: float = 180.0,
     ) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.rank = rank
         self.retries = retries
+        self.owned_wait_s = owned_wait_s
         self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
         self._owns_client = client is None
         self._client = client or HTTPClient(read_timeout=600.0)
@@ -125,6 +131,22 @@ class ProxyJob:
             await self._client.close()
 
     async def _call(self, method: str, path: str, body: bytes = b"", extra: Sequence[tuple[bytes, bytes]] = ()) -> Any:
+        """One checkpoint call, retried while the proxy restarts, and while another proxy still owns the rank
+        (it gives the rank up when it dies or leaves it idle): for up to `owned_wait_s`."""
+        deadline = time.monotonic() + self.owned_wait_s
+        delay = 0.5
+        while True:
+            try:
+                return await self._call_once(method, path, body, extra)
+            except RankOwnedElsewhere as exc:
+                if time.monotonic() + delay > deadline:
+                    raise
+                if delay == 0.5:
+                    logger.warning("%s; waiting up to %g s for it to be released", exc.message, self.owned_wait_s)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    async def _call_once(self, method: str, path: str, body: bytes, extra: Sequence[tuple[bytes, bytes]]) -> Any:
         headers = [(b"x-rank", str(self.rank).encode()), (b"content-type", b"application/json"), *self._auth, *extra]
         for attempt in range(self.retries + 1):
             try:
@@ -139,9 +161,12 @@ class ProxyJob:
                 continue
             if answer.status != 200:
                 try:
-                    message = orjson.loads(data)["error"]["message"]
+                    error = orjson.loads(data)["error"]
+                    message, kind = str(error["message"]), error.get("type")
                 except (ValueError, KeyError, TypeError):
-                    message = data.decode("utf-8", "replace")
+                    message, kind = data.decode("utf-8", "replace"), None
+                if answer.status == 409 and kind == "rank_owned_error":
+                    raise RankOwnedElsewhere(answer.status, message)
                 if answer.status == 409 and attempt > 0:
                     raise _RetriedConflict(answer.status, message)
                 raise ProxyJobError(answer.status, message)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from app.client import ProxyJob, RankOwnedElsewhere
 from app.errors import RankOwned
 from app.layout import CheckpointsLayout
 from app.ownership import RankOwnership
@@ -113,3 +114,18 @@ async def test_an_idle_rank_is_released_for_another_proxy_and_a_busy_one_is_not(
             assert (await first.get("/stats")).json()["ranks"] == []
             again = await second.post("/v1/completions", json=completion_request(), headers={"X-Doc-Id": "b"})
             assert again.headers["x-cache"] == "HIT"  # the cache moved with the rank
+
+
+async def test_the_job_client_waits_for_a_rank_owned_elsewhere_until_it_is_released(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, _):
+        settings = config(tmp_path, url, rank_idle_s=0.3)
+        async with proxy_client(settings) as first, proxy_client(settings) as second:
+            assert (await post(first, doc("a"), rank=5)).status_code == 200
+            impatient = ProxyJob(str(second.base_url), rank=5, owned_wait_s=0)
+            with pytest.raises(RankOwnedElsewhere, match="rank 5 is owned by another inferproxy"):
+                await impatient.resume()
+            await impatient.close()
+            patient = ProxyJob(str(second.base_url), rank=5, owned_wait_s=30)
+            state = await patient.resume()  # waits for the first proxy to leave the idle rank
+            await patient.close()
+            assert state.processed_ids == frozenset({"a"})

@@ -21,7 +21,7 @@ from app.httpclient import HTTPClient
 from app.integrations.datatrove.checkpoints import UNREACHABLE, DocumentRefused, ProxyCheckpointManager
 
 #: Answers worth waiting for: the upstream is busy, restarting or briefly gone.
-RETRY_STATUSES = frozenset({429, 502, 503, 504})
+RETRY_STATUSES = frozenset({429, 502, 503, 504, 409})  # 409 on /v1: the rank is still another proxy's
 #: datatrove's `request_timeout=None` means no timeout; the client needs a number.
 NO_TIMEOUT_S = 7 * 24 * 3600.0
 
