@@ -89,6 +89,9 @@ class ProxyJob:
         self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
         self._owns_client = client is None
         self._client = client or HTTPClient(read_timeout=600.0)
+        # write_document's batches: documents waiting per chunk, and the task sending them
+        self._pending: dict[int, list[tuple[bytes, asyncio.Future[None]]]] = {}
+        self._senders: dict[int, asyncio.Task[None]] = {}
 
     def headers(self, doc_id: str, rollout_idx: int = 0, chunk_index: int | None = None) -> dict[str, str]:
         """The headers for an OpenAI client's `extra_headers`: the answer is cached under this key."""
@@ -111,6 +114,51 @@ class ProxyJob:
     async def write_documents(self, documents: Sequence[DocumentLike | dict[str, Any]], chunk_index: int) -> Any:
         """Send finished documents of one chunk; returns once they are durable. Safe to retry."""
         body = orjson.dumps([_as_dict(d) for d in documents])
+        return await self._post_documents(body, len(documents), chunk_index)
+
+    async def write_document(self, document: DocumentLike | dict[str, Any], chunk_index: int) -> None:
+        """Send one finished document; returns once it is durable.
+
+        Documents of a chunk written while an earlier batch is on its way go
+        together in the next one: one request and one fsync for all of them,
+        as the proxy's own group commit does. A batch the proxy refuses (a
+        bad document in it: it takes all or nothing) is sent again one
+        document at a time, so that each caller learns its own fate.
+        Raises `TypeError` (before anything is sent) for a document JSON
+        cannot hold, `ProxyJobError` for a document the proxy refuses.
+        """
+        encoded = orjson.dumps(_as_dict(document))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._pending.setdefault(chunk_index, []).append((encoded, done))
+        if chunk_index not in self._senders:
+            self._senders[chunk_index] = asyncio.create_task(self._send_batches(chunk_index))
+        await done
+
+    async def _send_batches(self, chunk_index: int) -> None:
+        try:
+            while pending := self._pending.pop(chunk_index, None):
+                for batch in _batches(pending):
+                    await self._send_batch(batch, chunk_index)
+        finally:
+            del self._senders[chunk_index]
+
+    async def _send_batch(self, batch: list[tuple[bytes, asyncio.Future[None]]], chunk_index: int) -> None:
+        try:
+            await self._post_documents(b"[" + b",".join(line for line, _ in batch) + b"]", len(batch), chunk_index)
+        except ProxyJobError as exc:
+            if len(batch) == 1:
+                _settle(batch, exc)
+                return
+            for one in batch:  # all or nothing: find out which document it was
+                await self._send_batch([one], chunk_index)
+        except BaseException as exc:  # unreachable, cancelled: every document of the batch shares the fate
+            _settle(batch, exc)
+            if not isinstance(exc, Exception):
+                raise
+        else:
+            _settle(batch, None)
+
+    async def _post_documents(self, body: bytes, count: int, chunk_index: int) -> Any:
         extra = [(b"x-chunk-index", str(chunk_index).encode())]
         try:
             return await self._call("POST", "/documents", body, extra)
@@ -119,7 +167,7 @@ class ProxyJob:
             # found the chunk complete: if it has been published, that attempt completed it.
             state = await self.resume()
             if chunk_index <= state.last_chunk_index:
-                return {"rank": self.rank, "chunk_index": chunk_index, "written": 0, "duplicates": len(documents)}
+                return {"rank": self.rank, "chunk_index": chunk_index, "written": 0, "duplicates": count}
             raise
 
     async def complete_chunk(self, chunk_index: int) -> Any:
@@ -127,6 +175,8 @@ class ProxyJob:
         return await self._call("POST", f"/chunks/{chunk_index}/complete")
 
     async def close(self) -> None:
+        for sender in list(self._senders.values()):
+            sender.cancel()
         if self._owns_client:
             await self._client.close()
 
@@ -233,7 +283,7 @@ async def run_job(
                 document.metadata["rollout_results"] = kept
                 if not kept:
                     document.metadata["__no_rollouts_remove"] = True
-                await job.write_documents([document], chunk_index)
+                await job.write_document(document, chunk_index)
             finally:
                 slots.release()
             report.written += 1
@@ -278,6 +328,40 @@ async def run_job(
         await job.close()
     report.seconds = time.monotonic() - start
     return report
+
+
+#: A batch of documents stays well under the proxy's default max_body_bytes (32 MiB).
+BATCH_BYTES = 4 << 20
+BATCH_DOCUMENTS = 512
+
+
+def _batches(
+    pending: list[tuple[bytes, asyncio.Future[None]]],
+) -> Iterable[list[tuple[bytes, asyncio.Future[None]]]]:
+    batch: list[tuple[bytes, asyncio.Future[None]]] = []
+    size = 0
+    for entry in pending:
+        if entry[1].done():  # its writer was cancelled: nobody waits for it
+            continue
+        if batch and (size + len(entry[0]) > BATCH_BYTES or len(batch) == BATCH_DOCUMENTS):
+            yield batch
+            batch, size = [], 0
+        batch.append(entry)
+        size += len(entry[0])
+    if batch:
+        yield batch
+
+
+def _settle(batch: list[tuple[bytes, asyncio.Future[None]]], error: BaseException | None) -> None:
+    for _, done in batch:
+        if done.done():
+            continue
+        if error is None:
+            done.set_result(None)
+        elif isinstance(error, asyncio.CancelledError):
+            done.cancel()
+        else:
+            done.set_exception(error)
 
 
 def _as_dict(document: DocumentLike | dict[str, Any]) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -147,3 +148,62 @@ async def test_an_id_skipped_on_resume_is_consumed_once_as_datatrove_does(env: E
     published = sorted(d["id"] for d in env.published())
     assert published == sorted(["a", "b", "c", "e", "x", "f", "g", "h", "x", "i"])  # both documents named x
     assert (await ProxyJob(env.proxy).resume()).last_chunk_index == 2
+
+
+async def test_documents_written_together_go_in_few_requests_and_each_caller_learns_its_own_fate(
+    tmp_path: Path,
+) -> None:
+    seen: list[int] = []  # documents per POST /documents the proxy got
+
+    class Counting:
+        def __init__(self, app: Any) -> None:
+            self.app = app
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http" and scope["path"] == "/documents":
+                body = b""
+                while True:
+                    message = await receive()
+                    body += message.get("body", b"")
+                    if not message.get("more_body"):
+                        break
+                seen.append(len(json.loads(body)))
+                sent = False
+
+                async def replay() -> dict[str, Any]:
+                    nonlocal sent
+                    if sent:
+                        return {"type": "http.disconnect"}
+                    sent = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+
+                await self.app(scope, replay, send)
+                return
+            await self.app(scope, receive, send)
+
+    settings = Settings(
+        upstream=["http://127.0.0.1:9"],
+        checkpoints_dir=tmp_path / "ckpt",
+        output=str(tmp_path / "out"),
+        records_per_chunk=100,
+    )
+    async with serve_in_loop(Counting(create_app(settings))) as proxy:
+        job = ProxyJob(proxy)
+        good = [{"id": f"d{i}", "text": "t"} for i in range(42)]
+        await asyncio.gather(*(job.write_document(d, 0) for d in good[:40]))
+        assert seen == [40]  # written together: one request, one fsync at the proxy
+        bad = {"id": "", "text": "an empty id is refused"}
+        results = await asyncio.gather(
+            *(job.write_document(d, 0) for d in [good[40], bad, good[41]]), return_exceptions=True
+        )
+        assert results[0] is None
+        assert results[2] is None
+        refused = results[1]
+        assert isinstance(refused, ProxyJobError)
+        assert refused.status == 400
+        assert "id must be a non-empty string" in refused.message
+        state = await job.resume()
+        await job.close()
+    assert state.processed_ids == frozenset(d["id"] for d in good)
+    # the proxy takes a batch whole or not at all: refused, its documents went again one by one
+    assert seen == [40, 3, 1, 1, 1]
