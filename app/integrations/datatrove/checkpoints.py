@@ -142,7 +142,7 @@ class ProxyCheckpointManager:
         """
         doc_id = str(document.id)
         try:
-            await self._job_for(rank).write_documents([as_checkpoint_dict(document)], chunk_index)
+            await self._job_for(rank).write_document(as_checkpoint_dict(document), chunk_index)
         except ProxyJobError as exc:
             self._refuse(doc_id, chunk_index, str(exc))
         except TypeError as exc:  # orjson: a value in the document that JSON cannot hold

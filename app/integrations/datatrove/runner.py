@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -22,6 +24,8 @@ from app.integrations.datatrove.checkpoints import UNREACHABLE, DocumentRefused,
 
 #: Answers worth waiting for: the upstream is busy, restarting or briefly gone.
 RETRY_STATUSES = frozenset({429, 502, 503, 504, 409})  # 409 on /v1: the rank is still another proxy's
+#: Documents taken from the reader per trip to its thread.
+READ_AHEAD = 64
 #: datatrove's `request_timeout=None` means no timeout; the client needs a number.
 NO_TIMEOUT_S = 7 * 24 * 3600.0
 
@@ -151,6 +155,24 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
 
     def _init_server(self, rank: int) -> ProxyEndpoint:
         return ProxyEndpoint(self, rank)
+
+    async def _async_data_gen(self, sync_gen: Iterable[Any]) -> AsyncIterator[Any]:
+        """The reader's documents, as datatrove's runner takes them, read `READ_AHEAD` at a time.
+
+        datatrove hands every document over from a reading thread on its own (a
+        thread round trip per document); with cached answers replayed, that hop
+        costs as much as the document's requests. The reading still happens off
+        the event loop, in the same order.
+        """
+        iterator = iter(sync_gen)
+        loop = asyncio.get_running_loop()
+        reader = ThreadPoolExecutor(max_workers=1)
+        try:
+            while documents := await loop.run_in_executor(reader, list, itertools.islice(iterator, READ_AHEAD)):
+                for document in documents:
+                    yield document
+        finally:
+            reader.shutdown(wait=False, cancel_futures=True)  # as datatrove's: never block the loop here
 
     async def _cached_request(
         self,
