@@ -123,7 +123,9 @@ class ProxyJob:
         together in the next one: one request and one fsync for all of them,
         as the proxy's own group commit does. A batch the proxy refuses (a
         bad document in it: it takes all or nothing) is sent again one
-        document at a time, so that each caller learns its own fate.
+        document at a time, so that each caller learns its own fate; a
+        refusal no document can cause (the rank owned by another proxy,
+        401, 5xx, 507) is every caller's at once.
         Raises `TypeError` (before anything is sent) for a document JSON
         cannot hold, `ProxyJobError` for a document the proxy refuses.
         """
@@ -146,7 +148,7 @@ class ProxyJob:
         try:
             await self._post_documents(b"[" + b",".join(line for line, _ in batch) + b"]", len(batch), chunk_index)
         except ProxyJobError as exc:
-            if len(batch) == 1:
+            if len(batch) == 1 or not _maybe_one_documents_fault(exc):
                 _settle(batch, exc)
                 return
             for one in batch:  # all or nothing: find out which document it was
@@ -350,6 +352,15 @@ def _batches(
         size += len(entry[0])
     if batch:
         yield batch
+
+
+#: Refusals that may be one document's fault (malformed, for a complete chunk, too large): the others
+#: (another proxy's rank, a wrong API key, disk full, a failure at the proxy) would only repeat per document.
+_DOCUMENT_REFUSALS = frozenset({400, 409, 413})
+
+
+def _maybe_one_documents_fault(error: ProxyJobError) -> bool:
+    return error.status in _DOCUMENT_REFUSALS and not isinstance(error, RankOwnedElsewhere)
 
 
 def _settle(batch: list[tuple[bytes, asyncio.Future[None]]], error: BaseException | None) -> None:

@@ -7,6 +7,7 @@ import errno
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -129,3 +130,29 @@ async def test_the_job_client_waits_for_a_rank_owned_elsewhere_until_it_is_relea
             state = await patient.resume()  # waits for the first proxy to leave the idle rank
             await patient.close()
             assert state.processed_ids == frozenset({"a"})
+
+
+async def test_a_batch_refused_because_the_rank_is_owned_elsewhere_is_not_sent_again_document_by_document(
+    tmp_path: Path,
+) -> None:
+    # Each attempt waits up to owned_wait_s (180 s by default): a batch of n documents sent again one by
+    # one would wait n + 1 times as long before its writers learn that the rank is another proxy's.
+    async with fake_upstream() as (url, _):
+        settings = config(tmp_path, url, records_per_chunk=100)
+        async with proxy_client(settings) as first, proxy_client(settings) as second:
+            assert (await post(first, doc("a"), rank=5)).status_code == 200
+            job = ProxyJob(str(second.base_url), rank=5, owned_wait_s=0)
+            sent: list[str] = []
+            real_request = job._client.request
+
+            async def counting(method: str, url: str, **kwargs: Any) -> Any:
+                sent.append(url.rsplit("/", 1)[-1])
+                return await real_request(method, url, **kwargs)
+
+            job._client.request = counting  # type: ignore[method-assign]
+            results = await asyncio.gather(
+                *(job.write_document(doc(f"d{i}"), 0) for i in range(6)), return_exceptions=True
+            )
+            await job.close()
+    assert all(isinstance(result, RankOwnedElsewhere) for result in results)
+    assert sent == ["documents"]  # one batch, one refusal shared by its six writers
