@@ -125,7 +125,7 @@ async def release_idle_ranks(services: Services) -> None:
         await asyncio.sleep(min(max(idle_s / 4, 0.05), 15.0))
         try:
             released = await services.checkpoints.release_idle(services.activity, idle_s)
-        except Exception:  # the next round tries again; a rank that fails to close stays owned
+        except Exception:  # a rank whose close failed is released all the same, with nothing of it left open
             logger.exception("releasing idle ranks failed")
             continue
         if released:

@@ -230,10 +230,12 @@ class CheckpointRegistry:
                 manager = self._managers.pop(rank, None)
                 cache = self.caches.take(rank)
                 try:
-                    if manager is not None:
-                        await manager.close()
-                    if cache is not None:
-                        await cache.close()
+                    try:
+                        if manager is not None:
+                            await manager.close()
+                    finally:  # the lock goes: nothing of the rank may stay open, whatever failed
+                        if cache is not None:
+                            await cache.close()
                 finally:
                     self.ownership.release(rank)
             activity.last_used.pop(rank, None)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import socket
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from app.checkpointing import CheckpointManager
 from app.client import ProxyJob, RankOwnedElsewhere
 from app.errors import RankOwned
 from app.layout import CheckpointsLayout
@@ -156,3 +158,48 @@ async def test_a_batch_refused_because_the_rank_is_owned_elsewhere_is_not_sent_a
             await job.close()
     assert all(isinstance(result, RankOwnedElsewhere) for result in results)
     assert sent == ["documents"]  # one batch, one refusal shared by its six writers
+
+
+async def test_a_rank_whose_checkpoints_fail_to_close_when_idle_leaves_nothing_of_it_open_once_released(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_close = CheckpointManager.close
+
+    async def eio(self: CheckpointManager) -> None:
+        await real_close(self)  # its chunk files are closed, but their last fsync failed
+        raise OSError(errno.EIO, "Input/output error")
+
+    async with fake_upstream() as (url, _):
+        settings = config(tmp_path, url, rank_idle_s=0.05)
+        async with proxy_client(settings) as first:
+            monkeypatch.setattr(CheckpointManager, "close", eio)
+            assert (await post(first, doc("a"), rank=4)).status_code == 200
+            answer = await first.post("/v1/completions", json=completion_request(), headers=rank_4("b"))
+            assert answer.headers["x-cache"] == "MISS"
+            for _ in range(200):  # released once idle, close failure or not
+                if (await first.get("/stats")).json()["ranks"] == []:
+                    break
+                await asyncio.sleep(0.02)
+            rank_dir = str(tmp_path / "ckpt" / "00004")
+            assert not [fd for fd in open_files() if fd.startswith(rank_dir)]  # its request cache was closed too
+            monkeypatch.undo()
+            # another proxy takes it over and finds what was stored before the release
+            async with proxy_client(settings) as second:
+                for _ in range(200):
+                    if (await second.get("/resume", headers={"X-Rank": "4"})).status_code == 200:
+                        break
+                    await asyncio.sleep(0.02)
+                again = await second.post("/v1/completions", json=completion_request(), headers=rank_4("b"))
+                assert again.headers["x-cache"] == "HIT"
+
+
+def rank_4(doc_id: str) -> dict[str, str]:
+    return {"X-Rank": "4", "X-Doc-Id": doc_id}
+
+
+def open_files() -> list[str]:
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            found.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return found
