@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 
 from app.documents import Document, DocumentLike
-from app.httpclient import ConnectError, ConnectionLost, HTTPClient
+from app.httpclient import ConnectError, ConnectionLost, HTTPClient, HTTPClientError
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +92,10 @@ class ProxyJob:
         # write_document's batches: documents waiting per chunk, and the task sending them
         self._pending: dict[int, list[tuple[bytes, asyncio.Future[None]]]] = {}
         self._senders: dict[int, asyncio.Task[None]] = {}
+        # lookup's batches: keys waiting, the task sending them, and whether the proxy has the route
+        self._lookups: list[tuple[dict[str, Any], asyncio.Future[dict[str, Any] | None]]] = []
+        self._lookup_sender: asyncio.Task[None] | None = None
+        self._lookup_route = True
 
     def headers(self, doc_id: str, rollout_idx: int = 0, chunk_index: int | None = None) -> dict[str, str]:
         """The headers for an OpenAI client's `extra_headers`: the answer is cached under this key."""
@@ -172,12 +176,53 @@ class ProxyJob:
                 return {"rank": self.rank, "chunk_index": chunk_index, "written": 0, "duplicates": count}
             raise
 
+    async def lookup(self, doc_id: str, rollout_idx: int, body: dict[str, Any]) -> dict[str, Any] | None:
+        """The answer the proxy has cached for this request, or None (send the request itself).
+
+        `{"status", "content_type", "body"}` (`"text"` instead of `"body"` for
+        an answer that is not JSON), as `POST /lookup` gives it. Lookups made
+        while one is on its way go together in the next request: a restarted
+        job replaying its generations pays one round trip for many. Any
+        trouble (an older proxy without the route, an error) answers None:
+        the request itself then says what is wrong.
+        """
+        if not self._lookup_route:
+            return None
+        found: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
+        self._lookups.append(({"doc_id": doc_id, "rollout_idx": rollout_idx, "body": body}, found))
+        if self._lookup_sender is None:
+            self._lookup_sender = asyncio.create_task(self._send_lookups())
+        return await found
+
+    async def _send_lookups(self) -> None:
+        try:
+            while self._lookups:
+                batch, self._lookups = self._lookups[:LOOKUP_BATCH], self._lookups[LOOKUP_BATCH:]
+                answers: list[dict[str, Any] | None]
+                try:
+                    answers = await self._call_once("POST", "/lookup", orjson.dumps([key for key, _ in batch]), ())
+                except (ProxyJobError, HTTPClientError, ValueError) as exc:
+                    if isinstance(exc, ProxyJobError) and exc.status in (404, 405):
+                        self._lookup_route = False  # an inferproxy from before the route
+                    answers = [None] * len(batch)
+                except BaseException:
+                    for _, found in batch:
+                        found.cancel()
+                    raise
+                if len(answers) != len(batch):
+                    answers = [None] * len(batch)
+                for (_, found), answer in zip(batch, answers, strict=True):
+                    if not found.done():
+                        found.set_result(answer)
+        finally:
+            self._lookup_sender = None
+
     async def complete_chunk(self, chunk_index: int) -> Any:
         """Declare the job's last (possibly partial) chunk complete."""
         return await self._call("POST", f"/chunks/{chunk_index}/complete")
 
     async def close(self) -> None:
-        for sender in list(self._senders.values()):
+        for sender in [*self._senders.values(), *([self._lookup_sender] if self._lookup_sender else [])]:
             sender.cancel()
         if self._owns_client:
             await self._client.close()
@@ -332,6 +377,8 @@ async def run_job(
     return report
 
 
+#: Keys per POST /lookup (the proxy takes up to 4096).
+LOOKUP_BATCH = 1024
 #: A batch of documents stays well under the proxy's default max_body_bytes (32 MiB).
 BATCH_BYTES = 4 << 20
 BATCH_DOCUMENTS = 512

@@ -8,6 +8,7 @@ Where a request goes:
 - `/v1/*`: `app.routes.proxy`, on raw ASGI, before any framework code runs:
   the hot path pays for no routing, middleware or telemetry layers;
 - `/documents`, `/chunks/{i}/complete`, `/resume`: `app.routes.checkpoints` (raw ASGI too);
+- `/lookup`: `app.routes.lookup`, many cache lookups in one request (a restarted job's replay);
 - `/healthz`, `/readyz`, `/stats`: `app.routes.ops`, through FastAPI;
 - everything passes `--api-key` authentication first, except `/healthz`.
 
@@ -42,6 +43,7 @@ from app.ownership import RankOwnership
 from app.resume import check_records_per_chunk
 from app.routes import ops
 from app.routes.checkpoints import CHECKPOINT_PATHS, handle_checkpoints
+from app.routes.lookup import handle_lookup
 from app.routes.proxy import CACHEABLE_PATHS, answer_hit, handle_v1
 from app.server import FastAnswer, HTTPServer
 from app.services import CacheRegistry, CheckpointRegistry, Services
@@ -189,8 +191,10 @@ class InferProxy:
                 reason = "missing" if not given else "wrong"
                 await send_error(send, Unauthorized(f"the Authorization header is {reason}: send Bearer <api key>"))
                 return
-        if path.startswith("/v1/") or path in CHECKPOINT_PATHS or path.startswith("/chunks/"):
-            handler = handle_v1 if path.startswith("/v1/") else handle_checkpoints
+        if path.startswith("/v1/") or path in CHECKPOINT_PATHS or path.startswith("/chunks/") or path == "/lookup":
+            handler = (
+                handle_v1 if path.startswith("/v1/") else handle_lookup if path == "/lookup" else handle_checkpoints
+            )
             started = False
 
             async def tracking_send(message: Message) -> None:

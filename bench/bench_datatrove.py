@@ -70,7 +70,6 @@ def run_pass(variant: str, endpoint: str, work: Path, tasks: int, prime: bool) -
         endpoint_url=endpoint,
         model_name_or_path="fake-model",
         rollouts_per_document=ROLLOUTS,
-        max_concurrent_generations=128,
         metric_interval=3600,
     )
     writer = JsonlWriter(str(work / "output"), output_filename="${rank}_chunk_${chunk_index}.jsonl", compression=None)

@@ -180,6 +180,8 @@ async def test_502_503_504_429_and_a_dropped_connection_are_retried_honouring_re
             return http_answer(200, {"rank": 0, "last_chunk_index": 0, "pending": []})
         if path == "/documents":
             return http_answer(200, {"written": 1})
+        if path == "/lookup":
+            return http_answer(404, {"error": {"message": "an inferproxy from before POST /lookup"}})
         generations.append(path)
         if script:
             return script.pop(0)

@@ -19,6 +19,7 @@ from datatrove.pipeline.inference.types import InferenceError, ServerError
 from datatrove.utils.logging import logger
 
 from app.checkpointing import CheckpointManager, RequestCache
+from app.client import ProxyJob
 from app.httpclient import HTTPClient
 from app.integrations.datatrove.checkpoints import UNREACHABLE, DocumentRefused, ProxyCheckpointManager
 
@@ -43,12 +44,13 @@ def retry_after_s(value: bytes | None) -> float | None:
 class _DocumentRequests:
     """What datatrove's `_send_request` calls `make_request` on: the proxy, for one rollout of one document."""
 
-    def __init__(self, runner: ProxyInferenceRunner, headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(self, runner: ProxyInferenceRunner, key: tuple[str, int], headers: list[tuple[bytes, bytes]]) -> None:
         self.runner = runner
+        self.key = key
         self.headers = headers
 
     async def make_request(self, payload: dict[str, Any]) -> dict[str, Any]:
-        return await self.runner._generate(payload, self.headers)
+        return await self.runner._generate(payload, self.key, self.headers)
 
 
 class ProxyEndpoint:
@@ -70,6 +72,7 @@ class ProxyEndpoint:
     def for_rollout(self, doc_id: str, rollout_idx: int, chunk_index: int) -> _DocumentRequests:
         return _DocumentRequests(
             self.runner,
+            (doc_id, rollout_idx),
             [
                 *self._common,
                 (b"x-doc-id", doc_id.encode()),
@@ -137,6 +140,7 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
         self.retries = retries
         self.retry_backoff_s = retry_backoff_s
         self._client: HTTPClient | None = None
+        self._lookups: ProxyJob | None = None
         path = "/v1/chat/completions" if config.use_chat else "/v1/completions"
         self._generate_url = self.proxy_url + path
 
@@ -144,13 +148,15 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
         # One client (one pool of kept-alive connections) per run: each task runs in its own event loop.
         client = HTTPClient(read_timeout=self.config.request_timeout or NO_TIMEOUT_S)
         self._client = client
+        self._lookups = ProxyJob(self.proxy_url, rank, self.config.api_key, client=client)
         self.checkpoint_manager.use_client(client)
         try:
             await super().run_async(data_gen, rank)
             await self.checkpoint_manager.finish(rank)
         finally:
             self.checkpoint_manager.use_client(None)
-            self._client = None
+            await self._lookups.close()
+            self._client = self._lookups = None
             await client.close()
 
     def _init_server(self, rank: int) -> ProxyEndpoint:
@@ -202,11 +208,25 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
             logger.error(f"rank {rank}: the proxy refused {exc}; it is NOT in the output and the task will fail")
             self.stat_update("failed_documents", value=1, unit="document")
 
-    async def _generate(self, payload: dict[str, Any], headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
-        """POST one generation to the proxy, retrying what a busy or restarting server answers."""
-        client = self._client
-        if client is None:
+    async def _generate(
+        self, payload: dict[str, Any], key: tuple[str, int], headers: list[tuple[bytes, bytes]]
+    ) -> dict[str, Any]:
+        """One generation: the proxy's cached answer if it has one (looked up together with the other
+        requests of the moment), else POSTed to the proxy, retrying what a busy or restarting server answers."""
+        client, lookups = self._client, self._lookups
+        if client is None or lookups is None:
             raise RuntimeError("ProxyInferenceRunner sends requests only inside run_async()")
+        cached = await lookups.lookup(key[0], key[1], payload)
+        if cached is not None:
+            status = cached["status"]
+            if status == 200 and isinstance(cached.get("body"), dict):
+                self.stat_update("proxy_cache_hits", value=1, unit="request")
+                result: dict[str, Any] = cached["body"]
+                return result
+            if status == 400:
+                text = orjson.dumps(cached["body"]).decode() if "body" in cached else str(cached.get("text"))
+                raise InferenceError(None, f"Got BadRequestError from server: {text}", payload=payload)
+            # anything else cached (a stream, another status): asked for again, the proxy replays it
         body = orjson.dumps(payload)
         problem = ""
         for attempt in range(self.retries + 1):
@@ -224,7 +244,7 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
                 if answer.status == 200:
                     if answer.header(b"x-cache") in (b"HIT", b"COALESCED"):
                         self.stat_update("proxy_cache_hits", value=1, unit="request")
-                    result: dict[str, Any] = orjson.loads(data)
+                    result = orjson.loads(data)
                     return result
                 if answer.status == 400:
                     raise InferenceError(None, f"Got BadRequestError from server: {text}", payload=payload)

@@ -1,0 +1,93 @@
+"""`POST /lookup`: many cache lookups in one request, for the replay storm of a restarted job.
+
+A restarted job asks again for every generation it had before; each is a
+cache hit, and each costs a loopback round trip, whose system calls (a
+`send` that wakes the other process, on both sides) cost more than the
+lookup itself. A job client that knows the cache keys of the requests it is
+about to send asks for all of them at once:
+
+    POST /lookup          X-Rank: 3
+    [{"doc_id": "d1", "rollout_idx": 0, "body": {...the request body...}}, ...]
+
+    200 [{"status": 200, "content_type": "application/json", "body": {...}} | null, ...]
+
+Each answer is what `POST /v1/chat/completions` (or `/v1/completions`) with
+that body and `X-Doc-Id`/`X-Rollout-Idx`/`X-Rank` would replay as a HIT, or
+null where it would not (a miss: send the request itself). JSON answers
+come back as JSON values, others (a stored stream) as a string under
+`"text"`. Nothing is forwarded or stored, no flight is joined.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from app.asgi import JSON_HEADERS, Receive, Scope, Send, header, read_body, send_bytes, send_error
+from app.cache import StoredResponse
+from app.errors import BadRequest, ProxyError
+from app.hashing import payload_hash
+from app.headers import parse_rank
+from app.services import Services
+
+MAX_KEYS = 4096
+
+
+async def handle_lookup(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+    try:
+        if scope["method"] != "POST":
+            raise BadRequest(f"{scope['method']} /lookup: only POST is served here")
+        raw_rank = header(scope, b"x-rank")
+        rank = 0 if raw_rank is None else parse_rank(raw_rank)
+        keys = parse_keys(await read_body(scope, receive, services.settings.max_body_bytes))
+        with services.activity.using(rank):
+            cache = services.caches.opened_cache(rank) or await services.caches.get(rank)
+            answers = [cache.get_response(doc_id, rollout_idx, digest) for doc_id, rollout_idx, digest in keys]
+    except ProxyError as error:
+        await send_error(send, error)
+        return
+    hits = sum(answer is not None for answer in answers)
+    services.stats["hit"] += hits
+    services.stats["lookup_miss"] += len(answers) - hits
+    await send_bytes(send, 200, JSON_HEADERS, orjson.dumps([rendered(answer) for answer in answers]))
+
+
+def parse_keys(body: bytes) -> list[tuple[str, int, str]]:
+    """`(doc_id, rollout_idx, payload_hash)` of each item, validated as the request headers would be."""
+    try:
+        items = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the body must be a JSON array of lookups: {exc}") from None
+    if not isinstance(items, list):
+        raise BadRequest(
+            f'the body must be a JSON array of {{"doc_id", "rollout_idx", "body"}}, got {type(items).__name__}'
+        )
+    if len(items) > MAX_KEYS:
+        raise BadRequest(f"at most {MAX_KEYS} lookups per request, got {len(items)}: split them")
+    keys = []
+    for position, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise BadRequest(f"lookup {position} must be a JSON object, got {type(item).__name__}")
+        doc_id, rollout_idx, request = item.get("doc_id"), item.get("rollout_idx", 0), item.get("body")
+        if not isinstance(doc_id, str) or not 0 < len(doc_id.encode()) <= 1024:
+            raise BadRequest(f"lookup {position}: doc_id must be a string of 1-1024 bytes, got {doc_id!r}")
+        if not isinstance(rollout_idx, int) or isinstance(rollout_idx, bool) or not 0 <= rollout_idx < 2**63:
+            raise BadRequest(f"lookup {position}: rollout_idx must be an integer >= 0, got {rollout_idx!r}")
+        if not isinstance(request, dict):
+            raise BadRequest(f"lookup {position}: body must be the request's JSON object")
+        keys.append((doc_id, rollout_idx, payload_hash(request)))
+    return keys
+
+
+def rendered(answer: StoredResponse | None) -> dict[str, Any] | None:
+    if answer is None:
+        return None
+    if answer.content_type.startswith("application/json") and not answer.streamed:
+        try:
+            # Parsed (not passed as a raw fragment): one stored body that is not JSON must not spoil the rest.
+            return {"status": answer.status, "content_type": answer.content_type, "body": orjson.loads(answer.body)}
+        except orjson.JSONDecodeError:
+            pass
+    text = answer.body.decode("utf-8", "replace")
+    return {"status": answer.status, "content_type": answer.content_type, "text": text}

@@ -1,0 +1,96 @@
+"""`POST /lookup` (many cache lookups in one request) and `ProxyJob.lookup`, which batches them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from app.client import ProxyJob
+from tests.factories import chat_request, completion_request, doc_headers
+from tests.servers import fake_upstream, proxy_client
+from tests.test_checkpoint_service import config
+
+
+@pytest.fixture
+async def client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    async with fake_upstream() as (url, _), proxy_client(config(tmp_path, url)) as c:
+        yield c
+
+
+def key(doc_id: str, body: dict[str, Any], rollout_idx: int = 0) -> dict[str, Any]:
+    return {"doc_id": doc_id, "rollout_idx": rollout_idx, "body": body}
+
+
+async def test_lookup_answers_what_each_request_would_replay_as_a_hit(client: httpx.AsyncClient) -> None:
+    chat, completion = chat_request(), completion_request()
+    first = await client.post("/v1/chat/completions", json=chat, headers=doc_headers("a"))
+    second = await client.post("/v1/completions", json=completion, headers=doc_headers("b", 1, **{"X-Rank": "2"}))
+    too_long = chat_request(max_tokens=10**9)  # the fake upstream's 400: stored and replayed
+    refused = await client.post("/v1/chat/completions", json=too_long, headers=doc_headers("c"))
+    assert (first.status_code, refused.status_code) == (200, 400)
+
+    answer = await client.post(
+        "/lookup", json=[key("a", chat), key("c", too_long), key("a", chat, 1), key("z", chat), key("a", completion)]
+    )
+    assert answer.status_code == 200
+    hit, error, *misses = answer.json()
+    assert hit == {"status": 200, "content_type": "application/json", "body": first.json()}
+    assert error == {"status": 400, "content_type": "application/json", "body": refused.json()}
+    assert misses == [None, None, None]  # another rollout, another document, another payload
+    # ranks are apart, as for the requests themselves
+    assert (await client.post("/lookup", json=[key("b", completion, 1)])).json() == [None]
+    ranked = await client.post("/lookup", json=[key("b", completion, 1)], headers={"X-Rank": "2"})
+    assert ranked.json()[0]["body"] == second.json()
+    # and the request itself agrees: a HIT with the same body
+    again = await client.post("/v1/chat/completions", json=chat, headers=doc_headers("a"))
+    assert (again.headers["x-cache"], again.json()) == ("HIT", first.json())
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (b"not json", "JSON array of lookups"),
+        (b'{"doc_id": "a"}', "JSON array"),
+        (b"[1]", "lookup 0 must be a JSON object"),
+        (b'[{"doc_id": "", "body": {}}]', "doc_id must be a string of 1-1024 bytes"),
+        (b'[{"doc_id": "a", "rollout_idx": -1, "body": {}}]', "rollout_idx must be an integer >= 0"),
+        (b'[{"doc_id": "a", "rollout_idx": true, "body": {}}]', "rollout_idx must be an integer >= 0"),
+        (b'[{"doc_id": "a"}]', "body must be the request's JSON object"),
+        (json.dumps([{"doc_id": "a", "body": {}}] * 4097).encode(), "at most 4096 lookups"),
+    ],
+)
+async def test_a_malformed_lookup_gets_400_saying_what_is_wrong(
+    client: httpx.AsyncClient, body: bytes, message: str
+) -> None:
+    answer = await client.post("/lookup", content=body)
+    assert answer.status_code == 400
+    assert message in answer.json()["error"]["message"]
+
+
+async def test_lookups_made_together_go_in_one_request(client: httpx.AsyncClient) -> None:
+    bodies = [chat_request(messages=[{"role": "user", "content": f"q{i}"}]) for i in range(30)]
+    for i in range(0, 30, 2):  # every second one is cached
+        await client.post("/v1/chat/completions", json=bodies[i], headers=doc_headers(f"d{i}"))
+    before = (await client.get("/stats")).json()["requests"]
+    job = ProxyJob(str(client.base_url))
+    answers = await asyncio.gather(*(job.lookup(f"d{i}", 0, body) for i, body in enumerate(bodies)))
+    await job.close()
+    assert [answer is not None for answer in answers] == [i % 2 == 0 for i in range(30)]
+    after = (await client.get("/stats")).json()["requests"]
+    assert after["hit"] - before.get("hit", 0) == 15
+    assert after["lookup_miss"] - before.get("lookup_miss", 0) == 15
+
+
+async def test_a_proxy_without_the_route_makes_lookup_answer_none_and_stop_asking(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, _):
+        job = ProxyJob(url)  # the upstream has no /lookup: 404
+        assert await job.lookup("a", 0, chat_request()) is None
+        assert not job._lookup_route
+        assert await job.lookup("a", 0, chat_request()) is None
+        await job.close()
