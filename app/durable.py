@@ -54,6 +54,8 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     make_dirs_durable(directory)
     fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
+        # mkstemp makes 0600; the file is published for other users and jobs, as open() would make it.
+        os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as tmp:
             tmp.write(data)
             tmp.flush()
@@ -64,6 +66,13 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
             os.unlink(tmp_path)
         raise
     fsync_dir(directory)
+
+
+def _umask() -> int:
+    """The process's umask (reading it means setting it: set it straight back)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 class AppendFile:

@@ -133,7 +133,7 @@ def protocols(output: str) -> set[str]:
 def install_hint(output: str) -> str:
     """What to install for an output URL, as one instruction."""
     if protocols(output) & S3_PROTOCOLS:
-        return "the S3 filesystem is not installed: pip install 'inferproxy[s3]'"
+        return "the S3 filesystem is not installed: pip install 'inferproxy[s3]' (from a clone: pip install -e '.[s3]')"
     try:
         from fsspec.registry import known_implementations
     except ImportError:

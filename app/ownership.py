@@ -83,10 +83,16 @@ class RankOwnership:
             )
 
     def release(self, rank: int) -> None:
-        """Idempotent. The file stays: removing it would race with the next owner."""
+        """Idempotent. The file stays (removing it would race with the next owner), emptied: the next
+        owner then knows the rank was given up, not left by a proxy that died."""
         fd = self._fds.pop(rank, None)
         if fd is not None:
-            os.close(fd)
+            try:
+                os.ftruncate(fd, 0)
+            except OSError:
+                pass  # a full or read-only disk: the next owner only logs a takeover
+            finally:
+                os.close(fd)
 
     def release_all(self) -> None:
         for rank in list(self._fds):
@@ -107,5 +113,6 @@ def _owned_message(rank: int, owner: dict[str, object]) -> str:
     where = f", listening on port {owner['port']}" if owner.get("port") else ""
     return (
         f"rank {rank} is owned by another inferproxy (pid {pid} on host {host}{where}): send this rank's "
-        f"requests to that proxy, or stop it; a proxy that dies releases its ranks at once"
+        f"requests to that proxy, or stop it; a proxy releases a rank at once when it dies, and when no request "
+        f"has used the rank for its --rank-idle-s"
     )

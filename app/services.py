@@ -19,7 +19,7 @@ from app.layout import CheckpointsLayout
 from app.output_check import redact_url
 from app.ownership import RankOwnership
 from app.publish import ChunkPublisher
-from app.resume import read_last_chunk
+from app.resume import check_records_per_chunk, read_last_chunk
 from app.settings import Settings
 from app.upstream import UpstreamPool
 
@@ -198,6 +198,9 @@ class CheckpointRegistry:
             redact_url(self.settings.output),
             last,
         )
+        # records_per_chunk first: the last_chunk written next makes these checkpoints, and a
+        # checkpoints dir without the record would later be taken for datatrove's.
+        await asyncio.to_thread(check_records_per_chunk, self.layout, self.settings.records_per_chunk, record=True)
         await asyncio.to_thread(atomic_write_bytes, paths.last_chunk_file, str(last).encode())
 
     async def complete(self, rank: int, chunk_index: int) -> CheckpointManager:

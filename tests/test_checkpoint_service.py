@@ -385,10 +385,28 @@ async def test_a_rank_first_named_by_a_v1_request_still_resumes_from_the_output(
         assert (resume["last_chunk_index"], resume["docs_to_skip"]) == (1, 6)
 
 
+async def test_a_rank_resumed_from_the_output_is_recorded_as_this_proxys_checkpoints(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Recovery wrote last_chunk without checkpoint_meta.json, so the next use of the dir warned that
+    # it held checkpoints "written by datatrove or an older inferproxy".
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "00000_chunk_0.jsonl").write_text(json.dumps({"id": "d0", "text": "t"}) + "\n")
+    async with fake_upstream() as (url, _), proxy_client(config(tmp_path, url)) as client:
+        with caplog.at_level(logging.WARNING):
+            assert (await client.get("/resume")).json()["last_chunk_index"] == 0
+            assert (await post(client, [doc("d3"), doc("d4")], chunk=1)).status_code == 200
+            assert (await client.post("/chunks/1/complete")).json()["last_chunk_index"] == 1
+    assert json.loads((tmp_path / "ckpt" / "checkpoint_meta.json").read_text()) == {"records_per_chunk": 3}
+    assert "resuming after chunk 0" in caplog.text
+    assert "no checkpoint_meta.json" not in caplog.text
+
+
 async def test_recovering_from_the_output_logs_no_credential_of_its_url(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    fsspec = pytest.importorskip("fsspec")
+    import fsspec
+
     output = f"memory://user:s3cret@{tmp_path.name}/prefix"
     fs, root = fsspec.core.url_to_fs(output)
     fs.pipe_file(f"{root}/00000_chunk_0.jsonl", b'{"id": "d0", "text": "t"}\n')

@@ -156,3 +156,16 @@ def test_a_bad_line_followed_by_good_ones_is_corruption_and_changes_nothing(tmp_
     with pytest.raises(CorruptFileError, match=r"chunk.jsonl: line 2 is not valid JSON"):
         read_jsonl_repairing_tail(str(path))
     assert path.read_bytes() == content
+
+
+def test_a_replaced_file_is_readable_as_a_new_file_would_be(tmp_path: Path) -> None:
+    # mkstemp made every published chunk 0600: other users and downstream jobs could not read it.
+    previous = os.umask(0o022)
+    try:
+        atomic_write_bytes(str(tmp_path / "chunk.jsonl"), b"{}\n")
+        os.umask(0o027)
+        atomic_write_bytes(str(tmp_path / "other.jsonl"), b"{}\n")
+    finally:
+        os.umask(previous)
+    assert (tmp_path / "chunk.jsonl").stat().st_mode & 0o777 == 0o644
+    assert (tmp_path / "other.jsonl").stat().st_mode & 0o777 == 0o640

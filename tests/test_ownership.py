@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import logging
 import os
 import socket
 from pathlib import Path
@@ -203,3 +204,20 @@ def open_files() -> list[str]:
         with contextlib.suppress(OSError):
             found.append(os.readlink(f"/proc/self/fd/{fd}"))
     return found
+
+
+def test_a_rank_given_up_is_taken_without_calling_its_owner_gone(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    layout = CheckpointsLayout(str(tmp_path))
+    first, second = RankOwnership(layout), RankOwnership(layout)
+    first.identity = {"host": "node-a", "pid": 1}  # another proxy's, as far as second can tell
+    with caplog.at_level(logging.INFO):
+        first.claim(1)
+        first.release(1)  # given up (idle, or its job finished)
+        second.claim(1)
+        assert "took over" not in caplog.text
+        first.claim(2)
+        os.close(first._fds.pop(2))  # what a kill -9 leaves: the lock gone, the owner's record still there
+        second.claim(2)
+    assert "took over rank 2 from a proxy that is gone (pid 1 on host node-a)" in caplog.text

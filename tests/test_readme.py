@@ -43,4 +43,4 @@ def test_the_datatrove_snippet_is_the_example_that_the_e2e_tests_run() -> None:
     assert textwrap.dedent("    LocalPipelineExecutor(" + body).replace("  # fmt: skip", "") + "\n" == snippet.group(2)
     assert snippet.group(1) + "\n" in example
     for flag in re.findall(r"--[a-z-]+", section.split("```sh", 1)[1].split("```", 1)[0]):
-        assert flag in example or flag in ("--upstream", "--port", "--output-filename"), flag
+        assert flag in example or flag in ("--upstream", "--port", "--output-filename", "--checkpoints-dir"), flag
