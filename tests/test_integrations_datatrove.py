@@ -416,3 +416,33 @@ async def raw_server(reply: Callable[[str], bytes | None]) -> AsyncIterator[str]
     server = await asyncio.start_server(serve, "127.0.0.1", 0)
     async with server:
         yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"), [(b"1.5", 1.5), (b"-3", 0.0), (b"86400", 60.0), (b"inf", 60.0), (b"nan", None), (b"x", None)]
+)
+def test_a_retry_after_is_honoured_up_to_a_minute(value: bytes, seconds: float | None) -> None:
+    # Retry-After: inf (or a day) from a load balancer slept the task for as long.
+    from app.integrations.datatrove.runner import retry_after_s
+
+    assert retry_after_s(value) == seconds
+
+
+async def test_a_rank_owned_elsewhere_fails_the_task_at_once_rather_than_refusing_each_document(
+    tmp_path: Path,
+) -> None:
+    from app.client import RankOwnedElsewhere
+    from app.integrations.datatrove import ProxyCheckpointManager
+
+    manager = ProxyCheckpointManager("http://127.0.0.1:9")
+
+    class Owned:
+        rank = 0
+
+        async def write_document(self, document: Any, chunk_index: int) -> None:
+            raise RankOwnedElsewhere(409, "rank 0 is owned by another inferproxy (pid 7 on host n1)")
+
+    manager._job = Owned()  # type: ignore[assignment]
+    with pytest.raises(ServerError, match="cannot checkpoint rank 0: rank 0 is owned by another inferproxy"):
+        await manager.write_document(Document(text="t", id="a"), 0, 0, None)
+    assert manager.refused == []

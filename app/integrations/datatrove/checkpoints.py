@@ -15,7 +15,7 @@ from datatrove.pipeline.writers.jsonl import JsonlWriter
 # datatrove's own logger: these messages land in the task logs a datatrove user reads.
 from datatrove.utils.logging import logger
 
-from app.client import ProxyJob, ProxyJobError, Resume
+from app.client import ProxyJob, ProxyJobError, RankOwnedElsewhere, Resume
 from app.httpclient import ConnectError, ConnectionLost, HTTPClient, ReadTimeout
 from app.publish import is_remote
 
@@ -143,6 +143,9 @@ class ProxyCheckpointManager:
         doc_id = str(document.id)
         try:
             await self._job_for(rank).write_document(as_checkpoint_dict(document), chunk_index)
+        except RankOwnedElsewhere as exc:
+            # Not this document's fault, and every later one would wait as long again: fail the task now.
+            raise ServerError(f"the proxy at {self.proxy_url} cannot checkpoint rank {rank}: {exc.message}") from exc
         except ProxyJobError as exc:
             self._refuse(doc_id, chunk_index, str(exc))
         except TypeError as exc:  # orjson: a value in the document that JSON cannot hold

@@ -25,6 +25,8 @@ from app.integrations.datatrove.checkpoints import UNREACHABLE, DocumentRefused,
 
 #: Answers worth waiting for: the upstream is busy, restarting or briefly gone.
 RETRY_STATUSES = frozenset({429, 502, 503, 504, 409})  # 409 on /v1: the rank is still another proxy's
+#: The longest a `Retry-After` makes a retry wait (the proxy caps its own the same way).
+MAX_RETRY_AFTER_S = 60.0
 #: Documents taken from the reader per trip to its thread.
 READ_AHEAD = 64
 #: datatrove's `request_timeout=None` means no timeout; the client needs a number.
@@ -32,13 +34,17 @@ NO_TIMEOUT_S = 7 * 24 * 3600.0
 
 
 def retry_after_s(value: bytes | None) -> float | None:
-    """`Retry-After` in seconds (the HTTP-date form is not used by vLLM or the proxy)."""
+    """`Retry-After` in seconds, at most `MAX_RETRY_AFTER_S` (the HTTP-date form is not used by vLLM or
+    the proxy); None for a value that is not a number of seconds."""
     if value is None:
         return None
     try:
-        return max(0.0, float(value))
+        seconds = float(value)
     except ValueError:
         return None
+    if seconds != seconds:  # NaN
+        return None
+    return min(max(0.0, seconds), MAX_RETRY_AFTER_S)
 
 
 class _DocumentRequests:
