@@ -68,6 +68,28 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     fsync_dir(directory)
 
 
+def create_exclusive_bytes(path: str, data: bytes) -> None:
+    """Create `path` whole with `data`, or raise `FileExistsError` and change nothing.
+
+    Written under a temporary name and fsynced, then hard-linked to its name
+    (a link never replaces, unlike a rename), so a reader sees no file or
+    the whole of it, and of two creators exactly one wins.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o666 & ~_umask())
+        with os.fdopen(fd, "wb") as tmp:
+            tmp.write(data)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.link(tmp_path, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_path)
+    fsync_dir(directory)
+
+
 def _umask() -> int:
     """The process's umask (reading it means setting it: set it straight back)."""
     mask = os.umask(0o022)

@@ -21,7 +21,7 @@ from typing import Any
 import orjson
 
 from app.documents import DocumentLike
-from app.durable import CorruptFileError, atomic_write_bytes, make_dirs_durable, read_jsonl_repairing_tail
+from app.durable import CorruptFileError, create_exclusive_bytes, make_dirs_durable, read_jsonl_repairing_tail
 from app.layout import CheckpointsLayout
 
 logger = logging.getLogger(__name__)
@@ -56,7 +56,12 @@ def check_records_per_chunk(layout: CheckpointsLayout, records_per_chunk: int, *
                 records_per_chunk,
             )
         make_dirs_durable(layout.root)
-        atomic_write_bytes(path, orjson.dumps({"records_per_chunk": records_per_chunk}))
+        try:
+            # Created, never replaced: two proxies sharing a fresh dir with different values must not
+            # both believe they recorded theirs. The one that loses checks against the winner's.
+            create_exclusive_bytes(path, orjson.dumps({"records_per_chunk": records_per_chunk}))
+        except FileExistsError:
+            check_records_per_chunk(layout, records_per_chunk, record=False)
         return
     except (ValueError, TypeError, KeyError) as exc:
         raise CorruptFileError(

@@ -13,6 +13,7 @@ from app.durable import (
     CorruptFileError,
     GroupSync,
     atomic_write_bytes,
+    create_exclusive_bytes,
     read_jsonl_repairing_tail,
 )
 
@@ -169,3 +170,11 @@ def test_a_replaced_file_is_readable_as_a_new_file_would_be(tmp_path: Path) -> N
         os.umask(previous)
     assert (tmp_path / "chunk.jsonl").stat().st_mode & 0o777 == 0o644
     assert (tmp_path / "other.jsonl").stat().st_mode & 0o777 == 0o640
+
+
+def test_an_exclusive_create_never_replaces_and_leaves_no_temporary_file(tmp_path: Path) -> None:
+    create_exclusive_bytes(str(tmp_path / "meta.json"), b"first")
+    with pytest.raises(FileExistsError):
+        create_exclusive_bytes(str(tmp_path / "meta.json"), b"second")
+    assert (tmp_path / "meta.json").read_bytes() == b"first"
+    assert os.listdir(tmp_path) == ["meta.json"]

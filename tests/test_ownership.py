@@ -221,3 +221,30 @@ def test_a_rank_given_up_is_taken_without_calling_its_owner_gone(
         os.close(first._fds.pop(2))  # what a kill -9 leaves: the lock gone, the owner's record still there
         second.claim(2)
     assert "took over rank 2 from a proxy that is gone (pid 1 on host node-a)" in caplog.text
+
+
+def test_two_proxies_recording_different_records_per_chunk_on_a_fresh_dir_cannot_both_win(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Both found no record on the fresh dir and wrote theirs: the record was replaced, the last
+    # writer won, and ranks opened in between used the other value.
+    import builtins
+
+    from app.resume import RecordsPerChunkMismatch, check_records_per_chunk
+
+    layout = CheckpointsLayout(str(tmp_path))
+    real_open = builtins.open
+    looked: list[str] = []
+
+    def open_before_the_other_wrote(path: Any, *args: Any, **kwargs: Any) -> Any:
+        if str(path) == layout.meta_file and not looked:
+            looked.append(str(path))
+            check_records_per_chunk(layout, 100, record=True)  # the other proxy, in the window
+            raise FileNotFoundError(path)  # what this one saw just before
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", open_before_the_other_wrote)
+    with pytest.raises(RecordsPerChunkMismatch, match="written with records_per_chunk=100, this run uses"):
+        check_records_per_chunk(layout, 200, record=True)
+    monkeypatch.undo()
+    assert (tmp_path / "checkpoint_meta.json").read_bytes() == b'{"records_per_chunk":100}'
