@@ -11,9 +11,10 @@ from typing import Any
 import httpx
 import pytest
 
+from app.asgi import lifespan_noop, send_bytes
 from app.client import ProxyJob
 from tests.factories import chat_request, completion_request, doc_headers
-from tests.servers import fake_upstream, proxy_client
+from tests.servers import fake_upstream, proxy_client, serve_in_loop
 from tests.test_checkpoint_service import config
 
 
@@ -94,3 +95,61 @@ async def test_a_proxy_without_the_route_makes_lookup_answer_none_and_stop_askin
         assert not job._lookup_route
         assert await job.lookup("a", 0, chat_request()) is None
         await job.close()
+
+
+async def test_a_payload_json_cannot_hold_answers_none_for_itself_and_spoils_no_other_lookup(
+    client: httpx.AsyncClient,
+) -> None:
+    cached = [chat_request(messages=[{"role": "user", "content": f"q{i}"}]) for i in range(3)]
+    for i, body in enumerate(cached):
+        await client.post("/v1/chat/completions", json=body, headers=doc_headers(f"d{i}"))
+    job = ProxyJob(str(client.base_url))
+    unserializable = chat_request(seed={1, 2})  # a set: orjson cannot send it, nor can the request itself
+    answers = await asyncio.wait_for(
+        asyncio.gather(
+            *(job.lookup(f"d{i}", 0, body) for i, body in enumerate([*cached[:2], unserializable, cached[2]]))
+        ),
+        timeout=10,
+    )
+    await job.close()
+    assert [answer is not None for answer in answers] == [True, True, False, False]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [b"null", b"42", b'{"a": 1}', b"[1]", b'[{"body": {}}]', b'[{"status": 200}]', b"[[]]", b"not json"],
+)
+async def test_a_lookup_answer_of_the_wrong_shape_answers_none(answer: bytes) -> None:
+    async def shaped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan_noop(receive, send)
+            return
+        await send_bytes(send, 200, [(b"content-type", b"application/json")], answer)
+
+    async with serve_in_loop(shaped) as url:
+        job = ProxyJob(url)
+        assert await asyncio.wait_for(job.lookup("a", 0, chat_request()), timeout=10) is None
+        await job.close()
+
+
+async def test_closing_the_job_cancels_every_lookup_still_waiting() -> None:
+    release = asyncio.Event()
+
+    async def slow(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan_noop(receive, send)
+            return
+        await release.wait()
+        await send_bytes(send, 200, [(b"content-type", b"application/json")], b"[]")
+
+    async with serve_in_loop(slow) as url:
+        job = ProxyJob(url)
+        first = asyncio.ensure_future(job.lookup("a", 0, chat_request()))
+        await asyncio.sleep(0.05)  # the first batch is on its way: the next one waits
+        second = asyncio.ensure_future(job.lookup("b", 0, chat_request()))
+        await asyncio.sleep(0)
+        await job.close()
+        release.set()
+        for waiter in (first, second):
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(waiter, timeout=10)
