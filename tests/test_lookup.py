@@ -64,6 +64,10 @@ async def test_lookup_answers_what_each_request_would_replay_as_a_hit(client: ht
         (b'[{"doc_id": "a", "rollout_idx": true, "body": {}}]', "rollout_idx must be an integer >= 0"),
         (b'[{"doc_id": "a"}]', "body must be the request's JSON object"),
         (json.dumps([{"doc_id": "a", "body": {}}] * 4097).encode(), "at most 4096 lookups"),
+        (
+            b'[{"doc_id": "a", "body": {}}, {"doc_id": "a", "body": {"p": ' + b"[" * 300 + b"]" * 300 + b"}}]",
+            "lookup 1: the request body is nested too deep",
+        ),
     ],
 )
 async def test_a_malformed_lookup_gets_400_saying_what_is_wrong(

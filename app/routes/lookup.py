@@ -27,8 +27,8 @@ import orjson
 from app.asgi import JSON_HEADERS, Receive, Scope, Send, header, read_body, send_bytes, send_error
 from app.cache import StoredResponse
 from app.errors import BadRequest, ProxyError
-from app.hashing import payload_hash
 from app.headers import parse_rank
+from app.routes.proxy import request_digest
 from app.services import Services
 
 MAX_KEYS = 4096
@@ -76,7 +76,10 @@ def parse_keys(body: bytes) -> list[tuple[str, int, str]]:
             raise BadRequest(f"lookup {position}: rollout_idx must be an integer >= 0, got {rollout_idx!r}")
         if not isinstance(request, dict):
             raise BadRequest(f"lookup {position}: body must be the request's JSON object")
-        keys.append((doc_id, rollout_idx, payload_hash(request)))
+        try:
+            keys.append((doc_id, rollout_idx, request_digest(request)))
+        except BadRequest as exc:
+            raise BadRequest(f"lookup {position}: {exc.message}") from None
     return keys
 
 
