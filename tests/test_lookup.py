@@ -9,11 +9,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from app.asgi import lifespan_noop, send_bytes
+from app.cache import StoredResponse
 from app.client import ProxyJob
-from tests.factories import chat_request, completion_request, doc_headers
+from app.hashing import payload_hash
+from app.routes import lookup as lookup_route
+from tests.factories import chat_request, completion_request, doc_headers, open_cache
 from tests.servers import fake_upstream, proxy_client, serve_in_loop
 from tests.test_checkpoint_service import config
 
@@ -157,3 +161,44 @@ async def test_closing_the_job_cancels_every_lookup_still_waiting() -> None:
         for waiter in (first, second):
             with pytest.raises(asyncio.CancelledError):
                 await asyncio.wait_for(waiter, timeout=10)
+
+
+async def stored(tmp_path: Path, answers: dict[str, bytes]) -> dict[str, Any]:
+    """`answers` (doc id -> 200 JSON body) stored in rank 0's cache before the proxy starts; the request of each."""
+    cache = await open_cache(tmp_path / "ckpt")
+    request = chat_request()
+    for doc_id, body in answers.items():
+        cache.store_response(0, doc_id, 0, payload_hash(request), StoredResponse(200, body, "application/json"))
+    await cache.close()
+    return request
+
+
+async def test_a_stored_body_too_deep_to_pass_on_as_json_comes_as_text_and_spoils_no_other(tmp_path: Path) -> None:
+    deep = b"[" * 300 + b"]" * 300  # parsed by orjson (1024 levels), not serialized again (254)
+    request = await stored(tmp_path, {"deep": deep, "plain": b'{"id": "x"}'})
+    async with fake_upstream() as (url, _), proxy_client(config(tmp_path, url)) as c:
+        answer = await c.post("/lookup", json=[key("deep", request), key("plain", request)])
+        assert answer.status_code == 200
+        assert answer.json() == [
+            {"status": 200, "content_type": "application/json", "text": deep.decode()},
+            {"status": 200, "content_type": "application/json", "body": {"id": "x"}},
+        ]
+
+
+async def test_one_answer_holds_at_most_max_answer_bytes_of_stored_bodies(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(lookup_route, "MAX_ANSWER_BYTES", 1 << 20)
+    big = orjson.dumps({"text": "y" * (100 << 10)})  # 100 KiB each: 10 fit
+    request = await stored(tmp_path, {"big": big, "small": b"{}"})
+    async with fake_upstream() as (url, _), proxy_client(config(tmp_path, url)) as c:
+        # 4000 lookups of one big answer in a 400 KB request must not make a 400 MB answer
+        answer = await c.post("/lookup", json=[key("big", request)] * 4000 + [key("small", request)])
+        assert answer.status_code == 200
+        answers = answer.json()
+        assert len(answers) == 4001
+        assert len(answer.content) < 2 << 20
+        assert answers[0]["body"] == orjson.loads(big)
+        assert sum(a is not None for a in answers) == 10  # null for the rest: their requests are sent, and hit
+        again = await c.post("/v1/chat/completions", json=request, headers=doc_headers("small"))
+        assert (again.headers["x-cache"], again.json()) == ("HIT", {})
