@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 
 from app.documents import Document, DocumentLike
-from app.httpclient import ConnectError, ConnectionLost, HTTPClient, HTTPClientError
+from app.httpclient import ConnectError, ConnectionLost, HTTPClient
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class ProxyJob:
         self._pending: dict[int, list[tuple[bytes, asyncio.Future[None]]]] = {}
         self._senders: dict[int, asyncio.Task[None]] = {}
         # lookup's batches: keys waiting, the task sending them, and whether the proxy has the route
-        self._lookups: list[tuple[dict[str, Any], asyncio.Future[dict[str, Any] | None]]] = []
+        self._lookups: list[tuple[bytes, asyncio.Future[dict[str, Any] | None]]] = []
         self._lookup_sender: asyncio.Task[None] | None = None
         self._lookup_route = True
 
@@ -183,39 +183,54 @@ class ProxyJob:
         an answer that is not JSON), as `POST /lookup` gives it. Lookups made
         while one is on its way go together in the next request: a restarted
         job replaying its generations pays one round trip for many. Any
-        trouble (an older proxy without the route, an error) answers None:
-        the request itself then says what is wrong.
+        trouble (an older proxy without the route, an error, an answer of the
+        wrong shape, a body JSON cannot hold) answers None: the request itself
+        then says what is wrong.
         """
         if not self._lookup_route:
             return None
+        try:
+            # Encoded now: one payload JSON cannot hold must not spoil the batch it would go in.
+            key = orjson.dumps({"doc_id": doc_id, "rollout_idx": rollout_idx, "body": body})
+        except TypeError:
+            return None
         found: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()
-        self._lookups.append(({"doc_id": doc_id, "rollout_idx": rollout_idx, "body": body}, found))
+        self._lookups.append((key, found))
         if self._lookup_sender is None:
             self._lookup_sender = asyncio.create_task(self._send_lookups())
         return await found
 
     async def _send_lookups(self) -> None:
+        batch: list[tuple[bytes, asyncio.Future[dict[str, Any] | None]]] = []
         try:
             while self._lookups:
                 batch, self._lookups = self._lookups[:LOOKUP_BATCH], self._lookups[LOOKUP_BATCH:]
-                answers: list[dict[str, Any] | None]
-                try:
-                    answers = await self._call_once("POST", "/lookup", orjson.dumps([key for key, _ in batch]), ())
-                except (ProxyJobError, HTTPClientError, ValueError) as exc:
-                    if isinstance(exc, ProxyJobError) and exc.status in (404, 405):
-                        self._lookup_route = False  # an inferproxy from before the route
-                    answers = [None] * len(batch)
-                except BaseException:
-                    for _, found in batch:
-                        found.cancel()
-                    raise
-                if len(answers) != len(batch):
-                    answers = [None] * len(batch)
+                answers = await self._post_lookups([key for key, _ in batch])
                 for (_, found), answer in zip(batch, answers, strict=True):
                     if not found.done():
                         found.set_result(answer)
+        except BaseException:  # cancelled (close()): no lookup still waiting will be answered
+            for _, found in [*batch, *self._lookups]:
+                found.cancel()
+            self._lookups = []
+            raise
         finally:
             self._lookup_sender = None
+
+    async def _post_lookups(self, keys: list[bytes]) -> list[dict[str, Any] | None]:
+        """The answers to `keys`, None for each whatever goes wrong (the requests themselves then go)."""
+        answers: Any = None
+        if self._lookup_route:
+            try:
+                answers = await self._call_once("POST", "/lookup", b"[" + b",".join(keys) + b"]", ())
+            except ProxyJobError as exc:
+                if exc.status in (404, 405):
+                    self._lookup_route = False  # an inferproxy from before the route
+            except Exception:  # unreachable, not JSON: no answer
+                pass
+        if not isinstance(answers, list) or len(answers) != len(keys):
+            return [None] * len(keys)
+        return [answer if _is_lookup_answer(answer) else None for answer in answers]
 
     async def complete_chunk(self, chunk_index: int) -> Any:
         """Declare the job's last (possibly partial) chunk complete."""
@@ -420,6 +435,13 @@ def _settle(batch: list[tuple[bytes, asyncio.Future[None]]], error: BaseExceptio
             done.cancel()
         else:
             done.set_exception(error)
+
+
+def _is_lookup_answer(answer: Any) -> bool:
+    """`{"status": int, "content_type", "body" | "text": str}`, as `POST /lookup` gives a hit."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("status"), int):
+        return False
+    return "body" in answer or isinstance(answer.get("text"), str)
 
 
 def _as_dict(document: DocumentLike | dict[str, Any]) -> dict[str, Any]:

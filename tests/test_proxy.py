@@ -155,6 +155,16 @@ async def test_a_body_that_is_not_a_json_object_is_refused(env: Env, body: bytes
     assert (await env.upstream_stats())["requests"] == 0
 
 
+@pytest.mark.parametrize("headers", [doc_headers(), {}])
+async def test_a_body_nested_too_deep_to_key_is_refused_with_400(env: Env, headers: dict[str, str]) -> None:
+    # orjson parses 1024 levels but serializes (so hashes) only 254: such a body has no cache key
+    body = b'{"model": "m", "prompt": ' + b"[" * 300 + b"]" * 300 + b"}"
+    answer = await env.client.post("/v1/completions", content=body, headers=headers)
+    assert answer.status_code == 400
+    assert "nested too deep" in answer.json()["error"]["message"]
+    assert (await env.upstream_stats())["requests"] == 0
+
+
 async def test_a_body_over_max_body_bytes_is_refused_with_413(tmp_path: Path) -> None:
     async with fake_upstream() as (url, upstream), proxy_client(settings(tmp_path, url, max_body_bytes=1000)) as c:
         answer = await c.post("/v1/completions", json=completion_request(prompt="x" * 2000), headers=doc_headers())

@@ -13,25 +13,26 @@ about to send asks for all of them at once:
 
 Each answer is what `POST /v1/chat/completions` (or `/v1/completions`) with
 that body and `X-Doc-Id`/`X-Rollout-Idx`/`X-Rank` would replay as a HIT, or
-null where it would not (a miss: send the request itself). JSON answers
+null where it would not (a miss: send the request itself), or past
+`MAX_ANSWER_BYTES` of stored answers in this reply. JSON answers
 come back as JSON values, others (a stored stream) as a string under
 `"text"`. Nothing is forwarded or stored, no flight is joined.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import orjson
 
 from app.asgi import JSON_HEADERS, Receive, Scope, Send, header, read_body, send_bytes, send_error
-from app.cache import StoredResponse
+from app.cache import RequestCache, StoredResponse
 from app.errors import BadRequest, ProxyError
-from app.hashing import payload_hash
 from app.headers import parse_rank
+from app.routes.proxy import request_digest
 from app.services import Services
 
 MAX_KEYS = 4096
+#: Stored body bytes one answer holds at most: past them, lookups answer null (and their requests hit).
+MAX_ANSWER_BYTES = 16 << 20
 
 
 async def handle_lookup(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
@@ -43,14 +44,29 @@ async def handle_lookup(services: Services, scope: Scope, receive: Receive, send
         keys = parse_keys(await read_body(scope, receive, services.settings.max_body_bytes))
         with services.activity.using(rank):
             cache = services.caches.opened_cache(rank) or await services.caches.get(rank)
-            answers = [cache.get_response(doc_id, rollout_idx, digest) for doc_id, rollout_idx, digest in keys]
+            answers = looked_up(cache, keys)
     except ProxyError as error:
         await send_error(send, error)
         return
     hits = sum(answer is not None for answer in answers)
     services.stats["hit"] += hits
     services.stats["lookup_miss"] += len(answers) - hits
-    await send_bytes(send, 200, JSON_HEADERS, orjson.dumps([rendered(answer) for answer in answers]))
+    await send_bytes(send, 200, JSON_HEADERS, b"[" + b",".join(rendered(answer) for answer in answers) + b"]")
+
+
+def looked_up(cache: RequestCache, keys: list[tuple[str, int, str]]) -> list[StoredResponse | None]:
+    """The stored answers, up to `MAX_ANSWER_BYTES` of bodies in all: null for the rest, whose requests are
+    sent (and hit). Without the bound, 4096 lookups of one big answer in a small request are gigabytes."""
+    answers: list[StoredResponse | None] = []
+    spent = 0
+    for doc_id, rollout_idx, digest in keys:
+        answer = cache.get_response(doc_id, rollout_idx, digest) if spent <= MAX_ANSWER_BYTES else None
+        if answer is not None:
+            spent += len(answer.body)
+            if spent > MAX_ANSWER_BYTES:
+                answer = None
+        answers.append(answer)
+    return answers
 
 
 def parse_keys(body: bytes) -> list[tuple[str, int, str]]:
@@ -76,18 +92,23 @@ def parse_keys(body: bytes) -> list[tuple[str, int, str]]:
             raise BadRequest(f"lookup {position}: rollout_idx must be an integer >= 0, got {rollout_idx!r}")
         if not isinstance(request, dict):
             raise BadRequest(f"lookup {position}: body must be the request's JSON object")
-        keys.append((doc_id, rollout_idx, payload_hash(request)))
+        try:
+            keys.append((doc_id, rollout_idx, request_digest(request)))
+        except BadRequest as exc:
+            raise BadRequest(f"lookup {position}: {exc.message}") from None
     return keys
 
 
-def rendered(answer: StoredResponse | None) -> dict[str, Any] | None:
+def rendered(answer: StoredResponse | None) -> bytes:
+    """One answer's JSON, on its own: one stored body that cannot be passed on as JSON must not spoil the rest."""
     if answer is None:
-        return None
+        return b"null"
     if answer.content_type.startswith("application/json") and not answer.streamed:
         try:
-            # Parsed (not passed as a raw fragment): one stored body that is not JSON must not spoil the rest.
-            return {"status": answer.status, "content_type": answer.content_type, "body": orjson.loads(answer.body)}
-        except orjson.JSONDecodeError:
+            return orjson.dumps(
+                {"status": answer.status, "content_type": answer.content_type, "body": orjson.loads(answer.body)}
+            )
+        except (orjson.JSONDecodeError, orjson.JSONEncodeError):  # not JSON, or nested deeper than orjson writes
             pass
     text = answer.body.decode("utf-8", "replace")
-    return {"status": answer.status, "content_type": answer.content_type, "text": text}
+    return orjson.dumps({"status": answer.status, "content_type": answer.content_type, "text": text})

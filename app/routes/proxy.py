@@ -88,7 +88,15 @@ def payload_digest(body: bytes) -> str:
         raise BadRequest(f"the request body must be a JSON object: {exc}") from None
     if not isinstance(payload, dict):
         raise BadRequest(f"the request body must be a JSON object, got a JSON {type(payload).__name__}")
-    return payload_hash(payload)
+    return request_digest(payload)
+
+
+def request_digest(payload: dict[str, Any]) -> str:
+    """`payload_hash` of a parsed body; orjson parses 1024 levels of nesting but serializes only 254."""
+    try:
+        return payload_hash(payload)
+    except TypeError as exc:
+        raise BadRequest(f"the request body is nested too deep to be keyed: {exc}") from None
 
 
 async def cacheable(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
