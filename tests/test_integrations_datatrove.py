@@ -446,3 +446,15 @@ async def test_a_rank_owned_elsewhere_fails_the_task_at_once_rather_than_refusin
     with pytest.raises(ServerError, match="cannot checkpoint rank 0: rank 0 is owned by another inferproxy"):
         await manager.write_document(Document(text="t", id="a"), 0, 0, None)
     assert manager.refused == []
+
+
+async def test_a_document_id_that_would_add_headers_is_a_bad_request_not_a_cache_key(env: Env) -> None:
+    # "a\r\nX-Rank: 7" went into X-Doc-Id as it was: the answer landed in rank 7's cache (or, with
+    # "X-Doc-Id: b", replayed document b's answer).
+    hostile = Document(text="t", id="a\r\nX-Rank: 7")
+    runner = env.runner(skip_bad_requests=True)
+    await runner.run_async([hostile, *documents(2)], rank=0)
+    assert sorted(d["id"] for d in env.published()) == ["doc-0", "doc-1"]
+    assert runner.stats["skipped_bad_requests"].total == 1
+    assert not (env.tmp_path / "ckpt" / "00007").exists()
+    assert env.upstream.generations == 4

@@ -20,6 +20,8 @@ from datatrove.utils.logging import logger
 
 from app.checkpointing import CheckpointManager, RequestCache
 from app.client import ProxyJob
+from app.errors import BadRequest
+from app.headers import parse_doc_id
 from app.httpclient import HTTPClient
 from app.integrations.datatrove.checkpoints import UNREACHABLE, DocumentRefused, ProxyCheckpointManager
 
@@ -76,6 +78,13 @@ class ProxyEndpoint:
         return None
 
     def for_rollout(self, doc_id: str, rollout_idx: int, chunk_index: int) -> _DocumentRequests:
+        try:
+            # It goes into a header: a CR/LF in it would add headers of its own (another rank, another document).
+            parse_doc_id(doc_id.encode())
+        except BadRequest as exc:
+            raise InferenceError(
+                None, f"Got BadRequestError: document id {doc_id[:80]!r} cannot be a cache key: {exc.message}"
+            ) from None
         return _DocumentRequests(
             self.runner,
             (doc_id, rollout_idx),
@@ -229,10 +238,7 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
                 self.stat_update("proxy_cache_hits", value=1, unit="request")
                 result: dict[str, Any] = cached["body"]
                 return result
-            if status == 400:
-                text = orjson.dumps(cached["body"]).decode() if "body" in cached else str(cached.get("text"))
-                raise InferenceError(None, f"Got BadRequestError from server: {text}", payload=payload)
-            # anything else cached (a stream, another status): asked for again, the proxy replays it
+            # anything else cached (a 400, a stream): asked for again, the proxy replays it byte for byte
         body = orjson.dumps(payload)
         problem = ""
         for attempt in range(self.retries + 1):
