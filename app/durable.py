@@ -17,7 +17,7 @@ import contextlib
 import errno
 import logging
 import os
-import tempfile
+import secrets
 from collections.abc import Iterable
 from typing import Any
 
@@ -52,14 +52,8 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
     """Replace `path` with `data`: readers see the old content or the new, never a mix."""
     directory = os.path.dirname(os.path.abspath(path))
     make_dirs_durable(directory)
-    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    tmp_path = _durable_temp(path, data)
     try:
-        # mkstemp makes 0600; the file is published for other users and jobs, as open() would make it.
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as tmp:
-            tmp.write(data)
-            tmp.flush()
-            os.fsync(tmp.fileno())
         os.replace(tmp_path, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -75,26 +69,40 @@ def create_exclusive_bytes(path: str, data: bytes) -> None:
     (a link never replaces, unlike a rename), so a reader sees no file or
     the whole of it, and of two creators exactly one wins.
     """
-    directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp_path = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    tmp_path = _durable_temp(path, data)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as tmp:
-            tmp.write(data)
-            tmp.flush()
-            os.fsync(tmp.fileno())
         os.link(tmp_path, path)
     finally:
         with contextlib.suppress(OSError):
             os.unlink(tmp_path)
-    fsync_dir(directory)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _umask() -> int:
-    """The process's umask (reading it means setting it: set it straight back)."""
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+def _durable_temp(path: str, data: bytes) -> str:
+    """A new file `.<name>.<random>.tmp` beside `path` holding `data`, fsynced; its path.
+
+    Created with mode 0666 less the umask, as `open()` would make it (the
+    file is published for other users and jobs; `mkstemp` makes 0600, and
+    reading the umask means setting it, which races with other threads).
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    while True:
+        tmp_path = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            break
+        except FileExistsError:
+            continue
+    try:
+        with os.fdopen(fd, "wb") as tmp:
+            tmp.write(data)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp_path)
+        raise
+    return tmp_path
 
 
 class AppendFile:
