@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,13 +32,20 @@ class Proxy:
     proc: subprocess.Popen[bytes]
 
 
-@pytest.fixture
-def upstream() -> Iterator[Upstream]:
+@contextlib.contextmanager
+def running_upstream(latency_ms: float = 0.0) -> Iterator[Upstream]:
+    """`inferproxy fake-upstream` on a free port, answering after `latency_ms`."""
     port = free_port()
-    with process("fake-upstream", f"--port={port}") as proc:
+    with process("fake-upstream", f"--port={port}", f"--latency-ms={latency_ms:g}") as proc:
         url = f"http://127.0.0.1:{port}"
         wait_for_http(url + "/v1/models")
         yield Upstream(url, proc)
+
+
+@pytest.fixture
+def upstream() -> Iterator[Upstream]:
+    with running_upstream() as started:
+        yield started
 
 
 def start_proxy(upstream_url: str, data: Path, *extra: str, port: int | None = None) -> tuple[list[str], int]:

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import Proxy, Upstream, start_proxy
-from tests.servers import free_port, process, wait_for_http
+from tests.e2e.conftest import Proxy, Upstream, running_upstream, start_proxy
+from tests.servers import process, wait_for_http
 
 pytestmark = pytest.mark.e2e
 
@@ -35,11 +35,8 @@ OUTPUT_FILENAME = "${rank}_chunk_${chunk_index}.jsonl.gz"
 @pytest.fixture
 def slow_upstream() -> Iterator[Upstream]:
     """A fake upstream that takes a while per answer, so that a job can be caught part-way."""
-    port = free_port()
-    with process("fake-upstream", f"--port={port}", "--latency-ms=40") as proc:
-        url = f"http://127.0.0.1:{port}"
-        wait_for_http(url + "/v1/models")
-        yield Upstream(url, proc)
+    with running_upstream(latency_ms=40) as started:
+        yield started
 
 
 @pytest.fixture

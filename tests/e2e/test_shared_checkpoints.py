@@ -19,9 +19,9 @@ import pytest
 
 from app.client import run_job
 from app.httpclient import HTTPClient, HTTPClientError
-from tests.e2e.conftest import Upstream
+from tests.e2e.conftest import Upstream, running_upstream
 from tests.e2e.conftest import start_proxy as proxy_args
-from tests.servers import free_port, process, wait_for_http
+from tests.servers import process, wait_for_http
 
 pytestmark = pytest.mark.e2e
 
@@ -34,11 +34,8 @@ class Stop(Exception):
 
 @pytest.fixture
 def slow_upstream() -> Iterator[Upstream]:
-    port = free_port()
-    with process("fake-upstream", f"--port={port}", "--latency-ms=15") as proc:
-        url = f"http://127.0.0.1:{port}"
-        wait_for_http(url + "/v1/models")
-        yield Upstream(url, proc)
+    with running_upstream(latency_ms=15) as started:
+        yield started
 
 
 def inputs(rank: int, n: int) -> list[dict[str, Any]]:
