@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import orjson
 
-from app.asgi import JSON_HEADERS, Receive, Scope, Send, header, read_body, send_bytes, send_error
+from app.asgi import JSON_HEADERS, Receive, Scope, Send, read_body, send_bytes, send_error
 from app.cache import RequestCache, StoredResponse
 from app.errors import BadRequest, ProxyError
-from app.headers import parse_rank
+from app.routes.checkpoints import rank_of
 from app.routes.proxy import request_digest
 from app.services import Services
 
@@ -39,8 +39,7 @@ async def handle_lookup(services: Services, scope: Scope, receive: Receive, send
     try:
         if scope["method"] != "POST":
             raise BadRequest(f"{scope['method']} /lookup: only POST is served here")
-        raw_rank = header(scope, b"x-rank")
-        rank = 0 if raw_rank is None else parse_rank(raw_rank)
+        rank = rank_of(scope)
         keys = parse_keys(await read_body(scope, receive, services.settings.max_body_bytes))
         with services.activity.using(rank):
             cache = services.caches.opened_cache(rank) or await services.caches.get(rank)
