@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 import orjson
 from starlette.responses import Response
 
 from app.errors import BadRequest, PayloadTooLarge, ProxyError
+from app.http.asgi import ASGIApp, Headers, Message, Receive, Scope, Send
 
-Scope = MutableMapping[str, Any]
-Message = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[Message]]
-Send = Callable[[Message], Awaitable[None]]
-ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
-Headers = list[tuple[bytes, bytes]]
+__all__ = ["ASGIApp", "Headers", "Message", "Receive", "Scope", "Send"]
 
 JSON_HEADERS: Headers = [(b"content-type", b"application/json")]
 

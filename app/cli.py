@@ -115,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
 def serve(args: argparse.Namespace) -> int:
     import uvloop
 
+    from app.http.server import CannotListen
     from app.main import create_server
     from app.output_check import check_output
-    from app.server import CannotListen
 
     flags = {name: getattr(args, name) for name in Settings.model_fields}
     try:

@@ -30,7 +30,7 @@ from typing import Any
 import orjson
 
 from app.documents import Document, DocumentLike
-from app.httpclient import ConnectError, ConnectionLost, HTTPClient
+from app.http.client import ConnectError, ConnectionLost, HTTPClient
 
 logger = logging.getLogger(__name__)
 

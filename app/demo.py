@@ -36,7 +36,7 @@ import orjson
 
 from app.client import ProxyJob, run_job
 from app.documents import Document, DocumentLike
-from app.httpclient import HTTPClient
+from app.http.client import HTTPClient
 
 MARKER = ".inferproxy-demo"
 PROXY_KILLS = {"never": "the proxy never", "alternate": "the proxy too, every second time", "always": "the proxy too"}

@@ -3,7 +3,7 @@
 Where a request goes:
 
 - a cache hit (`POST /v1/chat/completions` or `/v1/completions`): answered by
-  `InferProxy.answer_fast` inside `app.server`'s protocol callback, with no
+  `InferProxy.answer_fast` inside `app.http.server`'s protocol callback, with no
   task, ASGI message or framework code at all;
 - `/v1/*`: `app.routes.proxy`, on raw ASGI, before any framework code runs:
   the hot path pays for no routing, middleware or telemetry layers;
@@ -37,6 +37,8 @@ from app import __version__
 from app.asgi import ASGIApp, ClientGone, Headers, JSONResponse, Message, Receive, Scope, Send, header, send_error
 from app.durable import make_dirs_durable
 from app.errors import ProxyError, Unauthorized, error_body
+from app.http.asgi import Answer
+from app.http.server import HTTPServer
 from app.layout import CheckpointsLayout
 from app.output_check import redact_url
 from app.ownership import RankOwnership
@@ -45,7 +47,6 @@ from app.routes import ops
 from app.routes.checkpoints import CHECKPOINT_PATHS, handle_checkpoints
 from app.routes.lookup import handle_lookup
 from app.routes.proxy import CACHEABLE_PATHS, answer_hit, handle_v1
-from app.server import FastAnswer, HTTPServer
 from app.services import CacheRegistry, CheckpointRegistry, Services
 from app.settings import Settings
 from app.upstream import UpstreamPool
@@ -149,8 +150,15 @@ def create_server(settings: Settings, app: InferProxy | None = None) -> HTTPServ
         port=settings.port,
         fast=app.answer_fast,
         fast_paths=CACHEABLE_PATHS,
+        render_error=render_error,
         shutdown_grace_s=settings.shutdown_grace_s,
     )
+
+
+def render_error(status: int, message: str) -> tuple[bytes, bytes]:
+    """The HTTP server's own refusals, in the proxy's error envelope."""
+    kind = "internal_error" if status >= 500 else "invalid_request_error"
+    return b"application/json", error_body(message, type_=kind, code=status)
 
 
 class InferProxy:
@@ -167,8 +175,8 @@ class InferProxy:
     def state(self) -> Any:
         return self.api.state
 
-    def answer_fast(self, path: str, headers: Headers, body: bytes, extensions: dict[str, Any]) -> FastAnswer | None:
-        """`app.server`'s fast path: a cache hit answered synchronously, or None.
+    def answer_fast(self, path: str, headers: Headers, body: bytes, extensions: dict[str, Any]) -> Answer | None:
+        """`app.http.server`'s fast path: a cache hit answered synchronously, or None.
 
         Only for an authenticated `POST` to a cacheable path (the server routes those here);
         whatever needs an error answer is left to `__call__`.

@@ -11,7 +11,7 @@
 - timeouts: explicit connect and read (silence) timeouts, no total timeout,
   since generations can take many minutes.
 
-The client is `app.httpclient`, chosen by measurement (bench/README.md).
+The client is `app.http.client`, chosen by measurement (bench/README.md).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 from app.errors import UpstreamTimeout, UpstreamUnreachable
-from app.httpclient import ConnectError, ConnectionLost, ConnectTimeout, HTTPClient, ReadTimeout, Response
+from app.http.client import ConnectError, ConnectionLost, ConnectTimeout, HTTPClient, ReadTimeout, Response
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class UpstreamResponse:
             raise UpstreamUnreachable(f"the upstream {self.replica.url} broke off its answer: {exc}") from exc
 
     def iter_chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives; raises `app.httpclient` errors if it breaks off."""
+        """The body as it arrives; raises `app.http.client` errors if it breaks off."""
         return self.raw.iter_chunks()
 
     def abort(self) -> None:

@@ -11,8 +11,8 @@ it as real processes on loopback ports, then with wrk (Debian package `wrk`):
   in the same order, as a restarted job does (one point query each, no warm key);
 - p50/p99 latency added on a miss, at concurrency 1 and 64, with the upstream taking 20 ms
   per answer: the proxy's latency minus the upstream's own, each measured directly;
-- the upstream client alone: requests/s that app.httpclient, aiohttp and httpx achieve
-  against the upstream at 64 concurrent requests (why the pool uses app.httpclient).
+- the upstream client alone: requests/s that app.http.client, aiohttp and httpx achieve
+  against the upstream at 64 concurrent requests (why the pool uses app.http.client).
 
 wrk and the servers share the machine's cores, as they would a GPU node's CPU. Every run,
 the upstream's own included, uses the same wrk script (a Lua function building each request
@@ -135,7 +135,7 @@ async def client_rate(kind: str, url: str, seconds: float, concurrency: int = 64
     deadline = time.monotonic() + seconds
     headers = {"content-type": "application/json"}
     if kind == "inferproxy":
-        from app.httpclient import HTTPClient
+        from app.http.client import HTTPClient
 
         client = HTTPClient()
         raw_headers = [(b"content-type", b"application/json")]

@@ -50,7 +50,7 @@ async def fake_upstream(**kwargs: Any) -> AsyncIterator[tuple[str, FakeUpstream]
 
 @contextlib.asynccontextmanager
 async def serve_proxy(settings: Settings) -> AsyncIterator[str]:
-    """`inferproxy serve`'s server (app.server, fast path included) in this event loop; yield its URL."""
+    """`inferproxy serve`'s server (app.http.server, fast path included) in this event loop; yield its URL."""
     server = create_server(settings.model_copy(update={"host": "127.0.0.1", "port": 0}))
     await server.start()
     try:

@@ -112,7 +112,7 @@ def _doc(data: dict[str, Any]) -> Any:
 
 
 async def test_a_retry_after_a_lost_answer_that_completed_the_chunk_counts_as_done(env: Env) -> None:
-    from app.httpclient import ConnectionLost
+    from app.http.client import ConnectionLost
 
     job = ProxyJob(env.proxy)
     real_request = job._client.request

@@ -1,4 +1,4 @@
-"""app.httpclient against hand-written HTTP answers from a raw asyncio server."""
+"""app.http.client against hand-written HTTP answers from a raw asyncio server."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from app.httpclient import ConnectError, ConnectionLost, ConnectTimeout, HTTPClient, ReadTimeout
+from app.http.client import ConnectError, ConnectionLost, ConnectTimeout, HTTPClient, ReadTimeout
 from tests.servers import free_port
 
 

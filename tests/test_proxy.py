@@ -385,7 +385,7 @@ async def test_an_unexpected_failure_is_still_the_envelope_with_x_cache(
 
 
 async def test_a_cached_answer_is_given_only_to_a_request_the_slow_path_would_have_answered(tmp_path: Path) -> None:
-    """Hits are answered on app.server's fast path; anything wrong with the request still gets its error."""
+    """Hits are answered on app.http.server's fast path; anything wrong with the request still gets its error."""
     async with fake_upstream() as (url, upstream):
         config = settings(tmp_path, url, api_key="secret")
         good = {**doc_headers(), "Authorization": "Bearer secret"}

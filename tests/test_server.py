@@ -1,9 +1,10 @@
-"""app.server, app.connection, app.exchange over raw sockets: framing, order, errors, backpressure, shutdown."""
+"""app.http.server, connection, exchange over raw sockets: framing, order, errors, backpressure, shutdown."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -11,9 +12,10 @@ from typing import Any
 import pytest
 
 from app.asgi import Message, Receive, Scope, Send
-from app.connection import MAX_HEADER_BYTES, HTTPConnection
-from app.exchange import HIGH_WATER
-from app.server import FastAnswer, HTTPServer
+from app.http.connection import MAX_HEADER_BYTES, HTTPConnection
+from app.http.exchange import HIGH_WATER
+from app.http.asgi import Answer
+from app.http.server import HTTPServer
 
 
 class App:
@@ -111,18 +113,23 @@ async def answer(send: Send, status: int, body: bytes, headers: list[tuple[bytes
     await send({"type": "http.response.body", "body": body})
 
 
-def fast(path: str, headers: list[tuple[bytes, bytes]], body: bytes, extensions: dict[str, Any]) -> FastAnswer | None:
+def fast(path: str, headers: list[tuple[bytes, bytes]], body: bytes, extensions: dict[str, Any]) -> Answer | None:
     if body == b"explode":
         raise RuntimeError("fast path bug")
     if body == b"hit":
-        return 200, b"x-cache: HIT\r\n", b"from the fast path"
+        return Answer(200, [(b"x-cache", b"HIT")], b"from the fast path")
     extensions["seen"] = body
     return None
 
 
+def render_error(status: int, message: str) -> tuple[bytes, bytes]:
+    """The app's error format for the server's own refusals (the server itself knows none)."""
+    return b"application/json", json.dumps({"error": message, "status": status}).encode()
+
+
 @contextlib.asynccontextmanager
 async def serving(app: Any, **options: Any) -> AsyncIterator[HTTPServer]:
-    server = HTTPServer(app, port=0, **options)
+    server = HTTPServer(app, port=0, **{"render_error": render_error, **options})
     await server.start()
     try:
         yield server

@@ -9,7 +9,7 @@ unchanged and not cached.
 
 A hit costs a header scan, a JSON parse and hash, and one SQLite point
 query: no framework request/response objects, no routing tables. `answer_hit`
-does it synchronously, called by `app.server` inside its protocol callback
+does it synchronously, called by `app.http.server` inside its protocol callback
 before any task or ASGI message exists; what it cannot answer (a miss, a bad
 header) goes through `handle_v1` with the parsed request in the scope's
 extensions, so that it is not parsed and hashed twice.
@@ -28,7 +28,8 @@ from app.cache import RequestCache, StoredResponse
 from app.errors import BadRequest, ProxyError
 from app.hashing import payload_hash
 from app.headers import RequestKey, parse_request_key
-from app.httpclient import HTTPClientError
+from app.http.asgi import Answer
+from app.http.client import HTTPClientError
 from app.services import Services
 from app.upstream import UpstreamResponse, response_headers
 
@@ -50,9 +51,7 @@ async def handle_v1(services: Services, scope: Scope, receive: Receive, send: Se
         await send_error(send, error, [(b"x-cache", b"BYPASS")])
 
 
-def answer_hit(
-    services: Services, headers: Headers, body: bytes, extensions: dict[str, Any]
-) -> tuple[int, bytes, bytes] | None:
+def answer_hit(services: Services, headers: Headers, body: bytes, extensions: dict[str, Any]) -> Answer | None:
     """The stored answer for a whole `POST` to a cacheable path, or None: the ASGI path answers.
 
     What it parsed is left in `extensions` for that path; anything it cannot
@@ -74,11 +73,12 @@ def answer_hit(
         return None
     services.activity.touch(key.rank)
     services.stats["hit"] += 1
-    lines = b"content-type: %b\r\nx-cache: HIT\r\nx-payload-hash: %b\r\n" % (
-        hit.content_type.encode("latin-1"),
-        digest.encode(),
-    )
-    return hit.status, lines, hit.body
+    headers = [
+        (b"content-type", hit.content_type.encode("latin-1")),
+        (b"x-cache", b"HIT"),
+        (b"x-payload-hash", digest.encode()),
+    ]
+    return Answer(hit.status, headers, hit.body)
 
 
 def payload_digest(body: bytes) -> str:

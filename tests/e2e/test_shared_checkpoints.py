@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from app.client import run_job
-from app.httpclient import HTTPClient, HTTPClientError
+from app.http.client import HTTPClient, HTTPClientError
 from tests.e2e.conftest import Upstream, running_upstream
 from tests.e2e.conftest import start_proxy as proxy_args
 from tests.servers import process, wait_for_http

@@ -16,7 +16,7 @@ from datatrove.pipeline.writers.jsonl import JsonlWriter
 from datatrove.utils.logging import logger
 
 from app.client import ProxyJob, ProxyJobError, RankOwnedElsewhere, Resume
-from app.httpclient import ConnectError, ConnectionLost, HTTPClient, ReadTimeout
+from app.http.client import ConnectError, ConnectionLost, HTTPClient, ReadTimeout
 from app.publish import is_remote
 
 UNREACHABLE = (ConnectError, ConnectionLost, ReadTimeout)

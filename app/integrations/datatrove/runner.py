@@ -22,7 +22,7 @@ from app.checkpointing import CheckpointManager, RequestCache
 from app.client import ProxyJob
 from app.errors import BadRequest
 from app.headers import parse_doc_id
-from app.httpclient import HTTPClient
+from app.http.client import HTTPClient
 from app.integrations.datatrove.checkpoints import UNREACHABLE, DocumentRefused, ProxyCheckpointManager
 
 #: Answers worth waiting for: the upstream is busy, restarting or briefly gone.

@@ -17,11 +17,10 @@ import typing
 from http import HTTPStatus
 from urllib.parse import unquote
 
-from app.asgi import Headers, Message
-from app.errors import error_body
+from app.http.asgi import Headers, Message
 
 if typing.TYPE_CHECKING:
-    from app.connection import HTTPConnection
+    from app.http.connection import HTTPConnection
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +39,6 @@ def status_line(status: int) -> bytes:
         line = b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b""))
         _STATUS_LINES[status] = line
     return line
-
-
-def error_answer(status: int, message: str, date: bytes) -> bytes:
-    """The server's own error answer, in the OpenAI envelope; the connection closes after it."""
-    body = error_body(message, type_="invalid_request_error", code=status)
-    head = b"content-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n" % len(body)
-    return status_line(status) + head + date + b"\r\n" + body
 
 
 class Clock:
@@ -300,7 +292,7 @@ class Request:
     def _internal_error(self) -> None:
         self.keep_alive = False
         if not self.conn.closed:
-            self.conn.write(error_answer(500, "inferproxy failed on this request", self.conn.server.clock.date()))
+            self.conn.write(self.conn.server.error_answer(500, "the server failed on this request"))
         self.response_started = self.response_complete = True
         self.conn._finished(self)
 

@@ -21,15 +21,16 @@ ASGI 3 app (lifespan included) with it:
   in flight finish within the grace period, then the lifespan shutdown.
 
 The server is three modules: this one (listening, lifespan, shutdown),
-`app.connection` (one client connection: parsing, order, limits, writes) and
-`app.exchange` (one request's ASGI cycle and the framing of its answer).
+`app.http.connection` (one client connection: parsing, order, limits, writes) and
+`app.http.exchange` (one request's ASGI cycle and the framing of its answer).
 
 The fast path: for `POST` to one of `fast_paths`, the body is buffered (up
 to `FAST_BODY_BYTES`) and the whole request handed to `fast(...)`
 synchronously, inside the protocol callback, before any task, scope or
 message exists. It returns the complete answer (a cache hit) or None, in
 which case the request goes to the ASGI app like any other. The server
-keeps the framing (date, length, keep-alive) in both cases.
+keeps the framing (date, length, keep-alive) in both cases. The server's own
+errors are rendered by the app's `render_error` (`app.http.asgi`).
 """
 
 from __future__ import annotations
@@ -40,18 +41,13 @@ import logging
 import signal
 import time
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
-from app.asgi import ASGIApp, Headers, Message
-from app.connection import HTTPConnection
-from app.exchange import Clock
+from app.http.asgi import ASGIApp, ErrorRenderer, FastHandler, Message, plain_error
+from app.http.connection import HTTPConnection
+from app.http.exchange import Clock, status_line
 
 logger = logging.getLogger(__name__)
-
-# (status, header lines, body) of a complete answer, or None: let the ASGI app answer. The
-# header lines are rendered already (b"name: value\r\n" each); the server adds the framing.
-FastAnswer = tuple[int, bytes, bytes]
-FastPath = Callable[[str, Headers, bytes, dict[str, typing.Any]], "FastAnswer | None"]
 
 
 class HTTPServer:
@@ -63,8 +59,9 @@ class HTTPServer:
         *,
         host: str = "127.0.0.1",
         port: int = 8080,
-        fast: FastPath | None = None,
+        fast: FastHandler | None = None,
         fast_paths: Iterable[str] = (),
+        render_error: ErrorRenderer = plain_error,
         keep_alive_s: float = 5.0,
         shutdown_grace_s: float = 30.0,
         backlog: int = 2048,
@@ -73,6 +70,7 @@ class HTTPServer:
         self.host, self.port = host, port
         self.fast = fast
         self.fast_paths = frozenset(fast_paths) if fast is not None else frozenset()
+        self.render_error = render_error
         self.keep_alive_s = keep_alive_s
         self.shutdown_grace_s = shutdown_grace_s
         self.backlog = backlog
@@ -121,6 +119,12 @@ class HTTPServer:
         self.port = self._server.sockets[0].getsockname()[1]
         logger.info("listening on http://%s:%d", self.host, self.port)
         self.started.set()
+
+    def error_answer(self, status: int, message: str) -> bytes:
+        """The server's own error answer, rendered by the app; the connection closes after it."""
+        content_type, body = self.render_error(status, message)
+        head = b"content-type: %b\r\ncontent-length: %d\r\nconnection: close\r\n" % (content_type, len(body))
+        return status_line(status) + head + self.clock.date() + b"\r\n" + body
 
     def flush(self) -> None:
         connections, self.flushing = self.flushing, []

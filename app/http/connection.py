@@ -1,4 +1,4 @@
-"""One client connection of `app.server`: parses requests with httptools, runs them in order.
+"""One client connection of `app.http.server`: parses requests with httptools, runs them in order.
 
 Requests are answered one at a time, in the order they came (pipelining); a request queued
 behind another stops the reading until its turn. The fast path (`HTTPServer.fast`) answers a
@@ -16,11 +16,11 @@ import typing
 
 import httptools
 
-from app.asgi import Headers
-from app.exchange import Request, error_answer
+from app.http.asgi import Headers
+from app.http.exchange import Request
 
 if typing.TYPE_CHECKING:
-    from app.server import HTTPServer
+    from app.http.server import HTTPServer
 
 logger = logging.getLogger(__name__)
 
@@ -246,8 +246,8 @@ class HTTPConnection(asyncio.Protocol):
         if answer is None:
             request.body = [body]
             return False
-        status, lines, content = answer
-        self.write_soon(request.head_from_lines(status, lines, len(content)) + content)
+        status, headers, content = answer
+        self.write_soon(request.head(status, headers, len(content)) + content)
         self._finished(request)
         return True
 
@@ -430,7 +430,7 @@ class HTTPConnection(asyncio.Protocol):
             # Closing after an answer with `connection: close`: what follows it is not a request.
             self.parsing = None
             raise _Rejected(message)
-        self.refusal = error_answer(status, message, self.server.clock.date())
+        self.refusal = self.server.error_answer(status, message)
         bad, self.parsing, self.in_head, self.raw_body_left = self.parsing, None, False, 0
         if bad is not None and bad in self.waiting:
             self.waiting.remove(bad)  # never started
