@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from app.asgi import Message, Receive, Scope, Send
+from app.http.asgi import Answer
 from app.http.connection import MAX_HEADER_BYTES, HTTPConnection
 from app.http.exchange import HIGH_WATER
-from app.http.asgi import Answer
 from app.http.server import HTTPServer
 
 
