@@ -262,9 +262,8 @@ class ProxyJob:
         headers = [(b"x-rank", str(self.rank).encode()), (b"content-type", b"application/json"), *self._auth, *extra]
         for attempt in range(self.retries + 1):
             try:
-                answer = await self._client.request(method, self.base_url + path, headers=headers, body=body)
-                data = await answer.read()
-                answer.release()
+                async with self._client.request(method, self.base_url + path, headers=headers, body=body) as answer:
+                    data = await answer.read()
             except (ConnectError, ConnectionLost):
                 # the proxy restarting: every call here is safe to repeat
                 if attempt == self.retries:

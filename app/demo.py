@@ -104,14 +104,13 @@ async def run_demo_job(options: DemoOptions) -> None:
             "temperature": 0.8,
         }
         raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-        answer = await http.request(
+        async with http.request(
             "POST",
             proxy + "/v1/chat/completions",
             headers=[*raw, (b"content-type", b"application/json")],
             body=orjson.dumps(body),
-        )
-        data = await answer.read()
-        answer.release()
+        ) as answer:
+            data = await answer.read()
         if answer.status != 200:
             raise RuntimeError(f"the proxy answered {answer.status}: {data[:200]!r}")
         say((answer.header(b"x-cache") or b"MISS").decode(), document.id, rollout_idx)

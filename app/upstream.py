@@ -26,7 +26,15 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass
 
 from app.errors import UpstreamTimeout, UpstreamUnreachable
-from app.http.client import ConnectError, ConnectionLost, ConnectTimeout, HTTPClient, ReadTimeout, Response
+from app.http.client import (
+    ConnectError,
+    ConnectionLost,
+    ConnectTimeout,
+    HTTPClient,
+    HTTPClientError,
+    ReadTimeout,
+    Response,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -161,38 +169,37 @@ class UpstreamPool:
     async def request(
         self, method: str, path: str, *, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> AsyncIterator[UpstreamResponse]:
-        """Send with retries; yield the response; release the connection when the block exits."""
+        """Send with retries; yield the final answer; leaving the block releases its connection
+        (kept if the body was read to its end, closed otherwise)."""
         attempt = 0
         while True:
             replica = self.pick()
             replica.in_flight += 1
+            raw: Response | None = None
             try:
-                try:
-                    raw = await self._client.request(method, replica.url + path, headers=headers, body=body)
-                except ReadTimeout as exc:
-                    raise UpstreamTimeout(
-                        f"the upstream {replica.url} sent nothing for {self.read_timeout_s:g} s (read_timeout_s)"
-                    ) from exc
-                except (ConnectError, ConnectionLost) as exc:
-                    self._mark_failed(replica, exc)
-                    if attempt >= self.retries:
-                        tries = f"after {attempt + 1} tries"
-                        if isinstance(exc, ConnectTimeout):
-                            raise UpstreamTimeout(
-                                f"the upstream {replica.url} is not answering {tries}: {exc}"
-                            ) from exc
-                        raise UpstreamUnreachable(f"the upstream {replica.url} is unreachable {tries}: {exc}") from exc
-                    retry_in = self._backoff(attempt)
-                else:
+                async with self._client.request(method, replica.url + path, headers=headers, body=body) as raw:
                     if raw.status not in RETRY_STATUSES or attempt >= self.retries:
-                        try:
-                            yield UpstreamResponse(raw, replica)
-                        finally:
-                            raw.release()
+                        yield UpstreamResponse(raw, replica)
                         return
                     retry_in = self._retry_after(raw) or self._backoff(attempt)
-                    raw.abort()
                     logger.info("upstream %s answered %d; retrying in %.2f s", replica.url, raw.status, retry_in)
+                # the retried answer is left unread: its connection is closed
+            except ReadTimeout as exc:
+                if raw is not None:
+                    raise  # the caller's, from its block
+                raise UpstreamTimeout(
+                    f"the upstream {replica.url} sent nothing for {self.read_timeout_s:g} s (read_timeout_s)"
+                ) from exc
+            except (ConnectError, ConnectionLost) as exc:
+                if raw is not None:
+                    raise
+                self._mark_failed(replica, exc)
+                if attempt >= self.retries:
+                    tries = f"after {attempt + 1} tries"
+                    if isinstance(exc, ConnectTimeout):
+                        raise UpstreamTimeout(f"the upstream {replica.url} is not answering {tries}: {exc}") from exc
+                    raise UpstreamUnreachable(f"the upstream {replica.url} is unreachable {tries}: {exc}") from exc
+                retry_in = self._backoff(attempt)
             finally:
                 replica.in_flight -= 1  # however the attempt ends: answer done, error, retry, cancellation
             await asyncio.sleep(retry_in)
@@ -200,17 +207,15 @@ class UpstreamPool:
 
     async def probe(self, replica: Replica, timeout_s: float = 5.0) -> bool:
         """`GET /v1/models` on one replica; updates its health."""
-        answer = None
         try:
-            async with asyncio.timeout(timeout_s):
-                answer = await self._client.request("GET", replica.url + "/v1/models", headers=self._auth)
+            async with (
+                asyncio.timeout(timeout_s),
+                self._client.request("GET", replica.url + "/v1/models", headers=self._auth) as answer,
+            ):
                 await answer.read()
                 ok = answer.status == 200
-        except (TimeoutError, ConnectError, ConnectionLost, ReadTimeout):
+        except (TimeoutError, HTTPClientError):
             ok = False
-        finally:
-            if answer is not None:
-                answer.release()  # reused if read to the end, closed otherwise
         if ok and not replica.healthy:
             logger.info("upstream %s is healthy again", replica.url)
         replica.healthy = ok

@@ -144,9 +144,8 @@ async def client_rate(kind: str, url: str, seconds: float, concurrency: int = 64
         async def worker() -> None:
             nonlocal done
             while time.monotonic() < deadline:
-                response = await client.request("POST", url, headers=raw_headers, body=body)
-                await response.read()
-                response.release()
+                async with client.request("POST", url, headers=raw_headers, body=body) as response:
+                    await response.read()
                 done += 1
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,8 +15,10 @@ import pytest
 from app.client import ProxyJob, ProxyJobError, run_job
 from app.documents import DocumentLike
 from app.fake_upstream import FakeUpstream
+from app.http.client import HTTPClient, ReadTimeout
 from app.main import create_app
 from app.settings import Settings
+from tests.canned import canned_server
 from tests.servers import fake_upstream, serve_in_loop
 
 
@@ -118,15 +121,15 @@ async def test_a_retry_after_a_lost_answer_that_completed_the_chunk_counts_as_do
     real_request = job._client.request
     lost = False
 
-    async def answer_lost_once(method: str, url: str, **kwargs: Any) -> Any:
+    @contextlib.asynccontextmanager
+    async def answer_lost_once(method: str, url: str, **kwargs: Any) -> AsyncIterator[Any]:
         nonlocal lost
-        response = await real_request(method, url, **kwargs)
-        if url.endswith("/documents") and not lost:
-            lost = True
-            await response.read()
-            response.release()
-            raise ConnectionLost("the proxy died before answering", before_response=True)
-        return response
+        async with real_request(method, url, **kwargs) as response:
+            if url.endswith("/documents") and not lost:
+                lost = True
+                await response.read()
+                raise ConnectionLost("the proxy died before answering", before_response=True)
+            yield response
 
     job._client.request = answer_lost_once  # type: ignore[method-assign]
     answer = await job.write_documents([{"id": f"d{i}", "text": "t"} for i in range(4)], 0)
@@ -207,3 +210,12 @@ async def test_documents_written_together_go_in_few_requests_and_each_caller_lea
     assert state.processed_ids == frozenset(d["id"] for d in good)
     # the proxy takes a batch whole or not at all: refused, its documents went again one by one
     assert seen == [40, 3, 1, 1, 1]
+
+
+async def test_a_call_whose_answer_stops_midway_closes_its_connection_on_the_read_timeout() -> None:
+    async with canned_server([b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n{"]) as upstream:
+        job = ProxyJob(upstream.url, client=HTTPClient(read_timeout=0.2))
+        with pytest.raises(ReadTimeout):
+            await job.resume()
+        await asyncio.wait_for(upstream.until_open(0), 5)
+        await job.close()

@@ -148,9 +148,9 @@ async def test_a_batch_refused_because_the_rank_is_owned_elsewhere_is_not_sent_a
             sent: list[str] = []
             real_request = job._client.request
 
-            async def counting(method: str, url: str, **kwargs: Any) -> Any:
+            def counting(method: str, url: str, **kwargs: Any) -> Any:
                 sent.append(url.rsplit("/", 1)[-1])
-                return await real_request(method, url, **kwargs)
+                return real_request(method, url, **kwargs)
 
             job._client.request = counting  # type: ignore[method-assign]
             results = await asyncio.gather(

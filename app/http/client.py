@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import ssl
 import typing
@@ -250,14 +251,14 @@ class _Connection(asyncio.Protocol):
 
 
 class Response:
-    """An answer whose body is read with `read()` or streamed with `iter_chunks()`, then released."""
+    """An answer whose body is read with `read()` or streamed with `iter_chunks()` inside
+    `async with client.request(...)`; leaving the block gives the connection back."""
 
     def __init__(self, conn: _Connection, read_timeout: float) -> None:
         self._conn = conn
         self._read_timeout = read_timeout
         self.status = conn.status
         self.headers = conn.headers
-        self._released = False
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -266,10 +267,21 @@ class Response:
         return None
 
     async def read(self) -> bytes:
-        pieces = [chunk async for chunk in self.iter_chunks()]
-        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        """The whole body (the rest of it, after `iter_chunks()`)."""
+        conn = self._conn
+        pieces: list[bytes] = []
+        while True:
+            if conn.chunks:
+                pieces.append(conn.take())
+            elif conn.complete:
+                return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+            elif conn.error is not None:
+                raise conn.error
+            else:
+                await conn.wait(self._read_timeout)
 
     async def iter_chunks(self) -> AsyncIterator[bytes]:
+        """The body as it arrives, in the pieces it arrives in."""
         conn = self._conn
         while True:
             if conn.chunks:
@@ -281,21 +293,52 @@ class Response:
                 raise conn.error
             await conn.wait(self._read_timeout)
 
-    def release(self) -> None:
+    def abort(self) -> None:
+        """Drop the connection now (the server stops working for a client that left)."""
+        self._conn.close()
+
+    def _release(self) -> None:
         """Give the connection back for reuse if the answer was read to its end, else close it."""
-        if self._released:
-            return
-        self._released = True
         conn = self._conn
         if conn.complete and conn.keep_alive and not conn.closed and not conn.chunks:
             conn.client._put_idle(conn)
         else:
             conn.close()
 
-    def abort(self) -> None:
-        """Drop the connection now (the server stops working for a client that left)."""
-        self._released = True
-        self._conn.close()
+
+class _ResponseContext:
+    """What `HTTPClient.request` returns: sends on entry, releases the connection on exit."""
+
+    __slots__ = ("_body", "_client", "_headers", "_method", "_read_timeout", "_response", "_url")
+
+    def __init__(
+        self,
+        client: HTTPClient,
+        method: str,
+        url: str,
+        headers: Iterable[tuple[bytes, bytes]],
+        body: bytes,
+        read_timeout: float | None,
+    ) -> None:
+        self._client = client
+        self._method = method
+        self._url = url
+        self._headers = headers
+        self._body = body
+        self._read_timeout = read_timeout
+        self._response: Response | None = None
+
+    async def __aenter__(self) -> Response:
+        self._response = await self._client._send(
+            self._method, self._url, self._headers, self._body, self._read_timeout
+        )
+        return self._response
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        # Read to its end (whatever the block raised after that): reused; anything else: closed.
+        if self._response is not None:
+            self._response._release()
+            self._response = None
 
 
 class HTTPClient:
@@ -306,7 +349,7 @@ class HTTPClient:
         self._idle: dict[Origin, list[_Connection]] = {}
         self._ssl: ssl.SSLContext | None = None
 
-    async def request(
+    def request(
         self,
         method: str,
         url: str,
@@ -314,8 +357,20 @@ class HTTPClient:
         headers: Iterable[tuple[bytes, bytes]] = (),
         body: bytes = b"",
         read_timeout: float | None = None,
+    ) -> contextlib.AbstractAsyncContextManager[Response]:
+        """`async with client.request(...) as response:` sends the request and enters once the
+        answer's status and headers have arrived; leaving the block releases the connection:
+        kept for reuse if the body was read to its end, closed otherwise."""
+        return _ResponseContext(self, method, url, headers, body, read_timeout)
+
+    async def _send(
+        self,
+        method: str,
+        url: str,
+        headers: Iterable[tuple[bytes, bytes]],
+        body: bytes,
+        read_timeout: float | None,
     ) -> Response:
-        """Send a request; return once the answer's status and headers have arrived."""
         origin, request_line_end = _parse_target(url)
         head = [method.encode("latin-1"), b" ", request_line_end]
         for name, value in headers:

@@ -51,14 +51,13 @@ async def job(
     async def rollout(document: Any, rollout_idx: int, headers: dict[str, str]) -> str:
         body = {"model": "fake-model", "messages": [{"role": "user", "content": document.text}], "max_tokens": 8}
         raw = [(k.lower().encode(), v.encode()) for k, v in headers.items()]
-        answer = await http.request(
+        async with http.request(
             "POST",
             url + "/v1/chat/completions",
             headers=[*raw, (b"content-type", b"application/json")],
             body=orjson.dumps(body),
-        )
-        data = await answer.read()
-        answer.release()
+        ) as answer:
+            data = await answer.read()
         if answer.status != 200:
             raise RuntimeError(f"rank {rank}: {answer.status} {data[:300]!r}")
         return str(orjson.loads(data)["choices"][0]["message"]["content"])

@@ -244,11 +244,8 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
         for attempt in range(self.retries + 1):
             wait = None
             try:
-                answer = await client.request("POST", self._generate_url, headers=headers, body=body)
-                try:
+                async with client.request("POST", self._generate_url, headers=headers, body=body) as answer:
                     data = await answer.read()
-                finally:
-                    answer.release()
             except UNREACHABLE as exc:
                 problem = f"{type(exc).__name__}: {exc}"
             else:
