@@ -4,6 +4,7 @@ no well-behaved server sends (101, endless heads, close-delimited bodies, stray 
 from __future__ import annotations
 
 import asyncio
+import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -32,10 +33,15 @@ class Canned:
 
 @asynccontextmanager
 async def canned_server(
-    answers: list[bytes | None], *, close_after: bool = False, silent: bool = False
+    answers: list[bytes | None],
+    *,
+    close_after: bool = False,
+    silent: bool = False,
+    tls: ssl.SSLContext | None = None,
 ) -> AsyncIterator[Canned]:
     """Answers each request (read up to its blank line + body) with the next canned bytes;
-    None closes the connection instead of answering. `silent`: reads and never answers."""
+    None closes the connection instead of answering. `silent`: reads and never answers.
+    `tls`: serves https (at https://localhost:PORT) with that server context."""
     seen = Canned()
     writers: list[asyncio.StreamWriter] = []
 
@@ -69,8 +75,9 @@ async def canned_server(
             seen.count_open(-1)
             writer.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    seen.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=tls)
+    port = server.sockets[0].getsockname()[1]
+    seen.url = f"https://localhost:{port}" if tls else f"http://127.0.0.1:{port}"
     try:
         yield seen
     finally:

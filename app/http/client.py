@@ -8,16 +8,37 @@ one request per keep-alive connection at a time, bodies sent whole,
 answers read whole or streamed as they arrive. This client does exactly
 that on an `asyncio.Protocol`, with the C parser uvicorn uses.
 
+The contract:
+
+- `async with client.request(method, url, headers=..., body=...) as response:`
+  enters once the status and headers have arrived; inside, `await
+  response.read()` or `async for chunk in response.iter_chunks()`. Leaving
+  the block gives the connection back for reuse if the body was read to its
+  end, and closes it otherwise (an exception, a timeout, a cancellation, a
+  body left unread): nothing is released by hand;
 - connections are kept alive and reused per (scheme, host, port), most
-  recently used first; a reused connection that the server closed while
-  idle is detected and the request sent again on a fresh one (nothing of
-  it reached the server);
+  recently used first, at most `max_idle` of them idle per origin; a reused
+  connection that the server closed while idle is detected and the request
+  sent again on a fresh one (nothing of it reached the server);
 - `connect_timeout` bounds the connect, `read_timeout` any silence while
   an answer is awaited or streamed; there is no total timeout;
 - a body is buffered up to `MAX_BUFFER` bytes, then the socket stops being
-  read until the consumer catches up (backpressure);
+  read until the consumer catches up (backpressure); `read()` refuses a
+  body over `max_response_bytes` (`iter_chunks()` has no limit: it buffers
+  nothing);
+- what the server sends is bounded: a head over `MAX_HEAD_BYTES` or with
+  more than `MAX_HEADERS` fields, a `101 Switching Protocols`, a status
+  outside 100-599 are refused (`InvalidResponse`); other 1xx answers are
+  skipped (RFC 9110 §15.2); trailer fields of a chunked body are dropped,
+  never taken as headers; `response.framed_by_close` says that the body
+  ends where the connection does, so that a cut one reads as whole;
+- headers are written as given: a CR, LF or NUL in one (or in the method or
+  target) raises `InvalidHeader` before anything is sent;
+- `connector` replaces the socket: an in-process server (`app.http.memory`)
+  for tests; `ssl_context` is the TLS context of https origins.
 - errors: `ConnectError` (no connection), `ConnectionLost` (dropped
-  mid-answer), `ReadTimeout` (silence).
+  mid-answer), `ReadTimeout` (silence), `InvalidResponse` (not HTTP/1.1 as
+  this client takes it), `ResponseTooLarge` (over `max_response_bytes`).
 """
 
 from __future__ import annotations
@@ -28,13 +49,19 @@ import contextlib
 import functools
 import ssl
 import typing
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 import httptools
 
 MAX_BUFFER = 1 << 20
+#: A response head (status line and fields, interim answers included) larger than this is refused.
+MAX_HEAD_BYTES = 64 * 1024
+#: An answer with more header fields than this is refused (an upstream sends about ten).
+MAX_HEADERS = 100
+#: The default `max_response_bytes`: the largest body `read()` buffers.
+MAX_RESPONSE_BYTES = 256 * 1024 * 1024
 
 
 class HTTPClientError(Exception):
@@ -42,7 +69,7 @@ class HTTPClientError(Exception):
 
 
 class ConnectError(HTTPClientError):
-    """No connection could be made (refused, unreachable, timed out)."""
+    """No connection could be made (refused, unreachable, timed out, TLS refused)."""
 
 
 class ConnectTimeout(ConnectError):
@@ -59,6 +86,23 @@ class ConnectionLost(HTTPClientError):
 
 class ReadTimeout(HTTPClientError):
     """The server was silent for longer than `read_timeout` while an answer was awaited."""
+
+
+class InvalidResponse(HTTPClientError):
+    """The server's answer is not HTTP/1.1 as this client takes it: malformed, over the head
+    limits, `101 Switching Protocols`, or a status outside 100-599. Sending again will not help."""
+
+
+class ResponseTooLarge(InvalidResponse):
+    """`read()` met a body over `max_response_bytes`."""
+
+
+class InvalidHeader(HTTPClientError, ValueError):
+    """A header (or the method or target) to be sent holds a CR, LF or NUL; nothing was sent."""
+
+
+class _Refused(Exception):
+    """Raised in a parser callback to stop parsing; the reason is in the connection's `error`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +122,11 @@ class Origin:
     def host_header(self) -> bytes:
         default = 443 if self.scheme == "https" else 80
         return (self.host if self.port == default else f"{self.host}:{self.port}").encode("idna")
+
+
+#: Connects `protocol` to `origin`: makes the transport, calls `protocol.connection_made(transport)`
+#: and returns the transport; an `OSError` when it cannot. The default opens a TCP (or TLS) socket.
+Connector = Callable[[Origin, asyncio.Protocol], Awaitable[asyncio.BaseTransport]]
 
 
 @functools.lru_cache(maxsize=4096)
@@ -109,7 +158,9 @@ class _Connection(asyncio.Protocol):
         self.in_use = True
         self.stray = False
         self.interim = False
+        self.framed = False  # Content-Length or Transfer-Encoding seen
         self.framed_by_close = False
+        self.head_size = 0
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.chunks: collections.deque[bytes] = collections.deque()
@@ -135,11 +186,23 @@ class _Connection(asyncio.Protocol):
         self.received_any = True
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(ConnectionLost(f"invalid HTTP from {self.origin.host}: {exc}", before_response=False))
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade) as exc:
+            # (a callback's own reason, if it refused, came first and is kept)
+            self._fail(InvalidResponse(f"{self.origin.host}:{self.origin.port} sent invalid HTTP: {exc}"))
             self.close()
             return
-        if self.stray:
+        if not self.headers_done:
+            # Counted only while the head is incomplete: httptools keeps a partial field whole in memory.
+            self.head_size += len(data)
+            if self.head_size > MAX_HEAD_BYTES:
+                self._fail(
+                    InvalidResponse(
+                        f"{self.origin.host}:{self.origin.port} sent a response head over {MAX_HEAD_BYTES} bytes"
+                    )
+                )
+                self.close()
+                return
+        elif self.stray:
             self.close()  # the answer read so far stays readable; the connection is not reused
         elif self.buffered > MAX_BUFFER and not self.paused and self.transport is not None:
             self.paused = True
@@ -168,27 +231,45 @@ class _Connection(asyncio.Protocol):
             self.stray = True
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self.stray:
-            self.headers.append((name.lower(), value))
+        if self.headers_done:
+            return  # a chunked body's trailer field (or a stray answer's): never a header of the answer
+        headers = self.headers
+        if len(headers) >= MAX_HEADERS:
+            self._fail(
+                InvalidResponse(f"{self.origin.host}:{self.origin.port} sent more than {MAX_HEADERS} header fields")
+            )
+            raise _Refused
+        name = name.lower()
+        if name == b"content-length" or name == b"transfer-encoding":
+            self.framed = True
+        headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         if self.stray:
             return
         status = self.parser.get_status_code()
-        if 100 <= status < 200 and status != 101:
-            # An interim answer (100 Continue, 103 Early Hints): the real one follows.
-            self.interim = True
-            self.headers = []
-            return
+        if not 200 <= status <= 599:
+            if 100 <= status < 200 and status != 101:
+                # An interim answer (100 Continue, 103 Early Hints, ...): the real one follows.
+                self.interim = True
+                self.headers = []
+                self.framed = False
+                return
+            self._fail(
+                InvalidResponse(
+                    f"{self.origin.host}:{self.origin.port} answered with status {status}: this client takes "
+                    f"final statuses 200-599 only (101 Switching Protocols would take the connection over)"
+                )
+            )
+            raise _Refused
         self.status = status
         # Only meaningful now: the parser forgets it once the message is complete.
         self.keep_alive = self.parser.should_keep_alive()
         self.headers_done = True
-        names = {name for name, _ in self.headers}
         if self.method == "HEAD":
             self.complete = True  # no body follows, whatever Content-Length says
             self.keep_alive = False  # and the parser, not knowing, would wait for one
-        elif b"content-length" not in names and b"transfer-encoding" not in names and status not in (204, 304):
+        elif not self.framed and status != 204 and status != 304:
             self.framed_by_close = True
             self.keep_alive = False
 
@@ -252,13 +333,19 @@ class _Connection(asyncio.Protocol):
 
 class Response:
     """An answer whose body is read with `read()` or streamed with `iter_chunks()` inside
-    `async with client.request(...)`; leaving the block gives the connection back."""
+    `async with client.request(...)`; leaving the block gives the connection back.
 
-    def __init__(self, conn: _Connection, read_timeout: float) -> None:
+    `framed_by_close`: the body has neither Content-Length nor chunked framing and ends
+    when the server closes the connection, so an answer cut short reads as a whole one.
+    """
+
+    def __init__(self, conn: _Connection, read_timeout: float, max_bytes: int) -> None:
         self._conn = conn
         self._read_timeout = read_timeout
+        self._max_bytes = max_bytes
         self.status = conn.status
         self.headers = conn.headers
+        self.framed_by_close = conn.framed_by_close
 
     def header(self, name: bytes) -> bytes | None:
         for key, value in self.headers:
@@ -267,12 +354,21 @@ class Response:
         return None
 
     async def read(self) -> bytes:
-        """The whole body (the rest of it, after `iter_chunks()`)."""
+        """The whole body (the rest of it, after `iter_chunks()`); `ResponseTooLarge` past
+        `max_response_bytes`."""
         conn = self._conn
         pieces: list[bytes] = []
+        size = 0
         while True:
             if conn.chunks:
-                pieces.append(conn.take())
+                piece = conn.take()
+                size += len(piece)
+                if size > self._max_bytes:
+                    raise ResponseTooLarge(
+                        f"{conn.origin.host}:{conn.origin.port} sent a body over {self._max_bytes} bytes "
+                        f"(max_response_bytes)"
+                    )
+                pieces.append(piece)
             elif conn.complete:
                 return pieces[0] if len(pieces) == 1 else b"".join(pieces)
             elif conn.error is not None:
@@ -342,12 +438,25 @@ class _ResponseContext:
 
 
 class HTTPClient:
-    def __init__(self, *, connect_timeout: float = 10.0, read_timeout: float = 900.0, max_idle: int = 512) -> None:
+    """Keep-alive connections to any number of origins; see the module's docstring for the contract."""
+
+    def __init__(
+        self,
+        *,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 900.0,
+        max_idle: int = 512,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
+        ssl_context: ssl.SSLContext | None = None,
+        connector: Connector | None = None,
+    ) -> None:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.max_idle = max_idle
+        self.max_response_bytes = max_response_bytes
         self._idle: dict[Origin, list[_Connection]] = {}
-        self._ssl: ssl.SSLContext | None = None
+        self._ssl = ssl_context
+        self._connector = connector or self._connect_socket
 
     def request(
         self,
@@ -376,7 +485,13 @@ class HTTPClient:
         for name, value in headers:
             head += [name, b": ", value, b"\r\n"]
         head += [b"content-length: ", str(len(body)).encode(), b"\r\n\r\n"]
-        payload = b"".join(head) + body
+        data = b"".join(head)
+        # One line end per header, four more (request line, host, content-length, blank line):
+        # anything else means a CR or LF inside a field. Counted on the joined head, in C.
+        lines = (len(head) - 6) // 4 + 4
+        if data.count(b"\n") != lines or data.count(b"\r") != lines or b"\0" in data:
+            raise InvalidHeader(_forbidden_in(method, url, head))
+        payload = data + body
         timeout = self.read_timeout if read_timeout is None else read_timeout
         while True:
             conn = await self._connection(origin)
@@ -394,7 +509,7 @@ class HTTPClient:
             except BaseException:
                 conn.close()
                 raise
-            return Response(conn, timeout)
+            return Response(conn, timeout, self.max_response_bytes)
 
     async def _connection(self, origin: Origin) -> _Connection:
         idle = self._idle.get(origin)
@@ -403,15 +518,10 @@ class HTTPClient:
             if not conn.closed and conn.transport is not None and not conn.transport.is_closing():
                 conn.reused = True
                 return conn
-        loop = asyncio.get_running_loop()
-        context = None
-        if origin.scheme == "https":
-            context = self._ssl = self._ssl or ssl.create_default_context()
+        conn = _Connection(self, origin)
         try:
             async with asyncio.timeout(self.connect_timeout):
-                transport, protocol = await loop.create_connection(
-                    lambda: _Connection(self, origin), origin.host, origin.port, ssl=context
-                )
+                transport = await self._connector(origin, conn)
         except TimeoutError as exc:
             raise ConnectTimeout(
                 f"could not connect to {origin.host}:{origin.port} within {self.connect_timeout:g} s"
@@ -419,8 +529,16 @@ class HTTPClient:
         except OSError as exc:
             raise ConnectError(f"could not connect to {origin.host}:{origin.port}: {exc.strerror or exc}") from exc
         # uvloop may return before it has called connection_made()
-        protocol.transport = transport
-        return protocol
+        conn.transport = typing.cast(asyncio.Transport, transport)
+        return conn
+
+    async def _connect_socket(self, origin: Origin, protocol: asyncio.Protocol) -> asyncio.BaseTransport:
+        context = None
+        if origin.scheme == "https":
+            context = self._ssl = self._ssl or ssl.create_default_context()
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_connection(lambda: protocol, origin.host, origin.port, ssl=context)
+        return transport
 
     def _put_idle(self, conn: _Connection) -> None:
         conn.in_use = False
@@ -436,3 +554,16 @@ class HTTPClient:
                 conn.close()
         self._idle.clear()
         await asyncio.sleep(0)  # let the transports close
+
+
+def _forbidden_in(method: str, url: str, head: list[bytes]) -> str:
+    """The message for a request whose head holds a CR, LF or NUL: which field."""
+    for i in range(3, len(head) - 3, 4):
+        name, value = head[i], head[i + 2]
+        for what, text in (("name", name), ("value", value)):
+            if any(c in text for c in b"\r\n\0"):
+                return (
+                    f"the header {name[:40]!r} has a CR, LF or NUL in its {what}: it would be read as another "
+                    f"header (or cut the request); remove them before sending"
+                )
+    return f"the method {method[:20]!r} or the URL {url[:100]!r} has a CR, LF or NUL in it; remove them"
