@@ -8,4 +8,5 @@ complete `Answer`, and a callback rendering the server's own errors.
 - `connection`: one client connection (parsing, order, limits, writes);
 - `exchange`: one request's ASGI cycle and the framing of its answer;
 - `client`: the upstream client (keep-alive pool, streaming, limits).
+- `memory`: an in-process connector for the client: an ASGI app served without sockets (tests).
 """
