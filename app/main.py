@@ -75,6 +75,7 @@ def create_app(settings: Settings | None = None) -> InferProxy:
                 read_timeout_s=settings.read_timeout_s,
                 api_key=settings.upstream_api_key,
                 health_interval_s=settings.health_interval_s,
+                max_response_bytes=settings.max_response_bytes,
             )
             await pool.start()
             stack.push_async_callback(pool.close)

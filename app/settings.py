@@ -52,6 +52,14 @@ class Settings(BaseSettings):
     connect_timeout_s: float = Field(10.0, gt=0, description="upstream connect timeout")
     read_timeout_s: float = Field(900.0, gt=0, description="upstream silence allowed mid-answer (long generations)")
     max_body_bytes: int = Field(32 * MiB, gt=0, description="larger request bodies get 413")
+    # An answer is held whole in memory to be stored (and a cached one is replayed whole): this bounds
+    # what one upstream answer can make the proxy hold. Far above an LLM answer, logprobs or a batch of
+    # embeddings included; well below SQLite's 1 GB limit on a stored value.
+    max_response_bytes: int = Field(
+        256 * MiB,
+        gt=0,
+        description="a larger upstream answer gets 502 (a streamed one is passed on but not stored)",
+    )
     flush_interval_ms: float = Field(50.0, gt=0, description="cache group-commit window: the most a crash loses")
     fsync: Literal["always", "never"] = Field("always", description="checkpoint durability policy")
     health_interval_s: float = Field(5.0, gt=0, description="how often an unhealthy replica is probed")

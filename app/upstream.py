@@ -9,7 +9,16 @@
   be working on it). After the last try the caller gets `UpstreamUnreachable`
   (502) or `UpstreamTimeout` (504), or the upstream's own last answer;
 - timeouts: explicit connect and read (silence) timeouts, no total timeout,
-  since generations can take many minutes.
+  since generations can take many minutes;
+- answers that are not HTTP as the client takes it (a `101`, a status outside
+  100-599, a head over its limits) are 502 at once, not retried; `read()`
+  refuses a body over `max_response_bytes` with a 502;
+- `async with pool.request(...) as answer:` releases the connection when the
+  block exits: kept if the body was read to its end, closed otherwise;
+- headers: hop-by-hop ones, and those a `Connection` header names (RFC 9110
+  §7.6.1), are dropped both ways; credentials in a replica's URL
+  (`http://user:pass@host`) are sent as Basic auth unless an `api_key` is
+  set, and shown as `***` wherever the URL is (errors, logs, `Replica.url`).
 
 The client is `app.http.client`, chosen by measurement (bench/README.md).
 """
@@ -17,24 +26,30 @@ The client is `app.http.client`, chosen by measurement (bench/README.md).
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import email.utils
 import logging
 import random
 import time
 from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from app.errors import UpstreamTimeout, UpstreamUnreachable
 from app.http.client import (
+    MAX_RESPONSE_BYTES,
     ConnectError,
     ConnectionLost,
     ConnectTimeout,
     HTTPClient,
     HTTPClientError,
+    InvalidResponse,
     ReadTimeout,
     Response,
+    ResponseTooLarge,
 )
+from app.output_check import redact_url
 
 logger = logging.getLogger(__name__)
 
@@ -70,24 +85,46 @@ _NOT_FORWARDED = frozenset(
     }
 )
 _SERVER_SET = frozenset({b"date", b"server"})
+_PLAIN_CONNECTION = frozenset({b"keep-alive", b"close"})  # what nearly every Connection header says: no names
 
 
 @dataclass
 class Replica:
+    """One upstream server. `url` is its root as shown (credentials as `***`); requests go to
+    `base`, the root without credentials, with `auth`."""
+
     url: str
+    base: str = ""
+    auth: list[tuple[bytes, bytes]] = field(default_factory=list)
     in_flight: int = 0
     healthy: bool = True
     failed_at: float = 0.0
+
+    @classmethod
+    def at(cls, root: str, api_auth: list[tuple[bytes, bytes]]) -> Replica:
+        """The replica at `root`; credentials in it become Basic auth unless `api_auth` is given."""
+        parts = urlsplit(root)
+        if "@" not in parts.netloc:
+            return cls(root, root, api_auth)
+        base = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
+        auth = api_auth
+        if not auth:
+            user, password = unquote(parts.username or ""), unquote(parts.password or "")
+            auth = [(b"authorization", b"Basic " + base64.b64encode(f"{user}:{password}".encode()))]
+        return cls(redact_url(root), base, auth)
 
 
 class UpstreamResponse:
     """An upstream answer whose body is read or streamed by the caller inside `UpstreamPool.request`."""
 
-    def __init__(self, raw: Response, replica: Replica) -> None:
+    def __init__(self, raw: Response, replica: Replica, max_bytes: int) -> None:
         self.raw = raw
         self.replica = replica
+        self.max_bytes = max_bytes
         self.status = raw.status
         self.headers = raw.headers
+        #: The body ends where the connection does: a cut one cannot be told from a whole one.
+        self.framed_by_close = raw.framed_by_close
 
     @property
     def content_type(self) -> str:
@@ -97,7 +134,15 @@ class UpstreamResponse:
     async def read(self) -> bytes:
         """The whole body; `UpstreamUnreachable` / `UpstreamTimeout` if it breaks off."""
         try:
-            return await self.raw.read()
+            return await self.raw.read(self.max_bytes)
+        except ResponseTooLarge as exc:
+            raise UpstreamUnreachable(
+                f"the upstream {self.replica.url} answered with a body over max_response_bytes "
+                f"({self.max_bytes} bytes); it was not passed on nor stored: raise --max-response-bytes "
+                f"if such answers are expected"
+            ) from exc
+        except InvalidResponse as exc:
+            raise UpstreamUnreachable(f"the upstream {self.replica.url} sent an invalid answer: {exc}") from exc
         except ReadTimeout as exc:
             raise UpstreamTimeout(f"the upstream {self.replica.url} went silent mid-answer: {exc}") from exc
         except ConnectionLost as exc:
@@ -123,16 +168,20 @@ class UpstreamPool:
         read_timeout_s: float = 900.0,
         api_key: str | None = None,
         health_interval_s: float = 5.0,
+        max_response_bytes: int = MAX_RESPONSE_BYTES,
         client: HTTPClient | None = None,
     ) -> None:
-        self.replicas = [Replica(root) for root in roots]
+        self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
+        self.replicas = [Replica.at(root, self._auth) for root in roots]
         self.retries = retries
         self.backoff_s = backoff_s
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
         self.health_interval_s = health_interval_s
-        self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
-        self._client = client or HTTPClient(connect_timeout=connect_timeout_s, read_timeout=read_timeout_s)
+        self.max_response_bytes = max_response_bytes
+        self._client = client or HTTPClient(
+            connect_timeout=connect_timeout_s, read_timeout=read_timeout_s, max_response_bytes=max_response_bytes
+        )
         self._rotation = 0
         self._prober: asyncio.Task[None] | None = None
 
@@ -158,11 +207,12 @@ class UpstreamPool:
         rotated = healthy[start:] + healthy[:start]
         return min(rotated, key=lambda r: r.in_flight)
 
-    def upstream_headers(self, client_headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-        """The client's headers minus hop-by-hop ones, its credentials and inferproxy's own."""
-        out = [(n, v) for n, v in client_headers if n not in HOP_BY_HOP and n not in _NOT_FORWARDED]
+    def upstream_headers(self, client_headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+        """The client's headers minus hop-by-hop ones, its credentials and inferproxy's own
+        (the replica's credentials are added per attempt, by `request`)."""
+        hop_by_hop = hop_by_hop_in(client_headers)
+        out = [(n, v) for n, v in client_headers if n not in hop_by_hop and n not in _NOT_FORWARDED]
         out.append((b"accept-encoding", b"identity"))
-        out += self._auth
         return out
 
     @contextlib.asynccontextmanager
@@ -176,10 +226,11 @@ class UpstreamPool:
             replica = self.pick()
             replica.in_flight += 1
             raw: Response | None = None
+            sent = [*headers, *replica.auth] if replica.auth else headers
             try:
-                async with self._client.request(method, replica.url + path, headers=headers, body=body) as raw:
+                async with self._client.request(method, replica.base + path, headers=sent, body=body) as raw:
                     if raw.status not in RETRY_STATUSES or attempt >= self.retries:
-                        yield UpstreamResponse(raw, replica)
+                        yield UpstreamResponse(raw, replica, self.max_response_bytes)
                         return
                     retry_in = self._retry_after(raw) or self._backoff(attempt)
                     logger.info("upstream %s answered %d; retrying in %.2f s", replica.url, raw.status, retry_in)
@@ -200,6 +251,12 @@ class UpstreamPool:
                         raise UpstreamTimeout(f"the upstream {replica.url} is not answering {tries}: {exc}") from exc
                     raise UpstreamUnreachable(f"the upstream {replica.url} is unreachable {tries}: {exc}") from exc
                 retry_in = self._backoff(attempt)
+            except InvalidResponse as exc:
+                if raw is not None:
+                    raise
+                # Not HTTP as the client takes it (a 101, a status outside 100-599, a head over the limits):
+                # the same request would only get the same answer.
+                raise UpstreamUnreachable(f"the upstream {replica.url} sent an invalid answer: {exc}") from exc
             finally:
                 replica.in_flight -= 1  # however the attempt ends: answer done, error, retry, cancellation
             await asyncio.sleep(retry_in)
@@ -210,7 +267,7 @@ class UpstreamPool:
         try:
             async with (
                 asyncio.timeout(timeout_s),
-                self._client.request("GET", replica.url + "/v1/models", headers=self._auth) as answer,
+                self._client.request("GET", replica.base + "/v1/models", headers=replica.auth) as answer,
             ):
                 await answer.read()
                 ok = answer.status == 200
@@ -266,6 +323,17 @@ def parse_retry_after(value: str | None) -> float | None:
     return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
 
 
-def response_headers(raw_headers: Iterable[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
-    """Upstream response headers safe to pass on (hop-by-hop and framing removed)."""
-    return [(name, value) for name, value in raw_headers if name not in HOP_BY_HOP and name not in _SERVER_SET]
+def response_headers(raw_headers: list[tuple[bytes, bytes]]) -> list[tuple[bytes, bytes]]:
+    """Upstream response headers safe to pass on (hop-by-hop, `Connection`-named and framing removed)."""
+    hop_by_hop = hop_by_hop_in(raw_headers)
+    return [(name, value) for name, value in raw_headers if name not in hop_by_hop and name not in _SERVER_SET]
+
+
+def hop_by_hop_in(headers: list[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """`HOP_BY_HOP` plus the fields the `Connection` headers name: they are meant for this hop only
+    (RFC 9110 §7.6.1). Names are lowercase, as the server and the client give them."""
+    named: set[bytes] = set()
+    for name, value in headers:
+        if name == b"connection" and value.lower() not in _PLAIN_CONNECTION:
+            named.update(token.strip().lower() for token in value.split(b","))
+    return HOP_BY_HOP | named if named else HOP_BY_HOP

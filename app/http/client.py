@@ -353,20 +353,20 @@ class Response:
                 return value
         return None
 
-    async def read(self) -> bytes:
+    async def read(self, max_bytes: int | None = None) -> bytes:
         """The whole body (the rest of it, after `iter_chunks()`); `ResponseTooLarge` past
-        `max_response_bytes`."""
+        `max_bytes` (by default the client's `max_response_bytes`)."""
         conn = self._conn
+        limit = self._max_bytes if max_bytes is None else max_bytes
         pieces: list[bytes] = []
         size = 0
         while True:
             if conn.chunks:
                 piece = conn.take()
                 size += len(piece)
-                if size > self._max_bytes:
+                if size > limit:
                     raise ResponseTooLarge(
-                        f"{conn.origin.host}:{conn.origin.port} sent a body over {self._max_bytes} bytes "
-                        f"(max_response_bytes)"
+                        f"{conn.origin.host}:{conn.origin.port} sent a body over {limit} bytes (max_response_bytes)"
                     )
                 pieces.append(piece)
             elif conn.complete:

@@ -181,7 +181,7 @@ async def forward(
             headers: Headers = [(b"content-type", content_type.encode("latin-1")), *ours]
             headers += [(k, v) for k, v in response_headers(upstream.headers) if k in _PASSED_ON]
             if content_type.startswith("text/event-stream"):
-                data = await stream_through(upstream, receive, send, headers)
+                data = await stream_through(upstream, receive, send, headers, services.settings.max_response_bytes)
                 if data is None:
                     return None
                 answer = StoredResponse(upstream.status, data, content_type, streamed=True)
@@ -191,6 +191,8 @@ async def forward(
                 answer = StoredResponse(upstream.status, data, content_type)
                 await send_bytes(send, upstream.status, headers, data)
                 whole = True
+            # An answer that ends where the connection does may have been cut: passed on, never kept.
+            whole = whole and not upstream.framed_by_close
     except ProxyError as error:
         services.stats[f"error_{error.status}"] += 1
         await send_error(send, error, ours)
@@ -207,26 +209,37 @@ async def forward(
     return answer if whole else None
 
 
-async def stream_through(upstream: UpstreamResponse, receive: Receive, send: Send, headers: Headers) -> bytes | None:
-    """Pass an SSE answer on chunk by chunk; return all of it, or None if the client left."""
+async def stream_through(
+    upstream: UpstreamResponse, receive: Receive, send: Send, headers: Headers, limit: int
+) -> bytes | None:
+    """Pass an SSE answer on chunk by chunk; return all of it, or None if the client left or the
+    answer was over `limit` bytes (passed on whole all the same, but not kept to be stored)."""
     await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
     gone = asyncio.ensure_future(_disconnected(receive))
     pieces: list[bytes] = []
+    size = 0
     try:
         async for chunk in upstream.iter_chunks():
             if gone.done():
                 upstream.abort()  # nobody is listening: stop the generation
                 return None
-            pieces.append(chunk)
+            size += len(chunk)
+            if size <= limit:
+                pieces.append(chunk)
+            elif pieces:
+                pieces = []  # too large to store: stop holding it
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
     except HTTPClientError as exc:
         # The upstream died mid-answer. The status line is gone already: end the
         # response without its terminating chunk so that the client sees a cut.
-        logger.warning("the upstream stream broke off after %d chunks: %s", len(pieces), exc)
+        logger.warning("the upstream stream broke off after %d bytes: %s", size, exc)
         raise StreamBrokeOff from exc
     finally:
         gone.cancel()
     await send({"type": "http.response.body", "body": b"", "more_body": False})
+    if size > limit:
+        logger.warning("a streamed answer of %d bytes was passed on but not stored: over max_response_bytes", size)
+        return None
     return b"".join(pieces)
 
 

@@ -1,0 +1,101 @@
+"""The proxy in front of upstreams that misbehave or are large: what it passes on, what it stores."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from app.settings import Settings
+from tests.canned import canned_server
+from tests.factories import chat_request, doc_headers
+from tests.servers import fake_upstream, free_port, proxy_client
+
+ANSWER = orjson.dumps({"object": "chat.completion", "choices": [{"message": {"content": "hi"}}]})
+
+
+def settings(tmp_path: Path, upstream: str, **overrides: Any) -> Settings:
+    defaults: dict[str, Any] = {"retry_backoff_s": 0.001, "checkpoints_dir": tmp_path / "ckpt"}
+    return Settings(upstream=[upstream], **{**defaults, **overrides})
+
+
+async def test_an_answer_framed_by_the_connection_closing_is_passed_on_but_never_cached(tmp_path: Path) -> None:
+    close_delimited = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n\r\n" + ANSWER
+    async with (
+        canned_server([close_delimited, close_delimited], close_after=True) as upstream,
+        proxy_client(settings(tmp_path, upstream.url)) as client,
+    ):
+        first = await client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers())
+        second = await client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers())
+    assert (first.status_code, first.content) == (200, ANSWER)
+    assert (first.headers["x-cache"], second.headers["x-cache"]) == ("MISS", "MISS")
+    assert upstream.connections == 2
+
+
+async def test_an_answer_over_max_response_bytes_is_a_502_and_nothing_is_stored(tmp_path: Path) -> None:
+    async with (
+        fake_upstream() as (url, upstream),
+        proxy_client(settings(tmp_path, url, max_response_bytes=100)) as client,
+    ):
+        answers = [
+            await client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers()) for _ in range(2)
+        ]
+    assert [a.status_code for a in answers] == [502, 502]
+    assert "max_response_bytes" in answers[0].json()["error"]["message"]
+    assert upstream.generations == 2  # nothing was stored to answer the second
+
+
+async def test_a_stream_over_max_response_bytes_is_passed_on_whole_but_not_stored(tmp_path: Path) -> None:
+    request = chat_request(stream=True, max_tokens=50)
+    async with (
+        fake_upstream() as (url, upstream),
+        proxy_client(settings(tmp_path, url, max_response_bytes=300)) as client,
+    ):
+        first = await client.post("/v1/chat/completions", json=request, headers=doc_headers())
+        second = await client.post("/v1/chat/completions", json=request, headers=doc_headers())
+    assert first.status_code == 200
+    assert len(first.content) > 300
+    assert first.content.rstrip().endswith(b"data: [DONE]")
+    assert (first.headers["x-cache"], second.headers["x-cache"]) == ("MISS", "MISS")
+    assert upstream.generations == 2
+
+
+async def test_a_101_from_the_upstream_is_a_502_at_once(tmp_path: Path) -> None:
+    switching = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n"
+    async with (
+        canned_server([switching] * 4) as upstream,
+        proxy_client(settings(tmp_path, upstream.url, read_timeout_s=60)) as client,
+    ):
+        async with asyncio.timeout(10):  # instead of read_timeout_s
+            answer = await client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers())
+    assert answer.status_code == 502
+    assert "status 101" in answer.json()["error"]["message"]
+    assert upstream.connections == 1  # not retried
+
+
+async def test_credentials_in_the_upstream_url_reach_it_as_basic_auth(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, upstream):
+        with_credentials = url.replace("http://", "http://user:s3cret@")
+        async with proxy_client(settings(tmp_path, with_credentials)) as client:
+            answer = await client.post("/v1/chat/completions", json=chat_request())
+            stats = await client.get("/stats")
+    assert answer.status_code == 200
+    assert upstream.last_headers["authorization"] == "Basic " + base64.b64encode(b"user:s3cret").decode()
+    assert "s3cret" not in stats.text
+
+
+async def test_credentials_in_an_unreachable_upstream_url_are_never_shown(tmp_path: Path) -> None:
+    down = f"http://user:s3cret@127.0.0.1:{free_port()}"
+    async with proxy_client(settings(tmp_path, down, upstream_retries=0)) as client:
+        answers = [
+            await client.post("/v1/chat/completions", json=chat_request()),
+            await client.get("/readyz"),
+            await client.get("/stats"),
+        ]
+    assert [a.status_code for a in answers] == [502, 503, 200]
+    for answer in answers:
+        assert "s3cret" not in answer.text
+        assert "***@127.0.0.1" in answer.text
