@@ -89,11 +89,12 @@ def create_app(settings: Settings | None = None) -> InferProxy:
                 stack.push_async_callback(cancel, janitor)
             api.state.services = proxy.services = services
             stack.callback(setattr, proxy, "services", None)
-            logger.info("inferproxy %s forwarding to %s", __version__, ", ".join(settings.upstream))
+            logger.info("inferproxy %s forwarding to %s", __version__, ", ".join(r.url for r in pool.replicas))
             shown = settings.model_dump(mode="json")
             for secret in ("api_key", "upstream_api_key"):
                 shown[secret] = "***" if shown[secret] else None
             shown["output"] = redact_url(settings.output)
+            shown["upstream"] = [r.url for r in pool.replicas]
             logger.info("settings: %s", shown)
             yield
 

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from app.settings import Settings
 from tests.canned import canned_server
@@ -87,7 +89,10 @@ async def test_credentials_in_the_upstream_url_reach_it_as_basic_auth(tmp_path: 
     assert "s3cret" not in stats.text
 
 
-async def test_credentials_in_an_unreachable_upstream_url_are_never_shown(tmp_path: Path) -> None:
+async def test_credentials_in_an_unreachable_upstream_url_are_never_shown(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
     down = f"http://user:s3cret@127.0.0.1:{free_port()}"
     async with proxy_client(settings(tmp_path, down, upstream_retries=0)) as client:
         answers = [
@@ -99,3 +104,5 @@ async def test_credentials_in_an_unreachable_upstream_url_are_never_shown(tmp_pa
     for answer in answers:
         assert "s3cret" not in answer.text
         assert "***@127.0.0.1" in answer.text
+    assert "***@127.0.0.1" in caplog.text  # the start-up lines name the upstream
+    assert "s3cret" not in caplog.text
