@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import orjson
-from starlette.responses import Response
-
 from app.errors import BadRequest, PayloadTooLarge, ProxyError
 from app.http.asgi import ASGIApp, Headers, Message, Receive, Scope, Send
 
@@ -62,7 +57,7 @@ async def send_bytes(send: Send, status: int, headers: Headers, body: bytes) -> 
 
 async def send_error(send: Send, error: ProxyError, extra_headers: Headers | None = None) -> None:
     """The proxy's own error, as the OpenAI envelope with the error's status."""
-    headers = [*JSON_HEADERS, *(extra_headers or [])]
+    headers = [*JSON_HEADERS, *error.headers, *(extra_headers or [])]
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     await send_bytes(send, error.status, headers, error.body())
@@ -77,12 +72,3 @@ async def lifespan_noop(receive: Receive, send: Send) -> None:
         elif message["type"] == "lifespan.shutdown":
             await send({"type": "lifespan.shutdown.complete"})
             return
-
-
-class JSONResponse(Response):
-    """A framework response rendered by orjson (for the few routes that go through FastAPI)."""
-
-    media_type = "application/json"
-
-    def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)
