@@ -21,6 +21,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The whole request body; `PayloadTooLarge` as soon as it is known to exceed `limit`."""
     declared = header(scope, b"content-length")
     if declared is not None:
+        declared = declared.strip(b" \t")  # optional whitespace around a field value is legal (RFC 9110 §5.5)
         if not declared.isdigit():
             raise BadRequest(f"Content-Length must be an integer, got {declared!r}", param="Content-Length")
         if int(declared) > limit:

@@ -496,6 +496,17 @@ async def test_a_path_whose_dot_segments_stay_in_v1_is_routed_and_forwarded_reso
         assert upstream.by_path == {"POST /v1/chat/completions": 1, "GET /v1/models": 1}
 
 
+@pytest.mark.parametrize("declared", ["{n} ", "{n}\t", " {n}", " {n} \t"])
+async def test_a_content_length_with_whitespace_around_its_digits_is_accepted(tmp_path: Path, declared: str) -> None:
+    async with serve_proxy(settings(tmp_path, "http://127.0.0.1:9")) as proxy:
+        body = orjson.dumps({"id": "a", "text": "t"})
+        request = raw_request("POST", "/documents", body, X_Chunk_Index="0").replace(
+            f"Content-Length: {len(body)}".encode(), f"Content-Length: {declared.format(n=len(body))}".encode()
+        )
+        status, _, answer = await raw_exchange(proxy, request)
+        assert (status, orjson.loads(answer)["written"]) == (200, 1)
+
+
 @pytest.mark.parametrize(
     ("method", "path", "allow"),
     [
