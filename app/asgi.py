@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-import orjson
-from starlette.responses import Response
-
 from app.errors import BadRequest, PayloadTooLarge, ProxyError
 from app.http.asgi import ASGIApp, Headers, Message, Receive, Scope, Send
 
@@ -26,6 +21,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The whole request body; `PayloadTooLarge` as soon as it is known to exceed `limit`."""
     declared = header(scope, b"content-length")
     if declared is not None:
+        declared = declared.strip(b" \t")  # optional whitespace around a field value is legal (RFC 9110 §5.5)
         if not declared.isdigit():
             raise BadRequest(f"Content-Length must be an integer, got {declared!r}", param="Content-Length")
         if int(declared) > limit:
@@ -62,7 +58,7 @@ async def send_bytes(send: Send, status: int, headers: Headers, body: bytes) -> 
 
 async def send_error(send: Send, error: ProxyError, extra_headers: Headers | None = None) -> None:
     """The proxy's own error, as the OpenAI envelope with the error's status."""
-    headers = [*JSON_HEADERS, *(extra_headers or [])]
+    headers = [*JSON_HEADERS, *error.headers, *(extra_headers or [])]
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
     await send_bytes(send, error.status, headers, error.body())
@@ -77,12 +73,3 @@ async def lifespan_noop(receive: Receive, send: Send) -> None:
         elif message["type"] == "lifespan.shutdown":
             await send({"type": "lifespan.shutdown.complete"})
             return
-
-
-class JSONResponse(Response):
-    """A framework response rendered by orjson (for the few routes that go through FastAPI)."""
-
-    media_type = "application/json"
-
-    def render(self, content: Any) -> bytes:
-        return orjson.dumps(content)

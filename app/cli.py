@@ -132,6 +132,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"inferproxy serve: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    raise_open_files_limit()
     server = create_server(settings)
     # What is loaded by now lives as long as the process: keep it out of the
     # garbage collector's generations, which then only scan request garbage.
@@ -145,6 +146,24 @@ def serve(args: argparse.Namespace) -> int:
         print(f"inferproxy serve: could not start: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def raise_open_files_limit() -> None:
+    """Each open rank holds ~7 files (`max_open_ranks`): take the soft limit on open files up to the hard one."""
+    import resource
+
+    logger = logging.getLogger("app.cli")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as exc:  # e.g. macOS refuses more than OPEN_MAX
+            logger.warning("open files limit stays at %d (hard limit %d): %s", soft, hard, exc)
+            return
+        logger.info("open files limit raised from %d to %d (the hard limit)", soft, wanted)
+    else:
+        logger.info("open files limit: %d", soft)
 
 
 def describe_errors(exc: ValidationError) -> str:

@@ -4,11 +4,13 @@
     ├── BadRequest              400 invalid_request_error   (a header, the body, a document)
     ├── Unauthorized            401 authentication_error
     ├── NotFound                404 not_found_error
+    ├── MethodNotAllowed        405 invalid_request_error    (with Allow)
     ├── ChunkConflict           409 conflict_error           (chunk already complete)
     ├── RankOwned               409 rank_owned_error         (another live proxy owns the rank: retry later)
     ├── PayloadTooLarge         413 invalid_request_error
     ├── UpstreamUnreachable     502 upstream_error
     ├── ServiceUnavailable      503 service_unavailable
+    │   └── TooManyRanks        503 too_many_ranks           (every open rank busy: retry, or raise max_open_ranks)
     ├── UpstreamTimeout         504 upstream_timeout
     └── InsufficientStorage     507 insufficient_storage     (disk full: nothing was written)
 
@@ -26,10 +28,13 @@ class ProxyError(Exception):
     status = 500
     type = "internal_error"
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, param: str | None = None, headers: list[tuple[bytes, bytes]] | None = None
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.headers = headers or []  # sent with the answer, e.g. Retry-After
 
     def body(self) -> bytes:
         return error_body(self.message, type_=self.type, param=self.param, code=self.status)
@@ -48,6 +53,11 @@ class Unauthorized(ProxyError):
 class NotFound(ProxyError):
     status = 404
     type = "not_found_error"
+
+
+class MethodNotAllowed(ProxyError):
+    status = 405
+    type = "invalid_request_error"
 
 
 class ChunkConflict(ProxyError):
@@ -76,6 +86,10 @@ class UpstreamUnreachable(ProxyError):
 class ServiceUnavailable(ProxyError):
     status = 503
     type = "service_unavailable"
+
+
+class TooManyRanks(ServiceUnavailable):
+    type = "too_many_ranks"
 
 
 class UpstreamTimeout(ProxyError):

@@ -1,21 +1,22 @@
-"""`create_app(settings)`: the ASGI application `inferproxy serve` runs.
+"""`create_app(settings)`: the ASGI application `inferproxy serve` runs, and `ROUTES`, every route it has.
 
-Where a request goes:
+Where a request goes: `ROUTES` below, one table for all of them (method, path,
+handler, whether `--api-key` is needed), dispatched by `InferProxy.__call__`
+on raw ASGI with one dict lookup (`app.routing`). A path with dot segments is
+routed by its resolved form, and refused if that leaves `/v1/`. A path no route
+has gets 404, a method its route does not serve 405 (with `Allow`); `TRACE` and
+`CONNECT` are never served.
 
-- a cache hit (`POST /v1/chat/completions` or `/v1/completions`): answered by
-  `InferProxy.answer_fast` inside `app.http.server`'s protocol callback, with no
-  task, ASGI message or framework code at all;
-- `/v1/*`: `app.routes.proxy`, on raw ASGI, before any framework code runs:
-  the hot path pays for no routing, middleware or telemetry layers;
-- `/documents`, `/chunks/{i}/complete`, `/resume`: `app.routes.checkpoints` (raw ASGI too);
-- `/lookup`: `app.routes.lookup`, many cache lookups in one request (a restarted job's replay);
-- `/healthz`, `/readyz`, `/stats`: `app.routes.ops`, through FastAPI;
-- everything passes `--api-key` authentication first, except `/healthz`.
+A cache hit on the built-in server (`app.http`) is answered before that, by
+`InferProxy.answer_fast` inside the server's protocol callback, with no task or
+ASGI message at all; it runs the same `authenticate` and `lookup` as the ASGI
+path and leaves its `Lookup` in the scope's extensions for it when it cannot
+answer. Under uvicorn (`--http uvicorn`) everything goes the ASGI way.
 
 The lifespan opens the upstream pool and the per-rank registries into one
-`Services` on `app.state.services`, and closes them (flushing every cache)
-on shutdown. A rank is claimed (`app.ownership`) and restored from disk on
-its first request, so several proxies can share one checkpoints dir.
+`Services` (`InferProxy.services`), and closes them (flushing every cache) on
+shutdown. A rank is claimed (`app.ownership`) and restored from disk on its
+first request, so several proxies can share one checkpoints dir.
 """
 
 from __future__ import annotations
@@ -25,18 +26,13 @@ import contextlib
 import hmac
 import logging
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
-from typing import Any
-
-import orjson
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from starlette.exceptions import HTTPException
+from contextlib import AsyncExitStack
+from typing import Any, Protocol
 
 from app import __version__
-from app.asgi import ASGIApp, ClientGone, Headers, JSONResponse, Message, Receive, Scope, Send, header, send_error
+from app.asgi import ClientGone, Headers, Message, Receive, Scope, Send, send_error
 from app.durable import make_dirs_durable
-from app.errors import ProxyError, Unauthorized, error_body
+from app.errors import BadRequest, MethodNotAllowed, NotFound, ProxyError, Unauthorized, error_body
 from app.http.asgi import Answer
 from app.http.server import HTTPServer
 from app.layout import CheckpointsLayout
@@ -44,21 +40,162 @@ from app.output_check import redact_url
 from app.ownership import RankOwnership
 from app.resume import check_records_per_chunk
 from app.routes import ops
-from app.routes.checkpoints import CHECKPOINT_PATHS, handle_checkpoints
+from app.routes.checkpoints import complete_chunk, get_resume, json_route, post_documents
 from app.routes.lookup import handle_lookup
-from app.routes.proxy import CACHEABLE_PATHS, answer_hit, handle_v1
-from app.services import CacheRegistry, CheckpointRegistry, Services
+from app.routes.proxy import CACHEABLE_PATHS, LOOKUP, Lookup, cacheable, forward_uncached, lookup, stored_answer
+from app.routing import OTHER, Route, Router, resolve_dot_segments
+from app.services import CacheRegistry, CheckpointRegistry, RankActivity, Services
 from app.settings import Settings
 from app.upstream import UpstreamPool
 
 logger = logging.getLogger(__name__)
 
+_BYPASS: Headers = [(b"x-cache", b"BYPASS")]
+
+#: Every route. `/v1/{path...}` forwards whatever else is under `/v1/` unchanged and uncached.
+ROUTES = [
+    Route("/v1/chat/completions", {"POST": cacheable, OTHER: forward_uncached}, error_headers=_BYPASS),
+    Route("/v1/completions", {"POST": cacheable, OTHER: forward_uncached}, error_headers=_BYPASS),
+    Route("/v1/{path...}", {OTHER: forward_uncached}, error_headers=_BYPASS),
+    Route("/documents", {"POST": json_route(post_documents)}),
+    Route("/chunks/{i}/complete", {"POST": json_route(complete_chunk)}),
+    Route("/resume", {"GET": json_route(get_resume)}),
+    Route("/lookup", {"POST": handle_lookup}),
+    Route("/healthz", {"GET": ops.healthz}, auth=False),
+    Route("/readyz", {"GET": ops.readyz}),
+    Route("/stats", {"GET": ops.stats}),
+]
+assert {r.path for r in ROUTES} >= CACHEABLE_PATHS  # the fast path's paths are routes of their own
+
 
 def create_app(settings: Settings | None = None) -> InferProxy:
-    settings = settings or Settings()
+    return InferProxy(settings or Settings())
 
-    @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+
+class InferProxy:
+    """The ASGI app: lifespan, authentication, then the route table."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.router = Router(ROUTES)
+        self.expected = f"Bearer {settings.api_key}".encode() if settings.api_key else None
+        self.services: Services | None = None  # while the lifespan runs
+        self.startup_error: BaseException | None = None  # why the last startup failed, for the server to raise
+
+    # -- the one authentication check ----------------------------------------------
+
+    def authenticate(self, headers: Headers) -> Unauthorized | None:
+        """None if the request may pass (`--api-key` unset, or `Authorization: Bearer KEY` given), else why not."""
+        if self.expected is None:
+            return None
+        given = next((value for name, value in headers if name == b"authorization"), b"")
+        if hmac.compare_digest(given, self.expected):
+            return None
+        reason = "missing" if not given else "wrong"
+        return Unauthorized(f"the Authorization header is {reason}: send Bearer <api key>")
+
+    # -- the fast path ------------------------------------------------------------
+
+    def answer_fast(self, path: str, headers: Headers, body: bytes, extensions: dict[str, Any]) -> Answer | None:
+        """`app.http.server`'s fast path: a cache hit answered synchronously, or None.
+
+        Only for a whole `POST` to a cacheable path (the server routes those here). What needs an
+        error answer is left to the ASGI path; what it looked up is left in `extensions` for it.
+        """
+        services = self.services
+        if services is None or len(body) > services.settings.max_body_bytes or self.authenticate(headers):
+            return None
+        try:
+            found = lookup(services, headers, body)
+        except BadRequest:
+            return None
+        extensions[LOOKUP] = found
+        if found.hit is None:
+            return None
+        services.activity.touch(found.key.rank)
+        return stored_answer(services, found.hit, b"HIT", found.digest)
+
+    # -- ASGI ---------------------------------------------------------------------
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            await self.dispatch(scope, receive, send)
+        elif scope["type"] == "lifespan":
+            await self.run_lifespan(receive, send)
+
+    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        services = self.services
+        assert services is not None, "a request before the lifespan's startup"
+        if "/." in scope["path"]:
+            try:
+                resolve_dot_segments(scope)
+            except BadRequest as error:
+                await send_error(send, error)
+                return
+        path: str = scope["path"]
+        method: str = scope["method"]
+        found = self.router.find(path)
+        route = found[0] if found is not None else None
+        if route is None or route.auth:
+            extensions = scope.get("extensions")
+            fast: Lookup | None = extensions.get(LOOKUP) if extensions else None
+            refusal = self.authenticate(scope["headers"]) if fast is None else None  # the fast path checked it
+            if refusal is not None:
+                await send_error(send, refusal)
+                return
+        if route is None:
+            await send_error(send, NotFound(f"no route {method} {path}: see docs/contract.md for the routes served"))
+            return
+        handler = route.handler(method)
+        if handler is None:
+            allow = route.allow()
+            not_allowed = MethodNotAllowed(f"{method} {path} is not served: only {allow.decode() or 'nothing'}")
+            await send_error(send, not_allowed, [(b"allow", allow)])
+            return
+        if found is not None and found[1] is not None:
+            scope["path_params"] = found[1]
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await handler(services, scope, receive, tracking_send)
+        except ClientGone:
+            logger.debug("client left before its request was read: %s", path)
+        except Exception as exc:
+            if started:
+                raise  # mid-answer: all that is left is to cut the connection
+            if not isinstance(exc, ProxyError):
+                logger.exception("%s %s failed", method, path)
+            reason = f"inferproxy failed on this request: {type(exc).__name__}: {exc}"
+            failure = exc if isinstance(exc, ProxyError) else ProxyError(reason)
+            await send_error(send, failure, route.error_headers)
+
+    async def run_lifespan(self, receive: Receive, send: Send) -> None:
+        """The ASGI lifespan protocol around `lifespan()`."""
+        await receive()  # lifespan.startup
+        started = False
+        try:
+            async with self.lifespan():
+                started = True
+                await send({"type": "lifespan.startup.complete"})
+                await receive()  # lifespan.shutdown
+        except BaseException as exc:
+            if started:
+                await send({"type": "lifespan.shutdown.failed", "message": f"{type(exc).__name__}: {exc}"})
+            else:
+                self.startup_error = exc
+                await send({"type": "lifespan.startup.failed", "message": f"{type(exc).__name__}: {exc}"})
+            raise
+        await send({"type": "lifespan.shutdown.complete"})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self) -> AsyncIterator[Services]:
+        """Open every resource into `self.services`; close them all (flushing every cache) at the end."""
+        settings = self.settings
         async with AsyncExitStack() as stack:
             # Several proxies may share the checkpoints dir: each rank is owned by one of them,
             # claimed on its first request and released when this proxy stops (or dies).
@@ -79,16 +216,17 @@ def create_app(settings: Settings | None = None) -> InferProxy:
             )
             await pool.start()
             stack.push_async_callback(pool.close)
+            activity = RankActivity()
             caches = CacheRegistry(settings.checkpoints_dir, ownership, flush_interval_ms=settings.flush_interval_ms)
             stack.push_async_callback(caches.close)
-            checkpoints = CheckpointRegistry(settings, caches)
+            checkpoints = CheckpointRegistry(settings, caches, activity)
             stack.push_async_callback(checkpoints.close)
-            services = Services(settings=settings, pool=pool, caches=caches, checkpoints=checkpoints)
+            services = Services(settings=settings, pool=pool, caches=caches, checkpoints=checkpoints, activity=activity)
             if settings.rank_idle_s > 0:
                 janitor = asyncio.create_task(release_idle_ranks(services), name="release-idle-ranks")
                 stack.push_async_callback(cancel, janitor)
-            api.state.services = proxy.services = services
-            stack.callback(setattr, proxy, "services", None)
+            self.services = services
+            stack.callback(setattr, self, "services", None)
             logger.info("inferproxy %s forwarding to %s", __version__, ", ".join(r.url for r in pool.replicas))
             shown = settings.model_dump(mode="json")
             for secret in ("api_key", "upstream_api_key"):
@@ -96,31 +234,7 @@ def create_app(settings: Settings | None = None) -> InferProxy:
             shown["output"] = redact_url(settings.output)
             shown["upstream"] = [r.url for r in pool.replicas]
             logger.info("settings: %s", shown)
-            yield
-
-    api = FastAPI(title="inferproxy", version=__version__, lifespan=lifespan, default_response_class=JSONResponse)
-    api.include_router(ops.router)
-
-    @api.exception_handler(ProxyError)
-    async def proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
-        return JSONResponse(orjson.loads(exc.body()), status_code=exc.status)
-
-    @api.exception_handler(HTTPException)
-    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        kind = {404: "not_found_error", 405: "invalid_request_error"}.get(exc.status_code, "invalid_request_error")
-        message = f"{exc.detail}: {request.method} {request.url.path}"
-        body = error_body(message, type_=kind, code=exc.status_code)
-        return JSONResponse(orjson.loads(body), status_code=exc.status_code, headers=exc.headers)
-
-    @api.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        param = ".".join(str(part) for part in first.get("loc", ()))
-        body = error_body(f"{param}: {first.get('msg')}", type_="invalid_request_error", param=param, code=400)
-        return JSONResponse(orjson.loads(body), status_code=400)
-
-    proxy = InferProxy(api, api_key=settings.api_key)
-    return proxy
+            yield services
 
 
 async def release_idle_ranks(services: Services) -> None:
@@ -129,7 +243,7 @@ async def release_idle_ranks(services: Services) -> None:
     while True:
         await asyncio.sleep(min(max(idle_s / 4, 0.05), 15.0))
         try:
-            released = await services.checkpoints.release_idle(services.activity, idle_s)
+            released = await services.checkpoints.release_idle(idle_s)
         except Exception:  # a rank whose close failed is released all the same, with nothing of it left open
             logger.exception("releasing idle ranks failed")
             continue
@@ -143,9 +257,26 @@ async def cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
-def create_server(settings: Settings, app: InferProxy | None = None) -> HTTPServer:
-    """`inferproxy serve`'s HTTP server around `create_app(settings)`, hits on its fast path."""
+class Server(Protocol):
+    """What `inferproxy serve` and the tests need of a server, built-in or uvicorn."""
+
+    port: int
+
+    async def start(self) -> None: ...
+
+    async def shutdown(self) -> None: ...
+
+    async def serve(self, *, install_signal_handlers: bool = False) -> None: ...
+
+
+def create_server(settings: Settings, app: InferProxy | None = None) -> Server:
+    """`inferproxy serve`'s server around `create_app(settings)`: the built-in one (hits on its fast path),
+    or uvicorn with `http = "uvicorn"`."""
     app = app or create_app(settings)
+    if settings.http == "uvicorn":
+        from app.uvicorn_server import UvicornServer
+
+        return UvicornServer(app, settings)
     return HTTPServer(
         app,
         host=settings.host,
@@ -161,66 +292,3 @@ def render_error(status: int, message: str) -> tuple[bytes, bytes]:
     """The HTTP server's own refusals, in the proxy's error envelope."""
     kind = "internal_error" if status >= 500 else "invalid_request_error"
     return b"application/json", error_body(message, type_=kind, code=status)
-
-
-class InferProxy:
-    """The outermost ASGI app: authentication, then `/v1/*` to the proxy, everything else to FastAPI."""
-
-    def __init__(self, api: FastAPI, *, api_key: str | None) -> None:
-        self.app: ASGIApp = api
-        self.api = api
-        self.router = api.router  # lifespan_context, for in-process tests
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
-        self.services: Services | None = None  # while the lifespan runs
-
-    @property
-    def state(self) -> Any:
-        return self.api.state
-
-    def answer_fast(self, path: str, headers: Headers, body: bytes, extensions: dict[str, Any]) -> Answer | None:
-        """`app.http.server`'s fast path: a cache hit answered synchronously, or None.
-
-        Only for an authenticated `POST` to a cacheable path (the server routes those here);
-        whatever needs an error answer is left to `__call__`.
-        """
-        if self.expected is not None:
-            given = next((value for name, value in headers if name == b"authorization"), b"")
-            if not hmac.compare_digest(given, self.expected):
-                return None
-        services = self.services
-        return answer_hit(services, headers, body, extensions) if services is not None else None
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path: str = scope["path"]
-        if self.expected is not None and path != "/healthz":
-            given = header(scope, b"authorization") or b""
-            if not hmac.compare_digest(given, self.expected):
-                reason = "missing" if not given else "wrong"
-                await send_error(send, Unauthorized(f"the Authorization header is {reason}: send Bearer <api key>"))
-                return
-        if path.startswith("/v1/") or path in CHECKPOINT_PATHS or path.startswith("/chunks/") or path == "/lookup":
-            handler = (
-                handle_v1 if path.startswith("/v1/") else handle_lookup if path == "/lookup" else handle_checkpoints
-            )
-            started = False
-
-            async def tracking_send(message: Message) -> None:
-                nonlocal started
-                started = started or message["type"] == "http.response.start"
-                await send(message)
-
-            try:
-                await handler(self.api.state.services, scope, receive, tracking_send)
-            except ClientGone:
-                logger.debug("client left before its request was read: %s", path)
-            except Exception as exc:
-                if started:
-                    raise  # mid-answer: all that is left is to cut the connection
-                logger.exception("%s %s failed", scope["method"], path)
-                error = ProxyError(f"inferproxy failed on this request: {type(exc).__name__}: {exc}")
-                await send_error(send, error, [(b"x-cache", b"BYPASS")] if path.startswith("/v1/") else None)
-            return
-        await self.app(scope, receive, send)

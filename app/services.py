@@ -8,13 +8,14 @@ import contextlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from app.cache import RequestCache, StoredResponse
 from app.checkpointing import CheckpointManager
 from app.durable import atomic_write_bytes
+from app.errors import TooManyRanks
 from app.layout import CheckpointsLayout
 from app.output_check import redact_url
 from app.ownership import RankOwnership
@@ -42,6 +43,11 @@ class CacheRegistry:
         self.flush_interval_ms = flush_interval_ms
         self._caches: dict[int, RequestCache] = {}
         self._opening: dict[int, asyncio.Lock] = {}
+        #: claims a rank before its cache opens; `CheckpointRegistry` makes room under `max_open_ranks` first
+        self.admit: Callable[[int], Awaitable[None]] = self._claim
+
+    async def _claim(self, rank: int) -> None:
+        self.ownership.claim(rank)
 
     async def get(self, rank: int) -> RequestCache:
         cache = self._caches.get(rank)
@@ -51,7 +57,7 @@ class CacheRegistry:
         async with lock:
             cache = self._caches.get(rank)
             if cache is None:
-                self.ownership.claim(rank)
+                await self.admit(rank)
                 # replay_same_run: the proxy answers a repeated request with the first answer at once.
                 cache = RequestCache(str(self.root), flush_interval_ms=self.flush_interval_ms, replay_same_run=True)
                 await cache.initialize(rank)
@@ -133,17 +139,58 @@ class CheckpointRegistry:
     Completed chunks are published through one `ChunkPublisher`. A rank
     whose last chunk is completed is closed and released: its working files
     are gone, and its next use starts from what the disk says.
+
+    At most `max_open_ranks` ranks are open (claimed) at once: each holds
+    file descriptors (its SQLite files, chunk files, ownership lock), and a
+    process out of them fails every rank. Past the bound the least recently
+    used idle rank is closed and released to make room (it reopens on its
+    next request); a rank in use is never closed, and when all are,
+    the new rank gets `TooManyRanks` (503).
     """
 
-    def __init__(self, settings: Settings, caches: CacheRegistry) -> None:
+    def __init__(self, settings: Settings, caches: CacheRegistry, activity: RankActivity) -> None:
         self.settings = settings
         self.caches = caches
+        self.activity = activity
         self.ownership = caches.ownership
         self.root = str(settings.checkpoints_dir)
         self.layout = CheckpointsLayout(self.root)
         self.publisher = ChunkPublisher(settings.output, self.root, settings.output_filename)
         self._managers: dict[int, CheckpointManager] = {}
         self._opening: dict[int, asyncio.Lock] = {}
+        self._admitting = asyncio.Lock()
+        caches.admit = self.admit
+
+    async def admit(self, rank: int) -> None:
+        """Claim `rank` (`RankOwned` if another proxy has it), closing the least recently used idle
+        rank first if `max_open_ranks` are open."""
+        if self.ownership.owns(rank):
+            return
+        async with self._admitting:  # one rank admitted at a time: two must not both take the last place
+            if self.ownership.owns(rank):
+                return
+            while len(self.ownership.owned()) >= self.settings.max_open_ranks:
+                victim = self._least_recently_used_idle()
+                if victim is None:
+                    raise TooManyRanks(
+                        f"all {self.settings.max_open_ranks} open ranks are in use, so rank {rank} cannot be "
+                        f"opened now: retry later, or raise max_open_ranks (each open rank holds ~7 files; "
+                        f"check the open files limit, ulimit -n)",
+                        headers=[(b"retry-after", b"1")],
+                    )
+                if await self._release(victim, self._is_idle):
+                    logger.info(
+                        "closed rank %d, the least recently used, to open rank %d (max_open_ranks)", victim, rank
+                    )
+            self.ownership.claim(rank)
+
+    def _is_idle(self, rank: int) -> bool:
+        manager = self._managers.get(rank)
+        return not self.activity.in_flight[rank] and (manager is None or not manager.busy())
+
+    def _least_recently_used_idle(self) -> int | None:
+        idle = [rank for rank in self.ownership.owned() if self._is_idle(rank)]
+        return min(idle, key=lambda rank: self.activity.last_used.get(rank, 0.0), default=None)
 
     async def get(self, rank: int) -> CheckpointManager:
         manager = self._managers.get(rank)
@@ -153,7 +200,7 @@ class CheckpointRegistry:
         async with lock:
             manager = self._managers.get(rank)
             if manager is None:
-                self.ownership.claim(rank)
+                await self.admit(rank)
                 await self.recover_from_output(rank)
                 cache = await self.caches.get(rank)
                 manager = CheckpointManager(
@@ -171,7 +218,7 @@ class CheckpointRegistry:
 
     async def last_chunk(self, rank: int) -> int:
         """The rank's last published chunk as the disk says, without opening it (claims it)."""
-        self.ownership.claim(rank)
+        await self.admit(rank)
         await self.recover_from_output(rank)
         return read_last_chunk(self.layout.rank(rank).last_chunk_file)
 
@@ -214,36 +261,42 @@ class CheckpointRegistry:
             self.ownership.release(rank)
         return manager
 
-    async def release_idle(self, activity: RankActivity, idle_s: float) -> list[int]:
-        """Give up every owned rank that no request has used for `idle_s`; return them.
+    async def release_idle(self, idle_s: float) -> list[int]:
+        """Give up every owned rank that no request has used for `idle_s`; return them."""
+        released = []
+        for rank in self.ownership.owned():
+            if self.activity.idle(rank, idle_s) and await self._release(rank, lambda r: self.activity.idle(r, idle_s)):
+                released.append(rank)
+        return released
+
+    async def _release(self, rank: int, still_idle: Callable[[int], bool]) -> bool:
+        """Close the rank's checkpoint manager and cache and give up its ownership, if it is still idle
+        once its locks are held; True if it was released.
 
         The rank leaves the registries before anything is awaited, so that a
         request arriving meanwhile reopens it (after the close, under the
         rank's opening lock) instead of using what is being closed.
         """
-        released = []
-        for rank in self.ownership.owned():
-            manager = self._managers.get(rank)
-            if not activity.idle(rank, idle_s) or (manager is not None and manager.busy()):
-                continue
-            lock = self._opening.setdefault(rank, asyncio.Lock())
-            async with lock, self.caches.opening(rank):
-                if not activity.idle(rank, idle_s) or not self.ownership.owns(rank):
-                    continue
-                manager = self._managers.pop(rank, None)
-                cache = self.caches.take(rank)
+        manager = self._managers.get(rank)
+        if manager is not None and manager.busy():
+            return False
+        lock = self._opening.setdefault(rank, asyncio.Lock())
+        async with lock, self.caches.opening(rank):
+            if not still_idle(rank) or not self.ownership.owns(rank):
+                return False
+            manager = self._managers.pop(rank, None)
+            cache = self.caches.take(rank)
+            try:
                 try:
-                    try:
-                        if manager is not None:
-                            await manager.close()
-                    finally:  # the lock goes: nothing of the rank may stay open, whatever failed
-                        if cache is not None:
-                            await cache.close()
-                finally:
-                    self.ownership.release(rank)
-            activity.last_used.pop(rank, None)
-            released.append(rank)
-        return released
+                    if manager is not None:
+                        await manager.close()
+                finally:  # the lock goes: nothing of the rank may stay open, whatever failed
+                    if cache is not None:
+                        await cache.close()
+            finally:
+                self.ownership.release(rank)
+        self.activity.last_used.pop(rank, None)
+        return True
 
     async def close(self) -> None:
         managers, self._managers = self._managers, {}

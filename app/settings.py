@@ -67,6 +67,14 @@ class Settings(BaseSettings):
     rank_idle_s: float = Field(
         60.0, ge=0, description="a rank unused this long is released for another proxy to take over (0: never)"
     )
+    max_open_ranks: int = Field(
+        256,
+        gt=0,
+        description="ranks kept open at once (each holds ~5-7 files); past it the least recently used idle one closes",
+    )
+    http: Literal["builtin", "uvicorn"] = Field(
+        "builtin", description="HTTP server: the built-in one (cache hits on its fast path) or uvicorn"
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
 
     @field_validator("upstream", mode="before")

@@ -1,8 +1,23 @@
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 
 from tests.factories import RecordingWriter
+from tests.servers import HTTP_SERVER
+
+
+@pytest.fixture(params=["builtin", "uvicorn"])
+def http_server(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The server `tests.servers.serve_proxy` runs: each test that uses this runs under both, so that the app
+    behaves the same under either (a module opts in with `pytestmark = pytest.mark.usefixtures("http_server")`;
+    a test about the built-in server alone parametrizes it with `["builtin"]`, indirect)."""
+    HTTP_SERVER["name"] = request.param
+    try:
+        yield request.param
+    finally:
+        HTTP_SERVER["name"] = "builtin"
 
 
 @pytest.fixture

@@ -19,7 +19,16 @@ from app.fake_upstream import FakeUpstream
 from app.main import create_server
 from app.settings import Settings
 
-__all__ = ["fake_upstream", "free_port", "process", "proxy_client", "serve_in_loop", "serve_proxy", "wait_for_http"]
+__all__ = [
+    "HTTP_SERVER",
+    "fake_upstream",
+    "free_port",
+    "process",
+    "proxy_client",
+    "serve_in_loop",
+    "serve_proxy",
+    "wait_for_http",
+]
 
 
 @contextlib.asynccontextmanager
@@ -48,10 +57,20 @@ async def fake_upstream(**kwargs: Any) -> AsyncIterator[tuple[str, FakeUpstream]
         yield url, upstream
 
 
+#: The server `serve_proxy` runs when the settings do not name one: set by the `http_server` fixture
+#: (tests/conftest.py), which runs a test under each of them.
+HTTP_SERVER = {"name": "builtin"}
+
+
 @contextlib.asynccontextmanager
 async def serve_proxy(settings: Settings) -> AsyncIterator[str]:
-    """`inferproxy serve`'s server (app.http.server, fast path included) in this event loop; yield its URL."""
-    server = create_server(settings.model_copy(update={"host": "127.0.0.1", "port": 0}))
+    """`inferproxy serve`'s server in this event loop; yield its URL.
+
+    The built-in one (app.http.server, fast path included) or uvicorn: `settings.http` if given,
+    else the `http_server` fixture's.
+    """
+    http = settings.http if "http" in settings.model_fields_set else HTTP_SERVER["name"]
+    server = create_server(settings.model_copy(update={"host": "127.0.0.1", "port": 0, "http": http}))
     await server.start()
     try:
         yield f"http://127.0.0.1:{server.port}"

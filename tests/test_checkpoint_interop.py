@@ -6,12 +6,16 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+import pytest
 from datatrove.data import Document
 from datatrove.pipeline.inference.checkpointing import CheckpointManager as DatatroveCheckpointManager
 from datatrove.pipeline.writers import JsonlWriter
 
 from app.settings import Settings
 from tests.servers import proxy_client
+
+# Under both servers: the app must behave the same under the built-in one and under uvicorn.
+pytestmark = pytest.mark.usefixtures("http_server")
 
 RPC = 4
 

@@ -20,6 +20,9 @@ from app.routes.checkpoints import public_output
 from app.settings import Settings
 from tests.servers import fake_upstream, proxy_client
 
+# Under both servers: the app must behave the same under the built-in one and under uvicorn.
+pytestmark = pytest.mark.usefixtures("http_server")
+
 
 def config(tmp_path: Path, upstream: str, **overrides: Any) -> Settings:
     values: dict[str, Any] = {

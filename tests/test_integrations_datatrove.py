@@ -25,6 +25,9 @@ from app.integrations.datatrove import ProxyInferenceRunner, with_inferproxy_che
 from app.settings import Settings
 from tests.servers import fake_upstream, free_port, serve_proxy
 
+# Under both servers: the app must behave the same under the built-in one and under uvicorn.
+pytestmark = pytest.mark.usefixtures("http_server")
+
 TEMPLATE = "${rank}_chunk_${chunk_index}.jsonl"
 
 

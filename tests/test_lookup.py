@@ -21,6 +21,9 @@ from tests.factories import chat_request, completion_request, doc_headers, open_
 from tests.servers import fake_upstream, proxy_client, serve_in_loop
 from tests.test_checkpoint_service import config
 
+# Under both servers: the app must behave the same under the built-in one and under uvicorn.
+pytestmark = pytest.mark.usefixtures("http_server")
+
 
 @pytest.fixture
 async def client(tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:

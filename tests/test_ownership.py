@@ -11,6 +11,7 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from app.checkpointing import CheckpointManager
@@ -21,6 +22,9 @@ from app.ownership import RankOwnership
 from tests.factories import completion_request
 from tests.servers import fake_upstream, proxy_client
 from tests.test_checkpoint_service import config, doc, post
+
+# Under both servers: the app must behave the same under the built-in one and under uvicorn.
+pytestmark = pytest.mark.usefixtures("http_server")
 
 
 def test_a_rank_is_owned_by_one_holder_at_a_time_and_the_refusal_names_it(tmp_path: Path) -> None:
@@ -248,3 +252,59 @@ def test_two_proxies_recording_different_records_per_chunk_on_a_fresh_dir_cannot
         check_records_per_chunk(layout, 200, record=True)
     monkeypatch.undo()
     assert (tmp_path / "checkpoint_meta.json").read_bytes() == b'{"records_per_chunk":100}'
+
+
+async def test_past_max_open_ranks_the_least_recently_used_idle_rank_is_closed_and_reopened_on_demand(
+    tmp_path: Path,
+) -> None:
+    """Each open rank holds files (its SQLite cache, chunk files, ownership lock): unbounded, a client
+    naming many ranks runs the process out of descriptors, and then every rank fails."""
+    async with fake_upstream() as (url, upstream), proxy_client(config(tmp_path, url, max_open_ranks=4)) as client:
+
+        async def use(rank: int) -> httpx.Response:
+            headers = {"X-Doc-Id": f"d{rank}", "X-Rank": str(rank)}
+            answer = await client.post("/v1/completions", json=completion_request(), headers=headers)
+            assert answer.status_code == 200, answer.text
+            assert (await post(client, doc(f"doc-{rank}"), rank=rank)).status_code == 200  # a chunk file open
+            return answer
+
+        first = [await use(rank) for rank in range(4)]
+        baseline = len(os.listdir("/proc/self/fd"))
+        for rank in range(4, 20):
+            await use(rank)
+        assert len(os.listdir("/proc/self/fd")) <= baseline + 8  # 16 more ranks, each ~6 files, if none closed
+        assert (await client.get("/stats")).json()["ranks"] == [16, 17, 18, 19]
+        for rank in (0, 3):  # closed long ago: reopened, and its answers are still there
+            again = await client.post(
+                "/v1/completions", json=completion_request(), headers={"X-Doc-Id": f"d{rank}", "X-Rank": str(rank)}
+            )
+            assert (again.headers["x-cache"], again.content) == ("HIT", first[rank].content)
+            resume = (await client.get("/resume", headers={"X-Rank": str(rank)})).json()
+            assert resume["processed_ids"] == [f"doc-{rank}"]
+        assert upstream.generations == 20
+
+
+async def test_when_every_open_rank_is_in_use_a_new_rank_gets_503_naming_max_open_ranks(tmp_path: Path) -> None:
+    async with (
+        fake_upstream(latency_ms=400) as (url, _),
+        proxy_client(config(tmp_path, url, max_open_ranks=1)) as client,
+    ):
+        busy = asyncio.create_task(
+            client.post("/v1/completions", json=completion_request(), headers={"X-Doc-Id": "a", "X-Rank": "0"})
+        )
+        for _ in range(200):
+            if (await client.get("/stats")).json()["in_flight"]:
+                break
+            await asyncio.sleep(0.01)
+        refused = await client.post(
+            "/v1/completions", json=completion_request(), headers={"X-Doc-Id": "b", "X-Rank": "1"}
+        )
+        assert refused.status_code == 503
+        assert refused.headers["retry-after"] == "1"
+        assert refused.json()["error"]["type"] == "too_many_ranks"
+        assert "max_open_ranks" in refused.json()["error"]["message"]
+        assert (await post(client, doc("x"), rank=1)).status_code == 503
+        assert (await busy).status_code == 200
+        # rank 0 is idle now: it makes room
+        assert (await post(client, doc("x"), rank=1)).status_code == 200
+        assert (await client.get("/stats")).json()["ranks"] == [1]

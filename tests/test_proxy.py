@@ -18,6 +18,9 @@ from app.settings import Settings
 from tests.factories import chat_request, completion_request, doc_headers
 from tests.servers import fake_upstream, free_port, proxy_client, serve_proxy
 
+# Under both servers: the app must behave the same under the built-in one and under uvicorn.
+pytestmark = pytest.mark.usefixtures("http_server")
+
 
 class Env:
     def __init__(self, client: httpx.AsyncClient, upstream_url: str) -> None:
@@ -436,3 +439,129 @@ async def test_pipelined_hits_and_misses_on_one_connection_come_back_in_order(tm
             answers.append(head.split(b"x-cache: ")[1].split(b"\r\n")[0])
         writer.close()
     assert answers == [b"MISS", b"HIT", b"MISS"]
+
+
+async def raw_exchange(base_url: str, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """One request written as given (httpx would resolve dot segments itself) on its own connection."""
+    host, port = base_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(request)
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = {name.lower(): value for name, value in (line.split(": ", 1) for line in lines[1:] if ": " in line)}
+    body = await reader.readexactly(int(headers.get("content-length", "0")))
+    writer.close()
+    return int(lines[0].split()[1]), headers, body
+
+
+def raw_request(method: str, path: str, body: bytes = b"", **headers: str) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: proxy", f"Content-Length: {len(body)}"]
+    lines += [f"{name.replace('_', '-')}: {value}" for name, value in headers.items()]
+    return "\r\n".join(lines).encode() + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/../x",
+        "/v1/%2e%2e/x",
+        "/v1/%2E%2E/x",
+        "/v1/.%2e/x",
+        "/v1/..%2Fx",
+        "/v1/models%2F..%2F..%2Fx",
+        "/v1/chat/../../admin",
+        "/v1/..",
+    ],
+)
+async def test_a_path_whose_dot_segments_leave_v1_is_refused_and_never_forwarded(tmp_path: Path, path: str) -> None:
+    async with (
+        fake_upstream() as (url, upstream),
+        serve_proxy(settings(tmp_path, url, upstream_api_key="upstream-secret")) as proxy,
+    ):
+        for method in ("GET", "POST"):
+            status, _, body = await raw_exchange(proxy, raw_request(method, path, b"{}", **doc_headers()))
+            assert status == 400, (method, path)
+            assert "dot segments" in orjson.loads(body)["error"]["message"]
+        assert upstream.requests == 0
+
+
+async def test_a_path_whose_dot_segments_stay_in_v1_is_routed_and_forwarded_resolved(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, upstream), serve_proxy(settings(tmp_path, url)) as proxy:
+        body = orjson.dumps(chat_request())
+        first = await raw_exchange(proxy, raw_request("POST", "/v1/./chat/completions", body, **doc_headers()))
+        again = await raw_exchange(proxy, raw_request("POST", "/v1/x/%2e%2e/chat/completions", body, **doc_headers()))
+        assert (first[0], first[1]["x-cache"], again[1]["x-cache"]) == (200, "MISS", "HIT")
+        models = await raw_exchange(proxy, raw_request("GET", "/v1/chat/..%2F./models"))
+        assert models[0] == 200
+        assert upstream.by_path == {"POST /v1/chat/completions": 1, "GET /v1/models": 1}
+
+
+@pytest.mark.parametrize("declared", ["{n} ", "{n}\t", " {n}", " {n} \t"])
+async def test_a_content_length_with_whitespace_around_its_digits_is_accepted(tmp_path: Path, declared: str) -> None:
+    async with serve_proxy(settings(tmp_path, "http://127.0.0.1:9")) as proxy:
+        body = orjson.dumps({"id": "a", "text": "t"})
+        request = raw_request("POST", "/documents", body, X_Chunk_Index="0").replace(
+            f"Content-Length: {len(body)}".encode(), f"Content-Length: {declared.format(n=len(body))}".encode()
+        )
+        status, _, answer = await raw_exchange(proxy, request)
+        assert (status, orjson.loads(answer)["written"]) == (200, 1)
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("GET", "/documents", "POST"),
+        ("DELETE", "/resume", "GET"),
+        ("GET", "/lookup", "POST"),
+        ("POST", "/healthz", "GET"),
+        ("GET", "/chunks/3/complete", "POST"),
+        ("TRACE", "/v1/models", "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"),
+        ("TRACE", "/v1/chat/completions", "GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS"),
+    ],
+)
+async def test_a_method_a_route_does_not_serve_is_405_with_allow_and_trace_is_never_forwarded(
+    env: Env, method: str, path: str, allow: str
+) -> None:
+    answer = await env.client.request(method, path)
+    assert answer.status_code == 405
+    assert answer.headers["allow"] == allow
+    assert answer.json()["error"]["code"] == 405
+    assert (await env.upstream_stats())["requests"] == 0
+
+
+async def test_connect_is_refused_and_never_forwarded(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, upstream), serve_proxy(settings(tmp_path, url)) as proxy:
+        host, port = proxy.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"CONNECT {url.removeprefix('http://')} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        head = await reader.read(65536)
+        writer.close()
+        assert int(head.split()[1]) in (400, 405), head  # the server or the app refuses it
+        assert upstream.requests == 0
+
+
+async def test_unknown_routes_are_404_and_a_route_with_parameters_checks_them(env: Env) -> None:
+    for path in ("/nope", "/v1", "/chunks/x/complete", "/chunks//complete", "/chunks/1/complete/more", "/documents/"):
+        answer = await env.client.post(path)
+        assert answer.status_code == 404, path
+        assert answer.json()["error"]["type"] == "not_found_error"
+
+
+async def test_a_request_is_parsed_and_hashed_once_whichever_path_answers_it(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the built-in server the fast path's `Lookup` reaches the ASGI path in the scope's extensions."""
+    import app.routes.proxy
+
+    await env.chat(**doc_headers("opens-the-rank"))
+    hashed: list[object] = []
+    real = app.routes.proxy.payload_hash
+
+    def counting(payload: Any) -> str:
+        hashed.append(payload)
+        return real(payload)
+
+    monkeypatch.setattr(app.routes.proxy, "payload_hash", counting)
+    assert (await env.chat(**doc_headers("new"))).headers["x-cache"] == "MISS"
+    assert (await env.chat(**doc_headers("new"))).headers["x-cache"] == "HIT"
+    assert len(hashed) == 2

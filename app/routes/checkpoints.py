@@ -15,13 +15,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import re
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
-from app.asgi import JSON_HEADERS, Receive, Scope, Send, header, read_body, send_bytes, send_error
+from app.asgi import JSON_HEADERS, Receive, Scope, Send, header, read_body, send_bytes
 from app.checkpointing import (
     CheckpointDurabilityError,
     CheckpointManager,
@@ -29,7 +29,7 @@ from app.checkpointing import (
     RecordsPerChunkMismatch,
 )
 from app.documents import Document, DocumentError
-from app.errors import BadRequest, ChunkConflict, InsufficientStorage, NotFound, ProxyError
+from app.errors import BadRequest, ChunkConflict, InsufficientStorage, ProxyError
 from app.headers import parse_int, parse_rank
 from app.publish import PublishError, is_remote
 from app.resume import docs_to_skip
@@ -37,28 +37,26 @@ from app.services import Services
 
 logger = logging.getLogger(__name__)
 
-CHECKPOINT_PATHS = frozenset({"/documents", "/resume"})
-_COMPLETE = re.compile(r"^/chunks/(\d+)/complete$")
 _FIELDS = frozenset({"id", "text", "media", "metadata"})
 _DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
+#: One route's work: (services, scope, receive) -> the JSON object it answers 200 with.
+Work = Callable[[Services, Scope, Receive], Awaitable[dict[str, Any]]]
 
-async def handle_checkpoints(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
-    path, method = scope["path"], scope["method"]
-    try:
+
+def json_route(work: Work) -> Callable[[Services, Scope, Receive, Send], Awaitable[None]]:
+    """A checkpoint route's handler: `work` with the rank in use (never released meanwhile), answered as JSON.
+
+    A `ProxyError` is rendered by the app's dispatcher.
+    """
+
+    async def handle(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
         with services.activity.using(rank_of(scope)):
-            if path == "/documents" and method == "POST":
-                answer = await post_documents(services, scope, receive)
-            elif path == "/resume" and method == "GET":
-                answer = await get_resume(services, scope)
-            elif (match := _COMPLETE.match(path)) and method == "POST":
-                answer = await complete_chunk(services, scope, parse_int(match.group(1).encode(), "chunk index"))
-            else:
-                raise NotFound(f"no route {method} {path}: POST /documents, POST /chunks/{{i}}/complete, GET /resume")
-    except ProxyError as error:
-        await send_error(send, error)
-        return
-    await send_bytes(send, 200, JSON_HEADERS, orjson.dumps(answer))
+            answer = await work(services, scope, receive)
+        await send_bytes(send, 200, JSON_HEADERS, orjson.dumps(answer))
+
+    handle.__name__ = work.__name__
+    return handle
 
 
 def rank_of(scope: Scope) -> int:
@@ -153,7 +151,8 @@ def parse_documents(body: bytes) -> list[Document]:
     return documents
 
 
-async def complete_chunk(services: Services, scope: Scope, chunk_index: int) -> dict[str, Any]:
+async def complete_chunk(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
+    chunk_index = parse_int(scope["path_params"]["i"].encode(), "chunk index")
     rank = rank_of(scope)
     await manager_of(services, rank)
     try:
@@ -169,7 +168,7 @@ async def complete_chunk(services: Services, scope: Scope, chunk_index: int) -> 
     }
 
 
-async def get_resume(services: Services, scope: Scope) -> dict[str, Any]:
+async def get_resume(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
     rank = rank_of(scope)
     registry = services.checkpoints
     if registry.is_open(rank) or registry.has_working_files(rank):

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import orjson
 
-from app.asgi import JSON_HEADERS, Receive, Scope, Send, read_body, send_bytes, send_error
+from app.asgi import JSON_HEADERS, Receive, Scope, Send, read_body, send_bytes
 from app.cache import RequestCache, StoredResponse
-from app.errors import BadRequest, ProxyError
+from app.errors import BadRequest
 from app.routes.checkpoints import rank_of
 from app.routes.proxy import request_digest
 from app.services import Services
@@ -36,17 +36,11 @@ MAX_ANSWER_BYTES = 16 << 20
 
 
 async def handle_lookup(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
-    try:
-        if scope["method"] != "POST":
-            raise BadRequest(f"{scope['method']} /lookup: only POST is served here")
-        rank = rank_of(scope)
-        keys = parse_keys(await read_body(scope, receive, services.settings.max_body_bytes))
-        with services.activity.using(rank):
-            cache = services.caches.opened_cache(rank) or await services.caches.get(rank)
-            answers = looked_up(cache, keys)
-    except ProxyError as error:
-        await send_error(send, error)
-        return
+    rank = rank_of(scope)
+    keys = parse_keys(await read_body(scope, receive, services.settings.max_body_bytes))
+    with services.activity.using(rank):
+        cache = services.caches.opened_cache(rank) or await services.caches.get(rank)
+        answers = looked_up(cache, keys)
     hits = sum(answer is not None for answer in answers)
     services.stats["hit"] += hits
     services.stats["lookup_miss"] += len(answers) - hits

@@ -8,18 +8,19 @@ flight share one upstream call. Every other `/v1/*` route is forwarded
 unchanged and not cached.
 
 A hit costs a header scan, a JSON parse and hash, and one SQLite point
-query: no framework request/response objects, no routing tables. `answer_hit`
-does it synchronously, called by `app.http.server` inside its protocol callback
-before any task or ASGI message exists; what it cannot answer (a miss, a bad
-header) goes through `handle_v1` with the parsed request in the scope's
-extensions, so that it is not parsed and hashed twice.
+query: no framework request/response objects, no routing tables. `lookup`
+does all of it, synchronously; `app.main.InferProxy.answer_fast` calls it inside
+the server's protocol callback, before any task or ASGI message exists, and
+what it cannot answer (a miss, a bad header) reaches `cacheable` with the
+`Lookup` in the scope's extensions, so that it is not parsed and hashed twice.
+Under a server without that fast path (uvicorn), `cacheable` calls `lookup` itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -36,49 +37,57 @@ from app.upstream import UpstreamResponse, response_headers
 logger = logging.getLogger(__name__)
 
 CACHEABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-PREPARED = "inferproxy.prepared"  # scope extension: (RequestKey, body, payload hash) parsed by answer_hit
 NO_CHUNK = -1  # the chunk_index stored for requests without X-Chunk-Index: never dropped by a chunk
 _PASSED_ON = frozenset({b"retry-after"})
 
 
-async def handle_v1(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
-    try:
-        if scope["method"] == "POST" and scope["path"] in CACHEABLE_PATHS:
-            await cacheable(services, scope, receive, send)
-        else:
-            await forward_uncached(services, scope, receive, send)
-    except ProxyError as error:
-        await send_error(send, error, [(b"x-cache", b"BYPASS")])
+class Lookup(NamedTuple):
+    """A cacheable request parsed, hashed and looked up: what `lookup` found, for whichever path answers.
 
-
-def answer_hit(services: Services, headers: Headers, body: bytes, extensions: dict[str, Any]) -> Answer | None:
-    """The stored answer for a whole `POST` to a cacheable path, or None: the ASGI path answers.
-
-    What it parsed is left in `extensions` for that path; anything it cannot
-    parse is left for the ASGI path to reject with its error.
+    `looked` is False when the rank's cache was not open (the fast path opens nothing): `hit` is then
+    None for want of a look, and the ASGI path opens the cache and looks again.
     """
-    if len(body) > services.settings.max_body_bytes:
-        return None
-    try:
-        key = parse_request_key(headers)
-        digest = payload_digest(body)
-    except BadRequest:
-        return None
-    extensions[PREPARED] = (key, body, digest)
+
+    key: RequestKey
+    body: bytes
+    digest: str
+    hit: StoredResponse | None
+    looked: bool
+
+
+#: The scope extension under which the fast path leaves its `Lookup` for the ASGI path (and says that the
+#: request is authenticated: the fast path looks up nothing for a request that is not).
+LOOKUP = "inferproxy.lookup"
+
+
+def lookup(services: Services, headers: Headers, body: bytes) -> Lookup:
+    """Parse the cache key from `headers`, hash `body`, find the stored answer in the rank's open cache.
+
+    The one lookup of both paths: `answer_fast` (synchronously, in the server's protocol callback)
+    and `cacheable` (the ASGI path). `BadRequest` for a bad header or body.
+    """
+    key = parse_request_key(headers)
+    digest = payload_digest(body)
     if key.doc_id is None or key.no_cache:
-        return None
+        return Lookup(key, body, digest, None, looked=True)
     cache = services.caches.opened_cache(key.rank)
-    hit = cache.get_response(key.doc_id, key.rollout_idx, digest) if cache is not None else None
-    if hit is None:
-        return None
-    services.activity.touch(key.rank)
-    services.stats["hit"] += 1
+    if cache is None:
+        return Lookup(key, body, digest, None, looked=False)
+    return Lookup(key, body, digest, cache.get_response(key.doc_id, key.rollout_idx, digest), looked=True)
+
+
+def stored_answer(services: Services, answer: StoredResponse, state: bytes, digest: str) -> Answer:
+    """A stored answer as it is replayed (a hit, or a flight's shared answer), counted under `state`."""
+    services.stats[_COUNTED[state]] += 1
     headers = [
-        (b"content-type", hit.content_type.encode("latin-1")),
-        (b"x-cache", b"HIT"),
+        (b"content-type", answer.content_type.encode("latin-1")),
+        (b"x-cache", state),
         (b"x-payload-hash", digest.encode()),
     ]
-    return Answer(hit.status, headers, hit.body)
+    return Answer(answer.status, headers, answer.body)
+
+
+_COUNTED = {b"HIT": "hit", b"COALESCED": "coalesced"}
 
 
 def payload_digest(body: bytes) -> str:
@@ -100,33 +109,34 @@ def request_digest(payload: dict[str, Any]) -> str:
 
 
 async def cacheable(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
-    prepared: tuple[RequestKey, bytes, str] | None = scope.get("extensions", {}).get(PREPARED)
-    if prepared is not None:
-        key, body, digest = prepared
-    else:
-        key = parse_request_key(scope["headers"])
+    """`POST /v1/chat/completions` and `/v1/completions`: the stored answer, or the upstream's (then stored)."""
+    extensions = scope.get("extensions")
+    found: Lookup | None = extensions.get(LOOKUP) if extensions else None
+    if found is None:
         body = await read_body(scope, receive, services.settings.max_body_bytes)
-        digest = payload_digest(body)
+        found = lookup(services, scope["headers"], body)
+    key = found.key
     if key.doc_id is None:
         services.stats["bypass"] += 1
-        await forward(services, scope, receive, send, key, digest, body, b"BYPASS", cache=None)
+        await forward(services, scope, receive, send, key, found.digest, found.body, b"BYPASS", cache=None)
         return
     with services.activity.using(key.rank):
-        await cached_or_forwarded(services, scope, receive, send, key, digest, body)
+        if not found.looked:
+            await services.caches.get(key.rank)
+            found = lookup(services, scope["headers"], found.body)
+        await cached_or_forwarded(services, scope, receive, send, found)
 
 
-async def cached_or_forwarded(
-    services: Services, scope: Scope, receive: Receive, send: Send, key: RequestKey, digest: str, body: bytes
-) -> None:
+async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive, send: Send, found: Lookup) -> None:
+    key, digest, body = found.key, found.digest, found.body
     assert key.doc_id is not None
     cache = services.caches.opened_cache(key.rank) or await services.caches.get(key.rank)
     flight_key = (key.rank, key.doc_id, key.rollout_idx, digest)
     if not key.no_cache:
+        hit = found.hit
         while True:
-            hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
             if hit is not None:
-                services.stats["hit"] += 1
-                await send_stored(send, hit, b"HIT", digest)
+                await send_answer(send, stored_answer(services, hit, b"HIT", digest))
                 return
             flight = services.flights.get(flight_key)
             if flight is None:
@@ -134,10 +144,10 @@ async def cached_or_forwarded(
             # shield: a follower whose client leaves must not cancel the leader's future
             shared = await asyncio.shield(flight)
             if shared is not None:
-                services.stats["coalesced"] += 1
-                await send_stored(send, shared, b"COALESCED", digest)
+                await send_answer(send, stored_answer(services, shared, b"COALESCED", digest))
                 return
             # the leader got no whole answer (its client left mid-stream): look again, maybe lead
+            hit = lookup(services, scope["headers"], body).hit
     state = b"REFRESH" if key.no_cache else b"MISS"
     services.stats["refresh" if key.no_cache else "miss"] += 1
     future: asyncio.Future[StoredResponse | None] = asyncio.get_running_loop().create_future()
@@ -151,6 +161,10 @@ async def cached_or_forwarded(
         if services.flights.get(flight_key) is future:
             del services.flights[flight_key]
         future.set_result(answer)
+
+
+async def send_answer(send: Send, answer: Answer) -> None:
+    await send_bytes(send, answer.status, answer.headers, answer.body)
 
 
 async def forward(
@@ -254,15 +268,6 @@ async def _disconnected(receive: Receive) -> None:
 
 def cacheable_status(status: int, error_statuses: list[int]) -> bool:
     return 200 <= status < 300 or status in error_statuses
-
-
-async def send_stored(send: Send, answer: StoredResponse, state: bytes, digest: str) -> None:
-    headers: Headers = [
-        (b"content-type", answer.content_type.encode("latin-1")),
-        (b"x-cache", state),
-        (b"x-payload-hash", digest.encode()),
-    ]
-    await send_bytes(send, answer.status, headers, answer.body)
 
 
 async def forward_uncached(services: Services, scope: Scope, receive: Receive, send: Send) -> None:

@@ -154,17 +154,22 @@ def test_sigkill_and_restart_still_serves_hits(proxy: Proxy, upstream: Upstream)
     assert upstream.stats()["generations"] == 1
 
 
-def test_sigterm_finishes_in_flight_requests_flushes_and_exits_0(proxy: Proxy, upstream: Upstream) -> None:
-    c = client(proxy)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        slow = pool.submit(chat, c, "slow-doc", extra_body={"fake_upstream": {"latency_ms": 1000}})
-        time.sleep(0.3)  # the slow request is in flight upstream
-        _, quick = chat(c, "quick-doc")
-        proxy.proc.send_signal(signal.SIGTERM)  # at once: well inside the flush window
-        state, slow_text = slow.result(timeout=30)
-    assert state == "MISS"
-    assert proxy.proc.wait(timeout=30) == 0
-    with process(*proxy.args):
+@pytest.mark.parametrize("http", ["builtin", "uvicorn"])
+def test_sigterm_finishes_in_flight_requests_flushes_and_exits_0(upstream: Upstream, tmp_path: Path, http: str) -> None:
+    args, port = start_proxy(upstream.url, tmp_path, f"--http={http}")
+    with process(*args) as proc:
+        proxy = Proxy(f"http://127.0.0.1:{port}", args, proc)
+        wait_for_http(proxy.url + "/healthz")
+        c = client(proxy)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            slow = pool.submit(chat, c, "slow-doc", extra_body={"fake_upstream": {"latency_ms": 1000}})
+            time.sleep(0.3)  # the slow request is in flight upstream
+            _, quick = chat(c, "quick-doc")
+            proxy.proc.send_signal(signal.SIGTERM)  # at once: well inside the flush window
+            state, slow_text = slow.result(timeout=30)
+        assert state == "MISS"
+        assert proxy.proc.wait(timeout=30) == 0
+    with process(*args):
         wait_for_http(proxy.url + "/healthz")
         assert chat(c, "quick-doc") == ("HIT", quick)
         assert chat(c, "slow-doc", extra_body={"fake_upstream": {"latency_ms": 1000}}) == ("HIT", slow_text)

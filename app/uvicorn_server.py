@@ -1,0 +1,93 @@
+"""`inferproxy serve --http uvicorn`: the same ASGI app under uvicorn (httptools, uvloop, lifespan on).
+
+For whoever prefers a server that many others run: every route behaves the
+same, but there is no fast path, so a cache hit costs more CPU
+(`bench/README.md`). The interface is the built-in server's (`start`,
+`shutdown`, `serve`, `port`), so `inferproxy serve` and the tests run either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import signal
+from typing import TYPE_CHECKING
+
+import uvicorn
+
+from app.http.server import CannotListen
+from app.settings import Settings
+
+if TYPE_CHECKING:
+    from app.main import InferProxy
+
+logger = logging.getLogger(__name__)
+
+
+class UvicornServer:
+    def __init__(self, app: InferProxy, settings: Settings) -> None:
+        self.app = app
+        self.host, self.port = settings.host, settings.port
+        self.config = uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            http="httptools",
+            loop="uvloop",
+            lifespan="on",
+            access_log=False,
+            server_header=False,
+            log_config=None,  # the logging `inferproxy serve` set up stays as it is
+            timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
+        )
+        self.server = uvicorn.Server(self.config)
+        self._exit: asyncio.Event | None = None
+
+    async def start(self) -> None:
+        """Lifespan startup, then listen; the app's own exception if its startup failed."""
+        self.config.load()
+        self.server.lifespan = self.config.lifespan_class(self.config)
+        try:
+            await self.server.startup()
+        except SystemExit as exc:  # uvicorn's way out of a failed startup or a port it cannot bind
+            if self.app.startup_error is not None:
+                raise self.app.startup_error from None
+            raise CannotListen(f"cannot listen on {self.host}:{self.port} (uvicorn's log says why)") from exc
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        logger.info("listening on http://%s:%d (uvicorn)", self.host, self.port)
+
+    async def shutdown(self) -> None:
+        """Stop accepting, let requests in flight finish within `shutdown_grace_s`, then the lifespan."""
+        self.server.should_exit = True
+        await self.server.shutdown()
+        if self.server.force_exit:  # uvicorn then skips the lifespan: the caches are flushed all the same
+            await self.server.lifespan.shutdown()
+
+    def request_exit(self) -> None:
+        if self._exit is not None:
+            self._exit.set()
+
+    async def serve(self, *, install_signal_handlers: bool = False) -> None:
+        """As `app.http.server.HTTPServer.serve`: until SIGTERM/SIGINT (a second one cuts what is in flight)."""
+        self._exit = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGTERM, signal.SIGINT) if install_signal_handlers else ()
+        for signum in signals:
+            loop.add_signal_handler(signum, self._on_signal, signum)
+        try:
+            await self.start()
+            await self._exit.wait()
+            await self.shutdown()
+        finally:
+            for signum in signals:
+                loop.remove_signal_handler(signum)
+
+    def _on_signal(self, signum: int) -> None:
+        assert self._exit is not None
+        if self._exit.is_set():
+            logger.warning("%s again: not waiting for requests in flight", signal.Signals(signum).name)
+            self.server.force_exit = True
+            return
+        logger.info("%s: finishing requests in flight, then stopping", signal.Signals(signum).name)
+        self._exit.set()
