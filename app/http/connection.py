@@ -48,7 +48,6 @@ class HTTPConnection(asyncio.Protocol):
         self.header_bytes = 0  # of the request line and headers parsed so far
         self.in_head = False  # between a request's first byte and the end of its headers
         self.head_bytes = 0  # bytes received while in_head, whole chunks after the first
-        self.raw_body_left = 0  # body bytes of an Upgrade request, read past the parser
         self.refusal: bytes | None = None  # an error answer owed after the answers before it
         self.closed = False
         self.closing = False
@@ -85,17 +84,14 @@ class HTTPConnection(asyncio.Protocol):
         if self.lingering:
             return
         self.bytes_in += len(data)
-        if self.raw_body_left:
-            data = self._raw_body(data)
-            if not data:
-                return
         was_in_head, requests = self.in_head, self.requests
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
             # Upgrades (h2c, websocket) are not spoken here: the request is answered as plain
-            # HTTP/1.1, as RFC 9110 §7.8 allows. llhttp stops parsing at the end of its head;
-            # its body and the requests after it are read on with a fresh parser.
+            # HTTP/1.1, as RFC 9110 §7.8 allows. llhttp stops parsing at the end of its head
+            # (one with a body was refused in on_headers_complete): the requests after it are
+            # read on with a fresh parser.
             self.parser = httptools.HttpRequestParser(self)
             rest = data[upgrade.args[0] :]
             if rest:
@@ -177,11 +173,13 @@ class HTTPConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.in_head = False
         parser = self.parser
+        method = parser.get_method().decode("ascii")
+        if method != "POST":
+            self._check_method(method)
         try:
             url = httptools.parse_url(self.url)
         except httptools.HttpParserInvalidURLError:
             self._reject(400, "the request target is not a valid URL")
-        method = parser.get_method().decode("ascii")
         request = Request(
             self,
             method,
@@ -193,7 +191,7 @@ class HTTPConnection(asyncio.Protocol):
         )
         self.parsing = request
         if parser.should_upgrade():
-            self._read_past_upgrade(request)
+            self._check_upgrade(request)
         elif method == "POST" and self.server.fast_paths and request.path in self.server.fast_paths:
             # Buffered whole and answered in on_message_complete if the fast path can.
             request.deferred = not request.expect_continue
@@ -211,7 +209,7 @@ class HTTPConnection(asyncio.Protocol):
 
     def on_message_complete(self) -> None:
         request = self.parsing
-        if request is not None and not self.raw_body_left:
+        if request is not None:
             self._message_complete(request)
 
     # -- requests: in order, one at a time ---------------------------------------
@@ -288,26 +286,25 @@ class HTTPConnection(asyncio.Protocol):
                 self.resume_reading()
                 self._arm_idle_timer()
 
-    def _read_past_upgrade(self, request: Request) -> None:
-        """llhttp skips the body of an Upgrade request: a Content-Length body is read here instead."""
-        length = b"0"
-        for name, value in request.headers:
-            if name == b"transfer-encoding":
-                self._reject(400, "an Upgrade request cannot have a chunked body here: send it without Upgrade")
-            if name == b"content-length":
-                length = value
-        self.raw_body_left = int(length) if length.isdigit() else 0
+    def _check_method(self, method: str) -> None:
+        # CONNECT asks for a tunnel and TRACE echoes the request back (headers and cookies
+        # included); an origin server owes neither. 501, not nginx's 405: RFC 9110 §15.6.2 makes
+        # 501 the answer to a method the server supports for no resource, while a 405 must
+        # carry an Allow header the server cannot know (the app's routes decide). The
+        # connection closes after it: what follows a CONNECT is tunnel bytes, not a request.
+        if method in _REFUSED_METHODS:
+            self._reject(501, f"{method} is not supported by this server")
 
-    def _raw_body(self, data: bytes) -> bytes:
-        """Feed an Upgrade request's body from `data`; return what comes after it."""
-        piece, rest = data[: self.raw_body_left], data[self.raw_body_left :]
-        self.raw_body_left -= len(piece)
-        request = self.parsing
-        if request is not None:
-            self.on_body(piece)
-            if not self.raw_body_left:
-                self._message_complete(request)
-        return rest
+    def _check_upgrade(self, request: Request) -> None:
+        """An Upgrade request is answered as plain HTTP/1.1, but only if it has no body.
+
+        llhttp skips the body of an Upgrade request, taking it for the new protocol's bytes.
+        Framing it here instead is how request smuggling starts (a `Content-Length: 38 `
+        read as 0 makes the body the next request): such a request is refused.
+        """
+        for name, value in request.headers:
+            if name == b"transfer-encoding" or (name == b"content-length" and value.strip(b" \t").strip(b"0")):
+                self._reject(400, "an Upgrade request cannot have a body here: send it without Upgrade")
 
     # -- writing, flow control and closing ----------------------------------------
 
@@ -431,7 +428,7 @@ class HTTPConnection(asyncio.Protocol):
             self.parsing = None
             raise _Rejected(message)
         self.refusal = self.server.error_answer(status, message)
-        bad, self.parsing, self.in_head, self.raw_body_left = self.parsing, None, False, 0
+        bad, self.parsing, self.in_head = self.parsing, None, False
         if bad is not None and bad in self.waiting:
             self.waiting.remove(bad)  # never started
         elif bad is not None and bad is self.active:
@@ -460,6 +457,9 @@ class HTTPConnection(asyncio.Protocol):
                 self.close()
         self.refusal = None
         self.closing = True
+
+
+_REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
 
 
 class _Rejected(Exception):

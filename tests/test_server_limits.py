@@ -1,0 +1,93 @@
+"""app.http's server against hostile or sloppy clients, over raw sockets: smuggling, methods, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+
+from tests.test_server import App, Conn, get, post, serving
+
+UPGRADE = ("Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA")
+
+
+async def wait_for_calls(app: App, count: int) -> None:
+    for _ in range(50):
+        if len(app.calls) >= count:
+            return
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("whitespace", [" ", "\t", ""], ids=["trailing space", "trailing tab", "none"])
+async def test_an_upgrade_request_with_a_body_is_refused_and_its_body_never_runs_as_a_request(whitespace: str) -> None:
+    smuggled = b"GET /smuggled HTTP/1.1\r\nHost: t\r\n\r\n"
+    head = f"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: {len(smuggled)}{whitespace}\r\n"
+    app = App()
+    async with serving(app) as server:
+        conn = await Conn.open(server)
+        await conn.send(head.encode() + "".join(f"{h}\r\n" for h in UPGRADE).encode() + b"\r\n" + smuggled)
+        status, headers, _ = await conn.response()
+        assert (status, headers[b"connection"]) == (400, b"close")
+        assert await conn.closed_by_server()
+        await wait_for_calls(app, 1)
+    assert app.calls == []
+
+
+async def test_an_upgrade_request_with_a_chunked_body_is_refused() -> None:
+    app = App()
+    async with serving(app) as server:
+        conn = await Conn.open(server)
+        head = b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n"
+        await conn.send(head + "".join(f"{h}\r\n" for h in UPGRADE).encode() + b"\r\n0\r\n\r\n" + get("/smuggled"))
+        assert (await conn.response())[0] == 400
+        assert await conn.closed_by_server()
+    assert app.calls == []
+
+
+async def test_an_upgrade_request_without_a_body_is_answered_as_plain_http_and_the_connection_goes_on() -> None:
+    app = App()
+    async with serving(app) as server:
+        conn = await Conn.open(server)
+        await conn.send(get("/echo", *UPGRADE) + post("/echo", b"next"))
+        status, headers, _ = await conn.response()
+        assert (status, headers[b"x-method"]) == (200, b"GET")
+        assert (await conn.response())[2] == b"next"
+        await conn.send(post("/echo", b"", *UPGRADE)[:-3])  # split: the rest arrives later
+        await asyncio.sleep(0.01)
+        await conn.send(b"\r\n\r\n"[-3:] + post("/echo", b"after"))
+        assert (await conn.response())[0] == 200
+        assert (await conn.response())[2] == b"after"
+        conn.close()
+    assert app.calls == ["/echo"] * 4
+
+
+@pytest.mark.parametrize(
+    "request_",
+    [b"CONNECT upstream:443 HTTP/1.1\r\nHost: upstream:443\r\n\r\n", b"TRACE /v1/models HTTP/1.1\r\nHost: t\r\n\r\n"],
+    ids=["CONNECT", "TRACE"],
+)
+async def test_connect_and_trace_are_refused_by_the_server_itself(request_: bytes) -> None:
+    app = App()
+    async with serving(app) as server:
+        conn = await Conn.open(server)
+        await conn.send(request_ + get("/echo"))
+        status, headers, body = await conn.response()
+        assert (status, headers[b"connection"]) == (501, b"close")
+        assert b"not supported" in body
+        assert await conn.closed_by_server()
+    assert app.calls == []
+
+
+async def test_a_content_length_with_trailing_whitespace_is_accepted() -> None:
+    async with serving(App()) as server:
+        conn = await Conn.open(server)
+        for length in ("5 ", "5\t"):
+            await conn.send(f"POST /echo HTTP/1.1\r\nHost: t\r\nContent-Length: {length}\r\n\r\nhello".encode())
+            assert (await conn.response())[:3:2] == (200, b"hello")
+        conn.close()
+
+
+@pytest.fixture(autouse=True)
+def _log_errors(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="app")
