@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 import pytest
 
-from tests.test_server import App, Conn, get, post, serving
+from app.http.asgi import Receive, Scope, Send
+from tests.test_server import App, Conn, answer, get, post, read_all, serving
 
 UPGRADE = ("Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA")
 
@@ -91,3 +93,30 @@ async def test_a_content_length_with_trailing_whitespace_is_accepted() -> None:
 @pytest.fixture(autouse=True)
 def _log_errors(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="app")
+
+
+async def test_trailer_fields_never_become_request_headers() -> None:
+    seen: list[list[tuple[bytes, bytes]]] = []
+
+    def recording_fast(path: str, headers: list[tuple[bytes, bytes]], body: bytes, extensions: dict[str, Any]) -> None:
+        seen.append(list(headers))
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await App().run_lifespan(receive, send)
+            return
+        body = await read_all(receive)
+        seen.append(list(scope["headers"]))
+        await answer(send, 200, body)
+
+    head = b"POST %b HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\nTrailer: Authorization, X-Doc-Id\r\n\r\n"
+    trailers = b"0\r\nAuthorization: Bearer from-the-trailer\r\nX-Doc-Id: 7\r\n\r\n"
+    async with serving(app, fast=recording_fast, fast_paths=["/fast"]) as server:
+        conn = await Conn.open(server)
+        for path in (b"/echo", b"/fast"):
+            await conn.send(head % path + b"5\r\nhello\r\n" + trailers)
+            assert (await conn.response())[:3:2] == (200, b"hello")
+        conn.close()
+    assert len(seen) == 3  # the ASGI path, then the fast path and the ASGI path it fell back to
+    for headers in seen:
+        assert {name for name, _ in headers} == {b"host", b"transfer-encoding", b"trailer"}

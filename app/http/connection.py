@@ -168,7 +168,11 @@ class HTTPConnection(asyncio.Protocol):
         self.header_bytes += len(name) + len(value) + 4  # ": " and CRLF
         if self.header_bytes > MAX_HEADER_BYTES:
             self._reject(431, f"the request headers are over {MAX_HEADER_BYTES} bytes")
-        self.headers.append((name.lower(), value))
+        # httptools reports a chunked body's trailer fields here too, after the head: they
+        # are dropped (counted against the limit all the same), never taken for headers, or
+        # an Authorization or X-Doc-Id sent after the body would be acted on.
+        if self.in_head:
+            self.headers.append((name.lower(), value))
 
     def on_headers_complete(self) -> None:
         self.in_head = False
