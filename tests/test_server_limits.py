@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from app.http.asgi import Receive, Scope, Send
+from app.http.asgi import Answer, Receive, Scope, Send
 from tests.test_server import App, Conn, answer, get, post, read_all, serving
 
 UPGRADE = ("Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA")
@@ -120,3 +120,58 @@ async def test_trailer_fields_never_become_request_headers() -> None:
     assert len(seen) == 3  # the ASGI path, then the fast path and the ASGI path it fell back to
     for headers in seen:
         assert {name for name, _ in headers} == {b"host", b"transfer-encoding", b"trailer"}
+
+
+SPLITTING = [
+    (b"x-note", b"ok\r\nx-forged: 1"),
+    (b"x-note", b"ok\nx-forged: 1"),
+    (b"x-note", b"ok\rx-forged: 1"),
+    (b"x-note", b"ok\0"),
+    (b"x-forged: 1\r\nx-note", b"ok"),
+]
+SPLITTING_IDS = ["CRLF in a value", "LF in a value", "CR in a value", "NUL in a value", "CRLF in a name"]
+
+
+@pytest.mark.parametrize("header", SPLITTING, ids=SPLITTING_IDS)
+async def test_an_asgi_answer_whose_header_holds_cr_lf_or_nul_becomes_a_500(
+    header: tuple[bytes, bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await App().run_lifespan(receive, send)
+            return
+        await answer(send, 200, b"fine", [header])
+
+    async with serving(app) as server:
+        conn = await Conn.open(server)
+        await conn.send(get("/"))
+        async with asyncio.timeout(5):
+            received = await conn.reader.read()
+        assert received.startswith(b"HTTP/1.1 500 ")
+        assert b"x-forged" not in received
+        assert received.count(b"HTTP/1.1") == 1
+        conn.close()
+    assert "CR, LF or NUL" in caplog.text
+
+
+@pytest.mark.parametrize("header", SPLITTING, ids=SPLITTING_IDS)
+async def test_a_fast_answer_whose_header_holds_cr_lf_or_nul_becomes_a_500(
+    header: tuple[bytes, bytes], caplog: pytest.LogCaptureFixture
+) -> None:
+    def splitting_fast(
+        path: str, headers: list[tuple[bytes, bytes]], body: bytes, extensions: dict[str, Any]
+    ) -> Answer:
+        return Answer(200, [header], b"fine")
+
+    app = App()
+    async with serving(app, fast=splitting_fast, fast_paths=["/fast"]) as server:
+        conn = await Conn.open(server)
+        await conn.send(post("/fast", b"hit") + post("/fast", b"hit"))
+        async with asyncio.timeout(5):
+            received = await conn.reader.read()
+        assert received.startswith(b"HTTP/1.1 500 ")
+        assert b"x-forged" not in received
+        assert received.count(b"HTTP/1.1") == 1
+        conn.close()
+    assert app.calls == []
+    assert "CR, LF or NUL" in caplog.text

@@ -17,7 +17,7 @@ import typing
 import httptools
 
 from app.http.asgi import Headers
-from app.http.exchange import Request
+from app.http.exchange import Request, UnsafeHeader
 
 if typing.TYPE_CHECKING:
     from app.http.server import HTTPServer
@@ -249,7 +249,14 @@ class HTTPConnection(asyncio.Protocol):
             request.body = [body]
             return False
         status, headers, content = answer
-        self.write_soon(request.head(status, headers, len(content)) + content)
+        try:
+            head = request.head(status, headers, len(content))
+        except UnsafeHeader:
+            logger.exception("the fast path's answer to %s %s cannot be sent", request.method, request.path)
+            request.keep_alive = False
+            self.write_soon(self.server.error_answer(500, "the server failed on this request"))
+        else:
+            self.write_soon(head + content)
         self._finished(request)
         return True
 

@@ -203,13 +203,14 @@ class Request:
         if kind == "http.response.start":
             if self.response_started:
                 raise RuntimeError("http.response.start sent twice")
-            self.response_started = True
             headers: Headers = message.get("headers", [])
             length: int | None = None
             for name, value in headers:
                 name = name.lower()
                 if name == b"content-length":
                     length = int(value)
+                    if length < 0:
+                        raise ValueError(f"a negative Content-Length: {value!r}")
                 elif name == b"connection" and value.lower() == b"close":
                     self.keep_alive = False
             status: int = message["status"]
@@ -221,7 +222,8 @@ class Request:
                 self.keep_alive = False  # the client may never send the body it announced
             # Queued: it goes out with the first body part if that comes in this turn of the
             # loop (one write for a whole answer), else on its own at the end of the turn.
-            self.queued_head = self.head(status, headers, length)
+            self.queued_head = self.head(status, headers, length)  # raises before anything is started
+            self.response_started = True
             self.conn.write_soon(self.queued_head)
         elif kind == "http.response.body":
             if not self.response_started:
@@ -264,11 +266,17 @@ class Request:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
 
     def head(self, status: int, headers: Headers, length: int | None) -> bytes:
-        """Status line and headers; adds Content-Length or chunked framing, Date and Connection."""
-        lines = b"".join([b"%b: %b\r\n" % (n, v) for n, v in headers if n.lower() not in _FRAMING])
-        return self.head_from_lines(status, lines, length)
+        """Status line and headers; adds Content-Length or chunked framing, Date and Connection.
 
-    def head_from_lines(self, status: int, lines: bytes, length: int | None) -> bytes:
+        Raises `UnsafeHeader` if a header name or value holds CR, LF or NUL: written, it
+        would end the head early and let whoever chose the value write a response of its own.
+        """
+        kept = [b"%b: %b\r\n" % (n, v) for n, v in headers if n.lower() not in _FRAMING]
+        lines = b"".join(kept)
+        # One pass over the whole block, not one per header: the CRLF ending each line must be its only CR, LF or NUL.
+        if len(lines.translate(None, b"\r\n\0")) != len(lines) - 2 * len(kept):
+            bad = [n for n, v in headers if any(c in n + v for c in (b"\r", b"\n", b"\0"))]
+            raise UnsafeHeader(f"the answer's header {bad[0]!r} holds CR, LF or NUL")
         if length is not None:
             lines += b"content-length: %d\r\n" % length
         elif self.chunked:
@@ -306,3 +314,7 @@ class Request:
         conn.abort_transport()
         if conn.active is self:
             conn.active = None
+
+
+class UnsafeHeader(ValueError):
+    """An answer's header would split the response (CR, LF or NUL in its name or value)."""
