@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any
 
@@ -175,3 +176,39 @@ async def test_a_fast_answer_whose_header_holds_cr_lf_or_nul_becomes_a_500(
         conn.close()
     assert app.calls == []
     assert "CR, LF or NUL" in caplog.text
+
+
+async def test_a_head_trickled_byte_by_byte_is_refused_with_408_once_its_deadline_passes() -> None:
+    app = App()
+    async with serving(app, keep_alive_s=0.05, head_timeout_s=0.3) as server:
+        conn = await Conn.open(server)
+        await conn.send(b"GET /echo HTTP/1.1\r\nHost: t\r\nX-Slow: ")
+
+        async def trickle() -> None:
+            with contextlib.suppress(ConnectionError):
+                while True:  # bytes keep arriving, faster than any idle or stall timeout
+                    await conn.send(b"a")
+                    await asyncio.sleep(0.01)
+
+        trickling = asyncio.create_task(trickle())
+        try:
+            status, headers, body = await conn.response()
+        finally:
+            trickling.cancel()
+        assert (status, headers[b"connection"]) == (408, b"close")
+        assert b"0.3 s" in body
+        conn.close()
+    assert app.calls == []
+
+
+async def test_the_head_deadline_spares_a_body_that_arrives_slowly() -> None:
+    async with serving(App(), keep_alive_s=0.05, head_timeout_s=0.1) as server:
+        conn = await Conn.open(server)
+        await conn.send(post("/echo", b"first"))
+        assert (await conn.response())[2] == b"first"
+        request = post("/echo", b"a slow body")
+        await conn.send(request[:-5])  # the head whole, the body part-way
+        await asyncio.sleep(0.4)
+        await conn.send(request[-5:])
+        assert (await conn.response())[:3:2] == (200, b"a slow body")
+        conn.close()

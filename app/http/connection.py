@@ -59,6 +59,8 @@ class HTTPConnection(asyncio.Protocol):
         self.bytes_in = 0
         self.bytes_seen = -1
         self.stalled_ticks = 0
+        self.head_watched = 0  # the request whose head the idle timer saw arriving, and when it first did
+        self.head_since = 0.0
         self.lingering = False  # refused and half-closed: what still arrives is dropped
         self.outbox: list[bytes] = []  # fast answers waiting for the end of the loop's turn
 
@@ -417,6 +419,12 @@ class HTTPConnection(asyncio.Protocol):
             return
         if self.busy:
             self.stalled_ticks = 0
+            self.head_watched = 0  # a head arriving behind answers owed is not timed: reading may be paused
+        elif self.in_head and self._head_overdue():
+            logger.info("refusing a request from %s: its head took over %g s", self.client, self.server.head_timeout_s)
+            with contextlib.suppress(_Rejected):
+                self._reject(408, f"the request head was not complete within {self.server.head_timeout_s:g} s")
+            return
         elif self.parsing is not None or self.in_head:
             # A request that stopped arriving part-way, with nothing owed to its client.
             self.stalled_ticks = 0 if self.bytes_in != self.bytes_seen else self.stalled_ticks + 1
@@ -428,6 +436,18 @@ class HTTPConnection(asyncio.Protocol):
             self.close()
             return
         self._arm_idle_timer()
+
+    def _head_overdue(self) -> bool:
+        """Whether the head arriving now began over `head_timeout_s` ago, bytes arriving or not.
+
+        Timed from the first tick that sees it (no clock read per request on the hit path):
+        a head is refused between `head_timeout_s` and that plus two ticks after its first byte.
+        """
+        now = self.loop.time()
+        if self.head_watched != self.requests:
+            self.head_watched, self.head_since = self.requests, now
+            return False
+        return now - self.head_since >= self.server.head_timeout_s
 
     def _reject(self, status: int, message: str) -> typing.NoReturn:
         """Refuse a request this server cannot take: an error answer, in its turn, then close.

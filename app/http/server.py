@@ -10,6 +10,8 @@ This server speaks just the HTTP/1.1 the proxy's clients use and runs any
 ASGI 3 app (lifespan included) with it:
 
 - keep-alive (closed after `keep_alive_s` idle), `Connection: close`,
+  a request head not complete `head_timeout_s` after its first byte gets 408
+  (checked on the keep-alive tick: up to two `keep_alive_s` later),
   HTTP/1.0, pipelined requests answered in order, `Expect: 100-continue`;
 - request bodies streamed to `receive()` with backpressure; responses with
   `Content-Length` or chunked, written as they are sent, with backpressure;
@@ -63,6 +65,7 @@ class HTTPServer:
         fast_paths: Iterable[str] = (),
         render_error: ErrorRenderer = plain_error,
         keep_alive_s: float = 5.0,
+        head_timeout_s: float = 30.0,
         shutdown_grace_s: float = 30.0,
         backlog: int = 2048,
     ) -> None:
@@ -72,6 +75,7 @@ class HTTPServer:
         self.fast_paths = frozenset(fast_paths) if fast is not None else frozenset()
         self.render_error = render_error
         self.keep_alive_s = keep_alive_s
+        self.head_timeout_s = head_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
         self.backlog = backlog
         self.clock = Clock()
