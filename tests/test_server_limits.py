@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from app.http.asgi import Answer, Receive, Scope, Send
+from app.http.server import HTTPServer
 from tests.test_server import App, Conn, answer, get, post, read_all, serving
 
 UPGRADE = ("Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA")
@@ -211,4 +212,50 @@ async def test_the_head_deadline_spares_a_body_that_arrives_slowly() -> None:
         await asyncio.sleep(0.4)
         await conn.send(request[-5:])
         assert (await conn.response())[:3:2] == (200, b"a slow body")
+        conn.close()
+
+
+def unsent_bytes(server: HTTPServer) -> int:
+    """What the server holds for its clients and has not handed to the kernel: queued answers and transport buffers."""
+    return sum(sum(map(len, c.outbox)) + c.transport.get_write_buffer_size() for c in server.connections)
+
+
+ANSWER_BYTES = 64 * 1024
+
+
+def big_fast(path: str, headers: list[tuple[bytes, bytes]], body: bytes, extensions: dict[str, Any]) -> Answer:
+    return Answer(200, [(b"x-seq", body)], body.ljust(ANSWER_BYTES, b"."))
+
+
+async def big_app(scope: Scope, receive: Receive, send: Send) -> None:
+    if scope["type"] == "lifespan":
+        await App().run_lifespan(receive, send)
+        return
+    body = await read_all(receive)
+    await answer(send, 200, body.ljust(4 * ANSWER_BYTES, b"."), [(b"x-seq", body)])
+
+
+@pytest.mark.parametrize(
+    ("options", "path", "count"),
+    [({"fast": big_fast, "fast_paths": ["/fast"]}, "/fast", 500), ({}, "/big", 150)],
+    ids=["fast path", "ASGI app"],
+)
+async def test_a_client_that_pipelines_and_never_reads_is_not_answered_past_a_bound(
+    options: dict[str, Any], path: str, count: int
+) -> None:
+    # Each answer is far larger than its request: every answer made at once would be
+    # count x answer size (over 30 MB) held for a client that reads none of them.
+    async with serving(big_app, **options) as server:
+        conn = await Conn.open(server)
+        await conn.send(b"".join(post(path, b"%d" % i) for i in range(count)))
+        most = 0
+        for _ in range(30):  # while the client reads nothing
+            await asyncio.sleep(0.01)
+            most = max(most, unsent_bytes(server))
+        assert most < 1024 * 1024
+        # Then it reads: every answer arrives, whole and in order.
+        for i in range(count):
+            status, headers, body = await conn.response()
+            assert (status, headers[b"x-seq"]) == (200, b"%d" % i)
+            assert body.startswith(b"%d." % i)
         conn.close()

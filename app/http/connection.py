@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 * 1024
 FAST_BODY_BYTES = 256 * 1024
+MAX_UNSENT = 256 * 1024  # answers queued in the outbox past this go to the transport at once, and its flow control
 LINGER_S = 2.0  # after a refusal, how long what the client still sends is read and dropped
 REQUEST_STALL_S = 30.0  # a request that stops arriving part-way, with nothing in flight, is dropped after this
 
@@ -52,7 +53,8 @@ class HTTPConnection(asyncio.Protocol):
         self.closed = False
         self.closing = False
         self.reading_paused = False
-        self.writable: asyncio.Event | None = None  # set while the transport accepts writes
+        self.write_paused = False  # the transport's buffer is over its high-water mark: no new answer is made
+        self.writable: asyncio.Event | None = None  # set while the transport accepts writes (for drain)
         self.idle_timer: asyncio.TimerHandle | None = None
         self.requests = 0  # begun on this connection; the idle timer compares it with its last look
         self.requests_seen = -1
@@ -63,6 +65,7 @@ class HTTPConnection(asyncio.Protocol):
         self.head_since = 0.0
         self.lingering = False  # refused and half-closed: what still arrives is dropped
         self.outbox: list[bytes] = []  # fast answers waiting for the end of the loop's turn
+        self.outbox_bytes = 0
 
     @property
     def busy(self) -> bool:
@@ -130,16 +133,21 @@ class HTTPConnection(asyncio.Protocol):
             self.writable.set()
 
     def pause_writing(self) -> None:
-        # The client does not read its answers: stop reading its requests too, or a
-        # pipelining client that never reads would make the server buffer without end.
+        # The client does not read its answers: stop making them (a request whose turn comes
+        # waits, its app not started) and stop reading requests, or a pipelining client that
+        # never reads would make the server buffer answers without end.
+        self.write_paused = True
         if self.writable is None:
             self.writable = asyncio.Event()
         self.writable.clear()
         self.pause_reading()
 
     def resume_writing(self) -> None:
+        self.write_paused = False
         if self.writable is not None:
             self.writable.set()
+        if self.active is None and self.waiting and not self.closed:
+            self._start(self.waiting.popleft())
         self.resume_reading()
 
     def eof_received(self) -> None:
@@ -225,7 +233,7 @@ class HTTPConnection(asyncio.Protocol):
         request.body_complete = True
         if request.deferred:
             request.deferred = False
-            if self.active is None and not self.waiting and self._answer_fast(request):
+            if self.active is None and not self.waiting and not self.write_paused and self._answer_fast(request):
                 return
             self._schedule(request)
             return
@@ -263,7 +271,7 @@ class HTTPConnection(asyncio.Protocol):
         return True
 
     def _schedule(self, request: Request) -> None:
-        if self.active is None:
+        if self.active is None and not self.waiting and not self.write_paused:
             self._start(request)
         else:
             self.waiting.append(request)
@@ -287,9 +295,10 @@ class HTTPConnection(asyncio.Protocol):
                 self.close()
             return
         if self.waiting:
-            self._start(self.waiting.popleft())
-            if not self.waiting and self.refusal is None:
-                self.resume_reading()
+            if not self.write_paused:  # else resume_writing starts it
+                self._start(self.waiting.popleft())
+                if not self.waiting and self.refusal is None:
+                    self.resume_reading()
         elif self.active is None:
             if self.refusal is not None:
                 self._send_refusal()
@@ -324,7 +333,7 @@ class HTTPConnection(asyncio.Protocol):
     def write(self, data: bytes) -> None:
         """Write now, in one write with what is queued on this connection (which goes first)."""
         if self.outbox:
-            outbox, self.outbox = self.outbox, []
+            outbox, self.outbox, self.outbox_bytes = self.outbox, [], 0
             data = b"".join([*outbox, data])
         self.transport.write(data)
 
@@ -333,7 +342,9 @@ class HTTPConnection(asyncio.Protocol):
 
         Each write to a socket whose reader sleeps pays for waking it up (~10 µs here,
         half a hit's cost): the answers made in one turn go out back to back, so that
-        the client wakes once for all of them rather than once per answer.
+        the client wakes once for all of them rather than once per answer. Past
+        `MAX_UNSENT` bytes they go at once: the transport's buffer then tells (`pause_writing`)
+        whether the client reads them.
         """
         if not self.outbox:
             server = self.server
@@ -341,11 +352,14 @@ class HTTPConnection(asyncio.Protocol):
                 self.loop.call_soon(server.flush)
             server.flushing.append(self)
         self.outbox.append(data)
+        self.outbox_bytes += len(data)
+        if self.outbox_bytes > MAX_UNSENT:
+            self.flush()
 
     def flush(self) -> None:
         outbox = self.outbox
         if outbox:
-            self.outbox = []
+            self.outbox, self.outbox_bytes = [], 0
             if not self.closed:
                 self.transport.write(outbox[0] if len(outbox) == 1 else b"".join(outbox))
 
@@ -360,7 +374,7 @@ class HTTPConnection(asyncio.Protocol):
             and not self.closed
             and not self.waiting
             and self.refusal is None
-            and (self.writable is None or self.writable.is_set())
+            and not self.write_paused
         ):
             self.reading_paused = False
             self.transport.resume_reading()
@@ -396,7 +410,7 @@ class HTTPConnection(asyncio.Protocol):
                 request.task.cancel()
 
     def abort_transport(self) -> None:
-        self.outbox = []
+        self.outbox, self.outbox_bytes = [], 0
         if not self.closed:
             self.transport.abort()
 

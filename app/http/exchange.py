@@ -293,6 +293,7 @@ class Request:
         if self.queued_head is None or not outbox or outbox[-1] is not self.queued_head:
             return False
         outbox.pop()
+        self.conn.outbox_bytes -= len(self.queued_head)
         self.queued_head = None
         self.response_started = False
         return True

@@ -167,7 +167,8 @@ class HTTPServer:
         deadline = time.monotonic() + self.shutdown_grace_s
 
         def pending() -> bool:
-            return bool(self.tasks) or any(c.parsing is not None for c in self.connections)
+            # A request waiting for its client to read earlier answers has no task yet.
+            return bool(self.tasks) or any(c.parsing is not None or c.waiting for c in self.connections)
 
         while pending() and time.monotonic() < deadline and not self.forced:
             waiting = set(self.tasks) or {asyncio.ensure_future(asyncio.sleep(0.01))}
