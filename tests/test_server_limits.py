@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from app.http.asgi import Answer, Receive, Scope, Send
+from app.http.connection import MAX_HEADER_BYTES
 from app.http.server import HTTPServer
 from tests.test_server import App, Conn, answer, get, post, read_all, serving
 
@@ -217,7 +218,7 @@ async def test_the_head_deadline_spares_a_body_that_arrives_slowly() -> None:
 
 def unsent_bytes(server: HTTPServer) -> int:
     """What the server holds for its clients and has not handed to the kernel: queued answers and transport buffers."""
-    return sum(sum(map(len, c.outbox)) + c.transport.get_write_buffer_size() for c in server.connections)
+    return sum(c.unsent_bytes for c in server.connections)
 
 
 ANSWER_BYTES = 64 * 1024
@@ -258,4 +259,18 @@ async def test_a_client_that_pipelines_and_never_reads_is_not_answered_past_a_bo
             status, headers, body = await conn.response()
             assert (status, headers[b"x-seq"]) == (200, b"%d" % i)
             assert body.startswith(b"%d." % i)
+        conn.close()
+
+
+async def test_a_trailer_line_that_never_ends_is_refused_with_431() -> None:
+    async with serving(App()) as server:
+        conn = await Conn.open(server)
+        await conn.send(
+            b"POST /echo HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\nX-Endless: "
+        )
+        with contextlib.suppress(ConnectionError):
+            for _ in range(2 * MAX_HEADER_BYTES // 4096 + 8):
+                await conn.send(b"a" * 4096)
+                await asyncio.sleep(0)
+        assert (await conn.response())[0] == 431
         conn.close()

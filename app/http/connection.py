@@ -4,6 +4,13 @@ Requests are answered one at a time, in the order they came (pipelining); a requ
 behind another stops the reading until its turn. The fast path (`HTTPServer.fast`) answers a
 whole `POST` inside `on_message_complete`, when nothing earlier is owed on the connection.
 What cannot be parsed gets its error answer in its turn, then the connection closes.
+
+The reading side is one `State` (as h11 keeps one per side): IDLE -> HEAD -> BODY -> IDLE
+per request; REFUSED once a request is refused (nothing more is parsed, the refusal waits
+for the answers owed before it); LINGERING once the refusal is out; CLOSING once the
+transport is asked to close; CLOSED once it has. The answering side is the `active` request
+and the `waiting` line behind it. Calls go one way: the connection drives its `Request`s,
+which reach back only through the narrow `Channel` the connection implements.
 """
 
 from __future__ import annotations
@@ -11,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import enum
 import logging
 import typing
 
 import httptools
 
 from app.http.asgi import Headers
-from app.http.exchange import Request, UnsafeHeader
+from app.http.exchange import HIGH_WATER, Request, UnsafeHeader
 
 if typing.TYPE_CHECKING:
     from app.http.server import HTTPServer
@@ -27,8 +36,36 @@ logger = logging.getLogger(__name__)
 MAX_HEADER_BYTES = 64 * 1024
 FAST_BODY_BYTES = 256 * 1024
 MAX_UNSENT = 256 * 1024  # answers queued in the outbox past this go to the transport at once, and its flow control
+DISCARD_BYTES = 64 * 1024 * 1024  # of a body left unread by an early answer, read and dropped before closing
 LINGER_S = 2.0  # after a refusal, how long what the client still sends is read and dropped
 REQUEST_STALL_S = 30.0  # a request that stops arriving part-way, with nothing in flight, is dropped after this
+
+
+class State(enum.Enum):
+    """Where a connection's reading side is (the module docstring has the transitions)."""
+
+    IDLE = "idle"  # before a request's first byte (answers to earlier ones may still be owed)
+    HEAD = "head"  # a request's line and headers are arriving
+    BODY = "body"  # its body is arriving: `parsing` is it (answered already, or not)
+    REFUSED = "refused"  # a request was refused: nothing more is parsed, the refusal waits its turn
+    LINGERING = "lingering"  # the refusal is out and writing shut: what arrives is dropped, then close
+    CLOSING = "closing"  # the transport sends what it holds, then closes
+    CLOSED = "closed"
+
+
+# Module constants: compared by identity on the hit path, without the Enum class lookup.
+IDLE, HEAD, BODY, REFUSED, LINGERING, CLOSING, CLOSED = State
+
+
+@dataclasses.dataclass(slots=True)
+class _Ticks:
+    """What the per-connection timer saw on its last tick (it compares, rather than re-arming per request)."""
+
+    requests: int = -1
+    bytes_in: int = -1
+    stalled: int = 0  # ticks in a row with a request part-way and no byte arriving
+    head_request: int = 0  # the request whose head the timer saw arriving, and when it first did
+    head_since: float = 0.0
 
 
 class HTTPConnection(asyncio.Protocol):
@@ -41,35 +78,43 @@ class HTTPConnection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.client: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
+        self.state = IDLE
         self.parsing: Request | None = None  # whose body is arriving (or, once answered, being thrown away)
         self.active: Request | None = None  # whose answer is being produced
-        self.waiting: collections.deque[Request] = collections.deque()  # pipelined behind it
+        self.waiting: collections.deque[Request] = collections.deque()  # in line behind it
         self.url = b""
         self.headers: Headers = []
         self.header_bytes = 0  # of the request line and headers parsed so far
-        self.in_head = False  # between a request's first byte and the end of its headers
-        self.head_bytes = 0  # bytes received while in_head, whole chunks after the first
-        self.refusal: bytes | None = None  # an error answer owed after the answers before it
-        self.closed = False
-        self.closing = False
+        self.stuck_bytes = 0  # received since the last request began or body part came, whole chunks
+        self.refusal: bytes | None = None  # the error answer owed, in REFUSED, after the answers before it
         self.reading_paused = False
         self.write_paused = False  # the transport's buffer is over its high-water mark: no new answer is made
-        self.writable: asyncio.Event | None = None  # set while the transport accepts writes (for drain)
-        self.idle_timer: asyncio.TimerHandle | None = None
-        self.requests = 0  # begun on this connection; the idle timer compares it with its last look
-        self.requests_seen = -1
-        self.bytes_in = 0
-        self.bytes_seen = -1
-        self.stalled_ticks = 0
-        self.head_watched = 0  # the request whose head the idle timer saw arriving, and when it first did
-        self.head_since = 0.0
-        self.lingering = False  # refused and half-closed: what still arrives is dropped
-        self.outbox: list[bytes] = []  # fast answers waiting for the end of the loop's turn
+        self.writable: asyncio.Event | None = None  # for `drain`, made the first time writing pauses
+        self.outbox: list[bytes] = []  # answers waiting for the end of the loop's turn
         self.outbox_bytes = 0
+        self.idle_timer: asyncio.TimerHandle | None = None
+        self.ticks = _Ticks()
+        self.requests = 0  # begun on this connection; the idle timer compares it with its last look
+        self.bytes_in = 0
 
     @property
     def busy(self) -> bool:
+        """An answer is owed: one is being made, or requests wait for their turn."""
         return self.active is not None or bool(self.waiting)
+
+    @property
+    def owes_answers(self) -> bool:
+        """A request is in flight here: being answered, waiting, or its body arriving."""
+        return self.busy or self.parsing is not None
+
+    @property
+    def gone(self) -> bool:
+        return self.state is CLOSED
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Answers made and not yet taken by the kernel: the outbox and the transport's buffer."""
+        return self.outbox_bytes + self.transport.get_write_buffer_size()
 
     # -- asyncio.Protocol ------------------------------------------------------
 
@@ -86,10 +131,10 @@ class HTTPConnection(asyncio.Protocol):
         self._arm_idle_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self.lingering:
+        if self.state is LINGERING:
             return
         self.bytes_in += len(data)
-        was_in_head, requests = self.in_head, self.requests
+        self.stuck_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
@@ -100,6 +145,8 @@ class HTTPConnection(asyncio.Protocol):
             self.parser = httptools.HttpRequestParser(self)
             rest = data[upgrade.args[0] :]
             if rest:
+                self.bytes_in -= len(rest)  # counted again
+                self.stuck_bytes -= len(rest)
                 self.data_received(rest)
             return
         except httptools.HttpParserCallbackError as exc:
@@ -111,16 +158,15 @@ class HTTPConnection(asyncio.Protocol):
             with contextlib.suppress(_Rejected):
                 self._reject(400, f"malformed HTTP request: {exc}")
             return
-        # httptools hands over a header only once its line ends: a line that never ends is
-        # caught here, counting the chunks that were all head (at most one chunk is not counted).
-        if self.in_head and was_in_head and self.requests == requests:
-            self.head_bytes += len(data)
-            if self.head_bytes > MAX_HEADER_BYTES:
-                with contextlib.suppress(_Rejected):
-                    self._reject(431, f"the request headers are over {MAX_HEADER_BYTES} bytes")
+        # httptools hands over a header or trailer field only once its line ends, and keeps
+        # the line until then: a line that never ends is caught here, counting the chunks
+        # since the request began or its body last moved (at most one chunk is not counted).
+        if self.stuck_bytes > MAX_HEADER_BYTES and (self.state is HEAD or self.state is BODY):
+            with contextlib.suppress(_Rejected):
+                self._reject(431, f"the request headers or trailers are over {MAX_HEADER_BYTES} bytes")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+        self.state = CLOSED
         self.server.connections.discard(self)
         if self.server.closing:
             self.server.wakeup.set()
@@ -146,7 +192,7 @@ class HTTPConnection(asyncio.Protocol):
         self.write_paused = False
         if self.writable is not None:
             self.writable.set()
-        if self.active is None and self.waiting and not self.closed:
+        if self.active is None and self.waiting and self.state is not CLOSED:
             self._start(self.waiting.popleft())
         self.resume_reading()
 
@@ -162,11 +208,14 @@ class HTTPConnection(asyncio.Protocol):
     # -- httptools callbacks -------------------------------------------------
 
     def on_message_begin(self) -> None:
+        if self.state is not IDLE:
+            # Bytes after an answer that closes the connection, in the same read: not a request.
+            raise _Rejected("closing")
+        self.state = HEAD
         self.requests += 1
         self.url = b""
         self.headers = []
-        self.header_bytes = self.head_bytes = 0
-        self.in_head = True
+        self.header_bytes = self.stuck_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -178,14 +227,9 @@ class HTTPConnection(asyncio.Protocol):
         self.header_bytes += len(name) + len(value) + 4  # ": " and CRLF
         if self.header_bytes > MAX_HEADER_BYTES:
             self._reject(431, f"the request headers are over {MAX_HEADER_BYTES} bytes")
-        # httptools reports a chunked body's trailer fields here too, after the head: they
-        # are dropped (counted against the limit all the same), never taken for headers, or
-        # an Authorization or X-Doc-Id sent after the body would be acted on.
-        if self.in_head:
-            self.headers.append((name.lower(), value))
+        self.headers.append((name.lower(), value))  # after the head, into _DROPPED
 
     def on_headers_complete(self) -> None:
-        self.in_head = False
         parser = self.parser
         method = parser.get_method().decode("ascii")
         if method != "POST":
@@ -201,9 +245,14 @@ class HTTPConnection(asyncio.Protocol):
             url.query or b"",
             self.headers,
             parser.get_http_version(),
-            parser.should_keep_alive() and not self.closing,
+            parser.should_keep_alive() and not self.server.closing,
         )
+        self.state = BODY
         self.parsing = request
+        # httptools reports a chunked body's trailer fields through on_header too: they are
+        # dropped (counted against the limit all the same), never taken for headers, or an
+        # Authorization or X-Doc-Id sent after the body would be acted on.
+        self.headers = _DROPPED
         if parser.should_upgrade():
             self._check_upgrade(request)
         elif method == "POST" and self.server.fast_paths and request.path in self.server.fast_paths:
@@ -213,23 +262,31 @@ class HTTPConnection(asyncio.Protocol):
             self._schedule(request)
 
     def on_body(self, body: bytes) -> None:
+        self.stuck_bytes = 0
         request = self.parsing
         if request is None:
             return
+        if request.response_complete:
+            # Answered without reading it all (413, 401): the rest is read and thrown away,
+            # so that the client, still sending, gets to read its answer; up to a limit.
+            request.discarded += len(body)
+            if request.discarded > DISCARD_BYTES:
+                self.close()
+            return
         request.add_body(body)
-        if request.deferred and request.body_size > FAST_BODY_BYTES:
-            request.deferred = False
-            self._schedule(request)
+        if request.deferred:
+            if request.body_size > FAST_BODY_BYTES:
+                request.deferred = False
+                self._schedule(request)
+        elif request.body_size > HIGH_WATER:
+            self.pause_reading()  # until the app takes what is buffered
 
     def on_message_complete(self) -> None:
         request = self.parsing
-        if request is not None:
-            self._message_complete(request)
-
-    # -- requests: in order, one at a time ---------------------------------------
-
-    def _message_complete(self, request: Request) -> None:
+        if request is None:
+            return
         self.parsing = None
+        self.state = IDLE
         request.body_complete = True
         if request.deferred:
             request.deferred = False
@@ -238,12 +295,14 @@ class HTTPConnection(asyncio.Protocol):
             self._schedule(request)
             return
         request.wake()
-        if request.response_complete and not self.busy and not self.closed:
+        if request.response_complete and not self.busy:
             # Answered before its body was all read (413, 401): the body has been thrown away.
-            if self.closing or self.server.closing:
+            if self.server.closing:
                 self.close()
             else:
                 self._arm_idle_timer()
+
+    # -- requests: in order, one at a time ---------------------------------------
 
     def _answer_fast(self, request: Request) -> bool:
         """The synchronous fast path; True if it answered."""
@@ -267,7 +326,7 @@ class HTTPConnection(asyncio.Protocol):
             self.write_soon(self.server.error_answer(500, "the server failed on this request"))
         else:
             self.write_soon(head + content)
-        self._finished(request)
+        self.answered(request)
         return True
 
     def _schedule(self, request: Request) -> None:
@@ -275,38 +334,14 @@ class HTTPConnection(asyncio.Protocol):
             self._start(request)
         else:
             self.waiting.append(request)
-            self.pause_reading()  # one request queued is enough: the client waits for its answers
+            self.pause_reading()  # one request in line is enough: the client waits for its answers
 
     def _start(self, request: Request) -> None:
         self.active = request
-        task = request.task = self.loop.create_task(request.run())
+        task = request.task = self.loop.create_task(request.run(self.server))
         tasks = self.server.tasks
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-
-    def _finished(self, request: Request) -> None:
-        """The answer to `request` is complete: next request, refusal, keep-alive, or close."""
-        if self.active is request:
-            self.active = None
-        if not request.keep_alive or self.closed:
-            self.closing = True
-            self.waiting.clear()
-            if not self.closed:
-                self.close()
-            return
-        if self.waiting:
-            if not self.write_paused:  # else resume_writing starts it
-                self._start(self.waiting.popleft())
-                if not self.waiting and self.refusal is None:
-                    self.resume_reading()
-        elif self.active is None:
-            if self.refusal is not None:
-                self._send_refusal()
-            elif self.parsing is None and (self.closing or self.server.closing):
-                self.close()
-            else:
-                self.resume_reading()
-                self._arm_idle_timer()
 
     def _check_method(self, method: str) -> None:
         # CONNECT asks for a tunnel and TRACE echoes the request back (headers and cookies
@@ -328,7 +363,40 @@ class HTTPConnection(asyncio.Protocol):
             if name == b"transfer-encoding" or (name == b"content-length" and value.strip(b" \t").strip(b"0")):
                 self._reject(400, "an Upgrade request cannot have a body here: send it without Upgrade")
 
-    # -- writing, flow control and closing ----------------------------------------
+    # -- the Channel a Request reaches back through --------------------------------
+
+    def answered(self, request: Request) -> None:
+        """The answer to `request` is complete: next request, refusal, keep-alive, or close."""
+        if self.active is request:
+            self.active = None
+        if not request.keep_alive or self.state is CLOSED:
+            self.waiting.clear()
+            self.close()
+            return
+        if self.waiting:
+            if not self.write_paused:  # else resume_writing starts it
+                self._start(self.waiting.popleft())
+                if not self.waiting:
+                    self.resume_reading()
+        elif self.active is None:
+            if self.state is REFUSED:
+                self._send_refusal()
+            elif self.state is IDLE and self.server.closing:
+                self.close()
+            else:
+                self.resume_reading()
+                self._arm_idle_timer()
+
+    def cut(self, request: Request) -> None:
+        """`request`'s answer cannot be completed: drop the connection so the client sees it cut short."""
+        self.abort_transport()
+        if self.active is request:
+            self.active = None
+
+    def body_taken(self, request: Request) -> None:
+        """The app took `request`'s buffered body: read on, if it is the one being answered."""
+        if self.active is request:
+            self.resume_reading()
 
     def write(self, data: bytes) -> None:
         """Write now, in one write with what is queued on this connection (which goes first)."""
@@ -356,51 +424,61 @@ class HTTPConnection(asyncio.Protocol):
         if self.outbox_bytes > MAX_UNSENT:
             self.flush()
 
+    def take_back(self, data: bytes) -> bool:
+        """Take `data` back if it is the last thing queued and has not left yet; True if it was."""
+        outbox = self.outbox
+        if not outbox or outbox[-1] is not data:
+            return False
+        outbox.pop()
+        self.outbox_bytes -= len(data)
+        return True
+
+    async def drain(self) -> None:
+        if self.writable is not None and not self.writable.is_set() and self.state is not CLOSED:
+            await self.writable.wait()
+
+    # -- writing, flow control and closing ----------------------------------------
+
     def flush(self) -> None:
         outbox = self.outbox
         if outbox:
             self.outbox, self.outbox_bytes = [], 0
-            if not self.closed:
+            if self.state is not CLOSED:
                 self.transport.write(outbox[0] if len(outbox) == 1 else b"".join(outbox))
 
     def pause_reading(self) -> None:
-        if not self.reading_paused and not self.closed:
+        if not self.reading_paused and self.state is not CLOSED:
             self.reading_paused = True
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if (
-            self.reading_paused
-            and not self.closed
-            and not self.waiting
-            and self.refusal is None
-            and not self.write_paused
-        ):
+        if self.reading_paused and not self.waiting and not self.write_paused and self._reads_requests():
             self.reading_paused = False
             self.transport.resume_reading()
 
-    async def drain(self) -> None:
-        if self.writable is not None and not self.writable.is_set() and not self.closed:
-            await self.writable.wait()
+    def _reads_requests(self) -> bool:
+        state = self.state
+        return state is IDLE or state is HEAD or state is BODY or state is LINGERING
 
     def close_when_idle(self) -> None:
         """Shutdown: no more requests on this connection; close it now if nothing is owed."""
-        self.closing = True
         for request in (self.active, *self.waiting, self.parsing):
             if request is not None and not request.response_started:
                 request.keep_alive = False
-        if not self.busy and self.parsing is None and not self.closed:
+        if not self.owes_answers:
             self.close()
 
     def close(self) -> None:
         """Close once the queued and buffered output is sent."""
-        if not self.closed:
+        if self.state is not CLOSED and self.state is not CLOSING:
             self.flush()
+            self.state = CLOSING
+            self.parsing = None
             self.transport.close()
 
     def abort_requests(self) -> None:
         """Shutdown past its grace period: cut the connection if an answer is still owed on it."""
-        if self.busy or self.parsing is not None:
+        if self.owes_answers:
             self.abort()
 
     def abort(self) -> None:
@@ -411,15 +489,17 @@ class HTTPConnection(asyncio.Protocol):
 
     def abort_transport(self) -> None:
         self.outbox, self.outbox_bytes = [], 0
-        if not self.closed:
+        if self.state is not CLOSED:
             self.transport.abort()
+
+    # -- timers --------------------------------------------------------------------
 
     def _arm_idle_timer(self) -> None:
         # One timer per connection, not one per request: when it fires it closes the
         # connection only if no request began since it was armed (idle keep_alive_s to 2x).
-        if self.idle_timer is None and not self.closed:
-            self.requests_seen = self.requests
-            self.bytes_seen = self.bytes_in
+        if self.idle_timer is None and self.state is not CLOSED:
+            self.ticks.requests = self.requests
+            self.ticks.bytes_in = self.bytes_in
             self.idle_timer = self.loop.call_later(self.server.keep_alive_s, self._idle_timeout)
 
     def _cancel_idle_timer(self) -> None:
@@ -429,24 +509,25 @@ class HTTPConnection(asyncio.Protocol):
 
     def _idle_timeout(self) -> None:
         self.idle_timer = None
-        if self.closed:
+        state, ticks = self.state, self.ticks
+        if state is CLOSED:
             return
         if self.busy:
-            self.stalled_ticks = 0
-            self.head_watched = 0  # a head arriving behind answers owed is not timed: reading may be paused
-        elif self.in_head and self._head_overdue():
+            ticks.stalled = 0
+            ticks.head_request = 0  # a head arriving behind answers owed is not timed: reading may be paused
+        elif state is HEAD and self._head_overdue():
             logger.info("refusing a request from %s: its head took over %g s", self.client, self.server.head_timeout_s)
             with contextlib.suppress(_Rejected):
                 self._reject(408, f"the request head was not complete within {self.server.head_timeout_s:g} s")
             return
-        elif self.parsing is not None or self.in_head:
+        elif state is HEAD or state is BODY:
             # A request that stopped arriving part-way, with nothing owed to its client.
-            self.stalled_ticks = 0 if self.bytes_in != self.bytes_seen else self.stalled_ticks + 1
-            if self.stalled_ticks * self.server.keep_alive_s >= REQUEST_STALL_S:
+            ticks.stalled = 0 if self.bytes_in != ticks.bytes_in else ticks.stalled + 1
+            if ticks.stalled * self.server.keep_alive_s >= REQUEST_STALL_S:
                 logger.info("closing a connection from %s: its request stopped arriving", self.client)
                 self.close()
                 return
-        elif self.requests == self.requests_seen:
+        elif self.requests == ticks.requests:
             self.close()
             return
         self._arm_idle_timer()
@@ -457,23 +538,26 @@ class HTTPConnection(asyncio.Protocol):
         Timed from the first tick that sees it (no clock read per request on the hit path):
         a head is refused between `head_timeout_s` and that plus two ticks after its first byte.
         """
-        now = self.loop.time()
-        if self.head_watched != self.requests:
-            self.head_watched, self.head_since = self.requests, now
+        now, ticks = self.loop.time(), self.ticks
+        if ticks.head_request != self.requests:
+            ticks.head_request, ticks.head_since = self.requests, now
             return False
-        return now - self.head_since >= self.server.head_timeout_s
+        return now - ticks.head_since >= self.server.head_timeout_s
+
+    # -- refusing ------------------------------------------------------------------
 
     def _reject(self, status: int, message: str) -> typing.NoReturn:
         """Refuse a request this server cannot take: an error answer, in its turn, then close.
 
         Raised out of the parser callbacks (`_Rejected`): nothing more is parsed.
         """
-        if self.closed or self.transport.is_closing():
+        if not self._reads_requests() or self.transport.is_closing():
             # Closing after an answer with `connection: close`: what follows it is not a request.
             self.parsing = None
             raise _Rejected(message)
+        self.state = REFUSED
         self.refusal = self.server.error_answer(status, message)
-        bad, self.parsing, self.in_head = self.parsing, None, False
+        bad, self.parsing = self.parsing, None
         if bad is not None and bad in self.waiting:
             self.waiting.remove(bad)  # never started
         elif bad is not None and bad is self.active:
@@ -487,24 +571,32 @@ class HTTPConnection(asyncio.Protocol):
 
     def _send_refusal(self) -> None:
         """Write the refusal and close, lingering: a client still sending gets to read it."""
-        if self.refusal is not None and not self.closed:
-            self.write(self.refusal)
-            # Closing with its bytes unread would reset the connection and could destroy the
-            # answer before the client reads it: stop writing, read and drop, then close.
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-                self.lingering = True
-                self.loop.call_later(LINGER_S, self.close)
-                self.reading_paused = True  # so that resume_reading acts
-                self.refusal = None
-                self.resume_reading()
-            else:
-                self.close()
-        self.refusal = None
-        self.closing = True
+        refusal, self.refusal = self.refusal, None
+        if refusal is None or self.state is CLOSED:
+            return
+        self.write(refusal)
+        # Closing with its bytes unread would reset the connection and could destroy the
+        # answer before the client reads it: stop writing, read and drop, then close.
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.state = LINGERING
+            self.loop.call_later(LINGER_S, self.close)
+            self.resume_reading()
+        else:
+            self.close()
 
 
 _REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
+
+
+class _Dropped(list[tuple[bytes, bytes]]):
+    """Where trailer fields go: nowhere."""
+
+    def append(self, field: tuple[bytes, bytes]) -> None:
+        pass
+
+
+_DROPPED = _Dropped()
 
 
 class _Rejected(Exception):

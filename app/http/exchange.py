@@ -4,7 +4,10 @@
 gone or the answer is complete); `Request.send()` frames the answer: `Content-Length` or
 chunked (never chunks for HTTP/1.0: the close ends the body), `Date`, `Connection`. The last
 part of an answer is queued to go out at the end of the event loop's turn with the other
-answers made in it (`HTTPConnection.write_soon`); a stream's parts go out at once.
+answers made in it (`Channel.write_soon`); a stream's parts go out at once.
+
+The connection drives its requests (body arriving, disconnect, refusal); a request reaches
+back only through the `Channel` it was made with, never into the connection's state.
 """
 
 from __future__ import annotations
@@ -17,15 +20,11 @@ import typing
 from http import HTTPStatus
 from urllib.parse import unquote
 
-from app.http.asgi import Headers, Message
-
-if typing.TYPE_CHECKING:
-    from app.http.connection import HTTPConnection
+from app.http.asgi import ASGIApp, Headers, Message
 
 logger = logging.getLogger(__name__)
 
 HIGH_WATER = 1 << 20  # request body bytes buffered before the socket stops being read
-DISCARD_BYTES = 64 * 1024 * 1024  # of a body left unread by an early answer, read and dropped before closing
 
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 _STATUS_LINES: dict[int, bytes] = {}
@@ -56,6 +55,54 @@ class Clock:
         return self.header
 
 
+CLOCK = Clock()  # one Date header for the process, whichever server answers
+
+
+class Site(typing.Protocol):
+    """What a request needs of the server it runs on."""
+
+    @property
+    def app(self) -> ASGIApp: ...
+    @property
+    def state(self) -> dict[str, typing.Any]: ...
+    def error_answer(self, status: int, message: str) -> bytes: ...
+
+
+class Channel(typing.Protocol):
+    """What a request may ask of the connection it came on (`HTTPConnection` implements it)."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+    @property
+    def client(self) -> tuple[str, int] | None: ...
+    @property
+    def local(self) -> tuple[str, int] | None: ...
+    @property
+    def gone(self) -> bool:
+        """The client has left: nothing more can be written."""
+
+    def write(self, data: bytes) -> None:
+        """Write now, after what is queued."""
+
+    def write_soon(self, data: bytes) -> None:
+        """Queue `data` to go out at the end of this turn of the loop, with the other answers made in it."""
+
+    def take_back(self, data: bytes) -> bool:
+        """Unqueue `data` if it has not left yet; True if it was."""
+
+    async def drain(self) -> None:
+        """Return once the client reads again (streamed answers wait on it)."""
+
+    def body_taken(self, request: Request) -> None:
+        """The app took the buffered body: reading may go on."""
+
+    def answered(self, request: Request) -> None:
+        """The answer is complete: on to the next request, or close."""
+
+    def cut(self, request: Request) -> None:
+        """The answer cannot be completed: drop the connection so the client sees it cut short."""
+
+
 class Request:
     """One request's ASGI cycle: its `receive()` and `send()`."""
 
@@ -79,7 +126,7 @@ class Request:
 
     def __init__(
         self,
-        conn: HTTPConnection,
+        conn: Channel,
         method: str,
         raw_path: bytes,
         query: bytes,
@@ -103,17 +150,8 @@ class Request:
     # -- body arriving -----------------------------------------------------------
 
     def add_body(self, chunk: bytes) -> None:
-        if self.response_complete:
-            # Answered without reading it all (413, 401): the rest is read and thrown away,
-            # so that the client, still sending, gets to read its answer; up to a limit.
-            self.discarded += len(chunk)
-            if self.discarded > DISCARD_BYTES:
-                self.conn.close()
-            return
         self.body.append(chunk)
         self.body_size += len(chunk)
-        if self.body_size > HIGH_WATER and not self.deferred:
-            self.conn.pause_reading()
         self.wake()
 
     def wake(self) -> None:
@@ -127,7 +165,7 @@ class Request:
 
     # -- ASGI ------------------------------------------------------------------
 
-    def scope(self) -> dict[str, typing.Any]:
+    def scope(self, site: Site) -> dict[str, typing.Any]:
         conn = self.conn
         return {
             "type": "http",
@@ -142,41 +180,41 @@ class Request:
             "raw_path": self.raw_path,
             "query_string": self.query,
             "headers": self.headers,
-            "state": conn.server.state.copy(),
+            "state": site.state.copy(),
             "extensions": self.extensions,
         }
 
-    async def run(self) -> None:
+    async def run(self, site: Site) -> None:
         try:
-            await self.conn.server.app(self.scope(), self.receive, self.send)
+            await site.app(self.scope(site), self.receive, self.send)
         except asyncio.CancelledError:
             self._cut()
             raise
         except BaseException:
             if not self.malformed:
                 logger.exception("%s %s failed", self.method, self.path)
-            self._unfinished()
+            self._unfinished(site)
         else:
             if not self.response_complete and not self.disconnected:
                 logger.error("%s %s: the application did not finish its answer", self.method, self.path)
-            self._unfinished()
+            self._unfinished(site)
 
-    def _unfinished(self) -> None:
+    def _unfinished(self, site: Site) -> None:
         """The app is done with the request: if its answer is not complete, end it as best as can be."""
         if self.response_complete:
             return
         self.retract_head()  # if none of it has left yet, an error can still be answered instead
         if self.malformed and not self.response_started:
             self.response_complete = True
-            self.conn._finished(self)  # the refusal is written in its turn
+            self.conn.answered(self)  # the refusal is written in its turn
         elif not self.response_started and not self.disconnected:
-            self._internal_error()
+            self._internal_error(site)
         else:
             self._cut()
 
     async def receive(self) -> Message:
         conn = self.conn
-        if self.expect_continue and not self.continue_sent and not self.response_started and not conn.closed:
+        if self.expect_continue and not self.continue_sent and not self.response_started and not conn.gone:
             self.continue_sent = True
             conn.write(_CONTINUE)
         while True:
@@ -186,8 +224,7 @@ class Request:
                 body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
                 self.body = []
                 self.body_size = 0
-                if conn.active is self:
-                    conn.resume_reading()
+                conn.body_taken(self)
                 self.request_sent = self.body_complete
                 return {"type": "http.request", "body": body, "more_body": not self.body_complete}
             self.waiter = conn.loop.create_future()
@@ -246,7 +283,7 @@ class Request:
             else:
                 data = body
             self.queued_head = None  # body follows it: it can no longer be taken back
-            if data and not conn.closed:
+            if data and not conn.gone:
                 # The last part goes out with the other answers of this turn; a stream's
                 # parts go out at once, as they come.
                 if more:
@@ -259,7 +296,7 @@ class Request:
                 if expected is not None and self.method != "HEAD" and self.written != expected:
                     logger.error("%s %s: %d bytes of a %d-byte answer", self.method, self.path, self.written, expected)
                     self.keep_alive = False  # the client is waiting for the rest: only a close tells it
-                conn._finished(self)
+                conn.answered(self)
             else:
                 await conn.drain()
         else:
@@ -285,25 +322,22 @@ class Request:
             lines += b"connection: close\r\n"
         elif self.http_version == "1.0":
             lines += b"connection: keep-alive\r\n"
-        return status_line(status) + lines + self.conn.server.clock.date() + b"\r\n"
+        return status_line(status) + lines + CLOCK.date() + b"\r\n"
 
     def retract_head(self) -> bool:
         """Take back a started answer's head if none of it has left yet; True if it was."""
-        outbox = self.conn.outbox
-        if self.queued_head is None or not outbox or outbox[-1] is not self.queued_head:
+        if self.queued_head is None or not self.conn.take_back(self.queued_head):
             return False
-        outbox.pop()
-        self.conn.outbox_bytes -= len(self.queued_head)
         self.queued_head = None
         self.response_started = False
         return True
 
-    def _internal_error(self) -> None:
+    def _internal_error(self, site: Site) -> None:
         self.keep_alive = False
-        if not self.conn.closed:
-            self.conn.write(self.conn.server.error_answer(500, "the server failed on this request"))
+        if not self.conn.gone:
+            self.conn.write(site.error_answer(500, "the server failed on this request"))
         self.response_started = self.response_complete = True
-        self.conn._finished(self)
+        self.conn.answered(self)
 
     def _cut(self) -> None:
         """The answer cannot be completed: drop the connection so the client sees it cut short."""
@@ -311,10 +345,7 @@ class Request:
             return  # answered already; what failed came after
         self.response_complete = True
         self.keep_alive = False
-        conn = self.conn
-        conn.abort_transport()
-        if conn.active is self:
-            conn.active = None
+        self.conn.cut(self)
 
 
 class UnsafeHeader(ValueError):

@@ -47,7 +47,7 @@ from collections.abc import Iterable
 
 from app.http.asgi import ASGIApp, ErrorRenderer, FastHandler, Message, plain_error
 from app.http.connection import HTTPConnection
-from app.http.exchange import Clock, status_line
+from app.http.exchange import CLOCK, status_line
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class HTTPServer:
         self.head_timeout_s = head_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
         self.backlog = backlog
-        self.clock = Clock()
+        self.clock = CLOCK
         self.connections: set[HTTPConnection] = set()
         self.tasks: set[asyncio.Task[None]] = set()  # requests' ASGI cycles, running on past their answer too
         self.closing = False
@@ -168,7 +168,7 @@ class HTTPServer:
 
         def pending() -> bool:
             # A request waiting for its client to read earlier answers has no task yet.
-            return bool(self.tasks) or any(c.parsing is not None or c.waiting for c in self.connections)
+            return bool(self.tasks) or any(c.owes_answers for c in self.connections)
 
         while pending() and time.monotonic() < deadline and not self.forced:
             waiting = set(self.tasks) or {asyncio.ensure_future(asyncio.sleep(0.01))}
