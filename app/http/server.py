@@ -10,15 +10,22 @@ This server speaks just the HTTP/1.1 the proxy's clients use and runs any
 ASGI 3 app (lifespan included) with it:
 
 - keep-alive (closed after `keep_alive_s` idle), `Connection: close`,
-  a request head not complete `head_timeout_s` after its first byte gets 408
-  (checked on the keep-alive tick: up to two `keep_alive_s` later),
   HTTP/1.0, pipelined requests answered in order, `Expect: 100-continue`;
 - request bodies streamed to `receive()` with backpressure; responses with
-  `Content-Length` or chunked, written as they are sent, with backpressure;
+  `Content-Length` or chunked, written as they are sent, with backpressure
+  on every answer, fast ones included: while a client does not read (its
+  unsent answers over `MAX_UNSENT` plus the transport's high-water mark), no
+  further answer is made and its requests are not read;
   `http.disconnect` once the client is gone;
-- a malformed request gets 400 and the connection is closed; headers over
-  `MAX_HEADER_BYTES` get 431; an app that fails before its answer started
-  gives 500, after it started the connection is cut;
+- refused, and the connection closed after the answers owed before: a
+  malformed request (400), an `Upgrade` request with a body (400: one without
+  is answered as plain HTTP/1.1), `CONNECT` and `TRACE` (501), a request line
+  or headers or trailers over `MAX_HEADER_BYTES` (414, 431), a head not
+  complete `head_timeout_s` after its first byte (408; checked on the
+  keep-alive tick, so up to two `keep_alive_s` later);
+- trailer fields of a chunked body are dropped, never made headers;
+- an app that fails before its answer started gives 500 (so does an answer
+  whose header holds CR, LF or NUL), after it started the connection is cut;
 - graceful shutdown: stop accepting, close idle connections, let requests
   in flight finish within the grace period, then the lifespan shutdown.
 
