@@ -534,20 +534,6 @@ async def test_a_header_line_that_never_ends_is_refused_with_431() -> None:
         conn.close()
 
 
-async def test_an_upgrade_request_is_answered_as_plain_http_with_its_body() -> None:
-    async with serving(App()) as server:
-        conn = await Conn.open(server)
-        upgrade = "Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA"
-        await conn.send(post("/echo", b"hello", *upgrade) + get("/echo"))
-        assert (await conn.response())[2] == b"hello"
-        assert (await conn.response())[0] == 200
-        await conn.send(post("/echo", b"split", *upgrade)[:-3])
-        await asyncio.sleep(0.01)
-        await conn.send(b"lit")
-        assert (await conn.response())[2] == b"split"
-        conn.close()
-
-
 async def test_http_1_0_gets_a_streamed_answer_ended_by_the_close_not_chunks() -> None:
     async with serving(App()) as server:
         conn = await Conn.open(server)

@@ -4,6 +4,13 @@ Requests are answered one at a time, in the order they came (pipelining); a requ
 behind another stops the reading until its turn. The fast path (`HTTPServer.fast`) answers a
 whole `POST` inside `on_message_complete`, when nothing earlier is owed on the connection.
 What cannot be parsed gets its error answer in its turn, then the connection closes.
+
+The reading side is one `State` (as h11 keeps one per side): IDLE -> HEAD -> BODY -> IDLE
+per request; REFUSED once a request is refused (nothing more is parsed, the refusal waits
+for the answers owed before it); LINGERING once the refusal is out; CLOSING once the
+transport is asked to close; CLOSED once it has. The answering side is the `active` request
+and the `waiting` line behind it. Calls go one way: the connection drives its `Request`s,
+which reach back only through the narrow `Channel` the connection implements.
 """
 
 from __future__ import annotations
@@ -11,13 +18,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
+import enum
 import logging
 import typing
 
 import httptools
 
 from app.http.asgi import Headers
-from app.http.exchange import Request
+from app.http.exchange import HIGH_WATER, Request, UnsafeHeader
 
 if typing.TYPE_CHECKING:
     from app.http.server import HTTPServer
@@ -26,8 +35,37 @@ logger = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 * 1024
 FAST_BODY_BYTES = 256 * 1024
+MAX_UNSENT = 256 * 1024  # answers queued in the outbox past this go to the transport at once, and its flow control
+DISCARD_BYTES = 64 * 1024 * 1024  # of a body left unread by an early answer, read and dropped before closing
 LINGER_S = 2.0  # after a refusal, how long what the client still sends is read and dropped
 REQUEST_STALL_S = 30.0  # a request that stops arriving part-way, with nothing in flight, is dropped after this
+
+
+class State(enum.Enum):
+    """Where a connection's reading side is (the module docstring has the transitions)."""
+
+    IDLE = "idle"  # before a request's first byte (answers to earlier ones may still be owed)
+    HEAD = "head"  # a request's line and headers are arriving
+    BODY = "body"  # its body is arriving: `parsing` is it (answered already, or not)
+    REFUSED = "refused"  # a request was refused: nothing more is parsed, the refusal waits its turn
+    LINGERING = "lingering"  # the refusal is out and writing shut: what arrives is dropped, then close
+    CLOSING = "closing"  # the transport sends what it holds, then closes
+    CLOSED = "closed"
+
+
+# Module constants: compared by identity on the hit path, without the Enum class lookup.
+IDLE, HEAD, BODY, REFUSED, LINGERING, CLOSING, CLOSED = State
+
+
+@dataclasses.dataclass(slots=True)
+class _Ticks:
+    """What the per-connection timer saw on its last tick (it compares, rather than re-arming per request)."""
+
+    requests: int = -1
+    bytes_in: int = -1
+    stalled: int = 0  # ticks in a row with a request part-way and no byte arriving
+    head_request: int = 0  # the request whose head the timer saw arriving, and when it first did
+    head_since: float = 0.0
 
 
 class HTTPConnection(asyncio.Protocol):
@@ -40,32 +78,43 @@ class HTTPConnection(asyncio.Protocol):
         self.parser = httptools.HttpRequestParser(self)
         self.client: tuple[str, int] | None = None
         self.local: tuple[str, int] | None = None
+        self.state = IDLE
         self.parsing: Request | None = None  # whose body is arriving (or, once answered, being thrown away)
         self.active: Request | None = None  # whose answer is being produced
-        self.waiting: collections.deque[Request] = collections.deque()  # pipelined behind it
+        self.waiting: collections.deque[Request] = collections.deque()  # in line behind it
         self.url = b""
         self.headers: Headers = []
         self.header_bytes = 0  # of the request line and headers parsed so far
-        self.in_head = False  # between a request's first byte and the end of its headers
-        self.head_bytes = 0  # bytes received while in_head, whole chunks after the first
-        self.raw_body_left = 0  # body bytes of an Upgrade request, read past the parser
-        self.refusal: bytes | None = None  # an error answer owed after the answers before it
-        self.closed = False
-        self.closing = False
+        self.stuck_bytes = 0  # received since the last request began or body part came, whole chunks
+        self.refusal: bytes | None = None  # the error answer owed, in REFUSED, after the answers before it
         self.reading_paused = False
-        self.writable: asyncio.Event | None = None  # set while the transport accepts writes
+        self.write_paused = False  # the transport's buffer is over its high-water mark: no new answer is made
+        self.writable: asyncio.Event | None = None  # for `drain`, made the first time writing pauses
+        self.outbox: list[bytes] = []  # answers waiting for the end of the loop's turn
+        self.outbox_bytes = 0
         self.idle_timer: asyncio.TimerHandle | None = None
+        self.ticks = _Ticks()
         self.requests = 0  # begun on this connection; the idle timer compares it with its last look
-        self.requests_seen = -1
         self.bytes_in = 0
-        self.bytes_seen = -1
-        self.stalled_ticks = 0
-        self.lingering = False  # refused and half-closed: what still arrives is dropped
-        self.outbox: list[bytes] = []  # fast answers waiting for the end of the loop's turn
 
     @property
     def busy(self) -> bool:
+        """An answer is owed: one is being made, or requests wait for their turn."""
         return self.active is not None or bool(self.waiting)
+
+    @property
+    def owes_answers(self) -> bool:
+        """A request is in flight here: being answered, waiting, or its body arriving."""
+        return self.busy or self.parsing is not None
+
+    @property
+    def gone(self) -> bool:
+        return self.state is CLOSED
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Answers made and not yet taken by the kernel: the outbox and the transport's buffer."""
+        return self.outbox_bytes + self.transport.get_write_buffer_size()
 
     # -- asyncio.Protocol ------------------------------------------------------
 
@@ -82,23 +131,22 @@ class HTTPConnection(asyncio.Protocol):
         self._arm_idle_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self.lingering:
+        if self.state is LINGERING:
             return
         self.bytes_in += len(data)
-        if self.raw_body_left:
-            data = self._raw_body(data)
-            if not data:
-                return
-        was_in_head, requests = self.in_head, self.requests
+        self.stuck_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
             # Upgrades (h2c, websocket) are not spoken here: the request is answered as plain
-            # HTTP/1.1, as RFC 9110 §7.8 allows. llhttp stops parsing at the end of its head;
-            # its body and the requests after it are read on with a fresh parser.
+            # HTTP/1.1, as RFC 9110 §7.8 allows. llhttp stops parsing at the end of its head
+            # (one with a body was refused in on_headers_complete): the requests after it are
+            # read on with a fresh parser.
             self.parser = httptools.HttpRequestParser(self)
             rest = data[upgrade.args[0] :]
             if rest:
+                self.bytes_in -= len(rest)  # counted again
+                self.stuck_bytes -= len(rest)
                 self.data_received(rest)
             return
         except httptools.HttpParserCallbackError as exc:
@@ -110,16 +158,15 @@ class HTTPConnection(asyncio.Protocol):
             with contextlib.suppress(_Rejected):
                 self._reject(400, f"malformed HTTP request: {exc}")
             return
-        # httptools hands over a header only once its line ends: a line that never ends is
-        # caught here, counting the chunks that were all head (at most one chunk is not counted).
-        if self.in_head and was_in_head and self.requests == requests:
-            self.head_bytes += len(data)
-            if self.head_bytes > MAX_HEADER_BYTES:
-                with contextlib.suppress(_Rejected):
-                    self._reject(431, f"the request headers are over {MAX_HEADER_BYTES} bytes")
+        # httptools hands over a header or trailer field only once its line ends, and keeps
+        # the line until then: a line that never ends is caught here, counting the chunks
+        # since the request began or its body last moved (at most one chunk is not counted).
+        if self.stuck_bytes > MAX_HEADER_BYTES and (self.state is HEAD or self.state is BODY):
+            with contextlib.suppress(_Rejected):
+                self._reject(431, f"the request headers or trailers are over {MAX_HEADER_BYTES} bytes")
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
+        self.state = CLOSED
         self.server.connections.discard(self)
         if self.server.closing:
             self.server.wakeup.set()
@@ -132,16 +179,21 @@ class HTTPConnection(asyncio.Protocol):
             self.writable.set()
 
     def pause_writing(self) -> None:
-        # The client does not read its answers: stop reading its requests too, or a
-        # pipelining client that never reads would make the server buffer without end.
+        # The client does not read its answers: stop making them (a request whose turn comes
+        # waits, its app not started) and stop reading requests, or a pipelining client that
+        # never reads would make the server buffer answers without end.
+        self.write_paused = True
         if self.writable is None:
             self.writable = asyncio.Event()
         self.writable.clear()
         self.pause_reading()
 
     def resume_writing(self) -> None:
+        self.write_paused = False
         if self.writable is not None:
             self.writable.set()
+        if self.active is None and self.waiting and self.state is not CLOSED:
+            self._start(self.waiting.popleft())
         self.resume_reading()
 
     def eof_received(self) -> None:
@@ -156,11 +208,14 @@ class HTTPConnection(asyncio.Protocol):
     # -- httptools callbacks -------------------------------------------------
 
     def on_message_begin(self) -> None:
+        if self.state is not IDLE:
+            # Bytes after an answer that closes the connection, in the same read: not a request.
+            raise _Rejected("closing")
+        self.state = HEAD
         self.requests += 1
         self.url = b""
         self.headers = []
-        self.header_bytes = self.head_bytes = 0
-        self.in_head = True
+        self.header_bytes = self.stuck_bytes = 0
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -172,16 +227,17 @@ class HTTPConnection(asyncio.Protocol):
         self.header_bytes += len(name) + len(value) + 4  # ": " and CRLF
         if self.header_bytes > MAX_HEADER_BYTES:
             self._reject(431, f"the request headers are over {MAX_HEADER_BYTES} bytes")
-        self.headers.append((name.lower(), value))
+        self.headers.append((name.lower(), value))  # after the head, into _DROPPED
 
     def on_headers_complete(self) -> None:
-        self.in_head = False
         parser = self.parser
+        method = parser.get_method().decode("ascii")
+        if method != "POST":
+            self._check_method(method)
         try:
             url = httptools.parse_url(self.url)
         except httptools.HttpParserInvalidURLError:
             self._reject(400, "the request target is not a valid URL")
-        method = parser.get_method().decode("ascii")
         request = Request(
             self,
             method,
@@ -189,11 +245,16 @@ class HTTPConnection(asyncio.Protocol):
             url.query or b"",
             self.headers,
             parser.get_http_version(),
-            parser.should_keep_alive() and not self.closing,
+            parser.should_keep_alive() and not self.server.closing,
         )
+        self.state = BODY
         self.parsing = request
+        # httptools reports a chunked body's trailer fields through on_header too: they are
+        # dropped (counted against the limit all the same), never taken for headers, or an
+        # Authorization or X-Doc-Id sent after the body would be acted on.
+        self.headers = _DROPPED
         if parser.should_upgrade():
-            self._read_past_upgrade(request)
+            self._check_upgrade(request)
         elif method == "POST" and self.server.fast_paths and request.path in self.server.fast_paths:
             # Buffered whole and answered in on_message_complete if the fast path can.
             request.deferred = not request.expect_continue
@@ -201,37 +262,47 @@ class HTTPConnection(asyncio.Protocol):
             self._schedule(request)
 
     def on_body(self, body: bytes) -> None:
+        self.stuck_bytes = 0
         request = self.parsing
         if request is None:
             return
+        if request.response_complete:
+            # Answered without reading it all (413, 401): the rest is read and thrown away,
+            # so that the client, still sending, gets to read its answer; up to a limit.
+            request.discarded += len(body)
+            if request.discarded > DISCARD_BYTES:
+                self.close()
+            return
         request.add_body(body)
-        if request.deferred and request.body_size > FAST_BODY_BYTES:
-            request.deferred = False
-            self._schedule(request)
+        if request.deferred:
+            if request.body_size > FAST_BODY_BYTES:
+                request.deferred = False
+                self._schedule(request)
+        elif request.body_size > HIGH_WATER:
+            self.pause_reading()  # until the app takes what is buffered
 
     def on_message_complete(self) -> None:
         request = self.parsing
-        if request is not None and not self.raw_body_left:
-            self._message_complete(request)
-
-    # -- requests: in order, one at a time ---------------------------------------
-
-    def _message_complete(self, request: Request) -> None:
+        if request is None:
+            return
         self.parsing = None
+        self.state = IDLE
         request.body_complete = True
         if request.deferred:
             request.deferred = False
-            if self.active is None and not self.waiting and self._answer_fast(request):
+            if self.active is None and not self.waiting and not self.write_paused and self._answer_fast(request):
                 return
             self._schedule(request)
             return
         request.wake()
-        if request.response_complete and not self.busy and not self.closed:
+        if request.response_complete and not self.busy:
             # Answered before its body was all read (413, 401): the body has been thrown away.
-            if self.closing or self.server.closing:
+            if self.server.closing:
                 self.close()
             else:
                 self._arm_idle_timer()
+
+    # -- requests: in order, one at a time ---------------------------------------
 
     def _answer_fast(self, request: Request) -> bool:
         """The synchronous fast path; True if it answered."""
@@ -247,74 +318,90 @@ class HTTPConnection(asyncio.Protocol):
             request.body = [body]
             return False
         status, headers, content = answer
-        self.write_soon(request.head(status, headers, len(content)) + content)
-        self._finished(request)
+        try:
+            head = request.head(status, headers, len(content))
+        except UnsafeHeader:
+            logger.exception("the fast path's answer to %s %s cannot be sent", request.method, request.path)
+            request.keep_alive = False
+            self.write_soon(self.server.error_answer(500, "the server failed on this request"))
+        else:
+            self.write_soon(head + content)
+        self.answered(request)
         return True
 
     def _schedule(self, request: Request) -> None:
-        if self.active is None:
+        if self.active is None and not self.waiting and not self.write_paused:
             self._start(request)
         else:
             self.waiting.append(request)
-            self.pause_reading()  # one request queued is enough: the client waits for its answers
+            self.pause_reading()  # one request in line is enough: the client waits for its answers
 
     def _start(self, request: Request) -> None:
         self.active = request
-        task = request.task = self.loop.create_task(request.run())
+        task = request.task = self.loop.create_task(request.run(self.server))
         tasks = self.server.tasks
         tasks.add(task)
         task.add_done_callback(tasks.discard)
 
-    def _finished(self, request: Request) -> None:
+    def _check_method(self, method: str) -> None:
+        # CONNECT asks for a tunnel and TRACE echoes the request back (headers and cookies
+        # included); an origin server owes neither. 501, not nginx's 405: RFC 9110 §15.6.2 makes
+        # 501 the answer to a method the server supports for no resource, while a 405 must
+        # carry an Allow header the server cannot know (the app's routes decide). The
+        # connection closes after it: what follows a CONNECT is tunnel bytes, not a request.
+        if method in _REFUSED_METHODS:
+            self._reject(501, f"{method} is not supported by this server")
+
+    def _check_upgrade(self, request: Request) -> None:
+        """An Upgrade request is answered as plain HTTP/1.1, but only if it has no body.
+
+        llhttp skips the body of an Upgrade request, taking it for the new protocol's bytes.
+        Framing it here instead is how request smuggling starts (a `Content-Length: 38 `
+        read as 0 makes the body the next request): such a request is refused.
+        """
+        for name, value in request.headers:
+            if name == b"transfer-encoding" or (name == b"content-length" and value.strip(b" \t").strip(b"0")):
+                self._reject(400, "an Upgrade request cannot have a body here: send it without Upgrade")
+
+    # -- the Channel a Request reaches back through --------------------------------
+
+    def answered(self, request: Request) -> None:
         """The answer to `request` is complete: next request, refusal, keep-alive, or close."""
         if self.active is request:
             self.active = None
-        if not request.keep_alive or self.closed:
-            self.closing = True
+        if not request.keep_alive or self.state is CLOSED:
             self.waiting.clear()
-            if not self.closed:
-                self.close()
+            self.close()
             return
         if self.waiting:
-            self._start(self.waiting.popleft())
-            if not self.waiting and self.refusal is None:
-                self.resume_reading()
+            if not self.write_paused:  # else resume_writing starts it
+                self._start(self.waiting.popleft())
+                if not self.waiting:
+                    self.resume_reading()
         elif self.active is None:
-            if self.refusal is not None:
+            if self.state is REFUSED:
                 self._send_refusal()
-            elif self.parsing is None and (self.closing or self.server.closing):
+            elif self.state is IDLE and self.server.closing:
                 self.close()
             else:
                 self.resume_reading()
                 self._arm_idle_timer()
 
-    def _read_past_upgrade(self, request: Request) -> None:
-        """llhttp skips the body of an Upgrade request: a Content-Length body is read here instead."""
-        length = b"0"
-        for name, value in request.headers:
-            if name == b"transfer-encoding":
-                self._reject(400, "an Upgrade request cannot have a chunked body here: send it without Upgrade")
-            if name == b"content-length":
-                length = value
-        self.raw_body_left = int(length) if length.isdigit() else 0
+    def cut(self, request: Request) -> None:
+        """`request`'s answer cannot be completed: drop the connection so the client sees it cut short."""
+        self.abort_transport()
+        if self.active is request:
+            self.active = None
 
-    def _raw_body(self, data: bytes) -> bytes:
-        """Feed an Upgrade request's body from `data`; return what comes after it."""
-        piece, rest = data[: self.raw_body_left], data[self.raw_body_left :]
-        self.raw_body_left -= len(piece)
-        request = self.parsing
-        if request is not None:
-            self.on_body(piece)
-            if not self.raw_body_left:
-                self._message_complete(request)
-        return rest
-
-    # -- writing, flow control and closing ----------------------------------------
+    def body_taken(self, request: Request) -> None:
+        """The app took `request`'s buffered body: read on, if it is the one being answered."""
+        if self.active is request:
+            self.resume_reading()
 
     def write(self, data: bytes) -> None:
         """Write now, in one write with what is queued on this connection (which goes first)."""
         if self.outbox:
-            outbox, self.outbox = self.outbox, []
+            outbox, self.outbox, self.outbox_bytes = self.outbox, [], 0
             data = b"".join([*outbox, data])
         self.transport.write(data)
 
@@ -323,7 +410,9 @@ class HTTPConnection(asyncio.Protocol):
 
         Each write to a socket whose reader sleeps pays for waking it up (~10 µs here,
         half a hit's cost): the answers made in one turn go out back to back, so that
-        the client wakes once for all of them rather than once per answer.
+        the client wakes once for all of them rather than once per answer. Past
+        `MAX_UNSENT` bytes they go at once: the transport's buffer then tells (`pause_writing`)
+        whether the client reads them.
         """
         if not self.outbox:
             server = self.server
@@ -331,52 +420,65 @@ class HTTPConnection(asyncio.Protocol):
                 self.loop.call_soon(server.flush)
             server.flushing.append(self)
         self.outbox.append(data)
+        self.outbox_bytes += len(data)
+        if self.outbox_bytes > MAX_UNSENT:
+            self.flush()
+
+    def take_back(self, data: bytes) -> bool:
+        """Take `data` back if it is the last thing queued and has not left yet; True if it was."""
+        outbox = self.outbox
+        if not outbox or outbox[-1] is not data:
+            return False
+        outbox.pop()
+        self.outbox_bytes -= len(data)
+        return True
+
+    async def drain(self) -> None:
+        if self.writable is not None and not self.writable.is_set() and self.state is not CLOSED:
+            await self.writable.wait()
+
+    # -- writing, flow control and closing ----------------------------------------
 
     def flush(self) -> None:
         outbox = self.outbox
         if outbox:
-            self.outbox = []
-            if not self.closed:
+            self.outbox, self.outbox_bytes = [], 0
+            if self.state is not CLOSED:
                 self.transport.write(outbox[0] if len(outbox) == 1 else b"".join(outbox))
 
     def pause_reading(self) -> None:
-        if not self.reading_paused and not self.closed:
+        if not self.reading_paused and self.state is not CLOSED:
             self.reading_paused = True
             self.transport.pause_reading()
 
     def resume_reading(self) -> None:
-        if (
-            self.reading_paused
-            and not self.closed
-            and not self.waiting
-            and self.refusal is None
-            and (self.writable is None or self.writable.is_set())
-        ):
+        if self.reading_paused and not self.waiting and not self.write_paused and self._reads_requests():
             self.reading_paused = False
             self.transport.resume_reading()
 
-    async def drain(self) -> None:
-        if self.writable is not None and not self.writable.is_set() and not self.closed:
-            await self.writable.wait()
+    def _reads_requests(self) -> bool:
+        state = self.state
+        return state is IDLE or state is HEAD or state is BODY or state is LINGERING
 
     def close_when_idle(self) -> None:
         """Shutdown: no more requests on this connection; close it now if nothing is owed."""
-        self.closing = True
         for request in (self.active, *self.waiting, self.parsing):
             if request is not None and not request.response_started:
                 request.keep_alive = False
-        if not self.busy and self.parsing is None and not self.closed:
+        if not self.owes_answers:
             self.close()
 
     def close(self) -> None:
         """Close once the queued and buffered output is sent."""
-        if not self.closed:
+        if self.state is not CLOSED and self.state is not CLOSING:
             self.flush()
+            self.state = CLOSING
+            self.parsing = None
             self.transport.close()
 
     def abort_requests(self) -> None:
         """Shutdown past its grace period: cut the connection if an answer is still owed on it."""
-        if self.busy or self.parsing is not None:
+        if self.owes_answers:
             self.abort()
 
     def abort(self) -> None:
@@ -386,16 +488,18 @@ class HTTPConnection(asyncio.Protocol):
                 request.task.cancel()
 
     def abort_transport(self) -> None:
-        self.outbox = []
-        if not self.closed:
+        self.outbox, self.outbox_bytes = [], 0
+        if self.state is not CLOSED:
             self.transport.abort()
+
+    # -- timers --------------------------------------------------------------------
 
     def _arm_idle_timer(self) -> None:
         # One timer per connection, not one per request: when it fires it closes the
         # connection only if no request began since it was armed (idle keep_alive_s to 2x).
-        if self.idle_timer is None and not self.closed:
-            self.requests_seen = self.requests
-            self.bytes_seen = self.bytes_in
+        if self.idle_timer is None and self.state is not CLOSED:
+            self.ticks.requests = self.requests
+            self.ticks.bytes_in = self.bytes_in
             self.idle_timer = self.loop.call_later(self.server.keep_alive_s, self._idle_timeout)
 
     def _cancel_idle_timer(self) -> None:
@@ -405,33 +509,55 @@ class HTTPConnection(asyncio.Protocol):
 
     def _idle_timeout(self) -> None:
         self.idle_timer = None
-        if self.closed:
+        state, ticks = self.state, self.ticks
+        if state is CLOSED:
             return
         if self.busy:
-            self.stalled_ticks = 0
-        elif self.parsing is not None or self.in_head:
+            ticks.stalled = 0
+            ticks.head_request = 0  # a head arriving behind answers owed is not timed: reading may be paused
+        elif state is HEAD and self._head_overdue():
+            logger.info("refusing a request from %s: its head took over %g s", self.client, self.server.head_timeout_s)
+            with contextlib.suppress(_Rejected):
+                self._reject(408, f"the request head was not complete within {self.server.head_timeout_s:g} s")
+            return
+        elif state is HEAD or state is BODY:
             # A request that stopped arriving part-way, with nothing owed to its client.
-            self.stalled_ticks = 0 if self.bytes_in != self.bytes_seen else self.stalled_ticks + 1
-            if self.stalled_ticks * self.server.keep_alive_s >= REQUEST_STALL_S:
+            ticks.stalled = 0 if self.bytes_in != ticks.bytes_in else ticks.stalled + 1
+            if ticks.stalled * self.server.keep_alive_s >= REQUEST_STALL_S:
                 logger.info("closing a connection from %s: its request stopped arriving", self.client)
                 self.close()
                 return
-        elif self.requests == self.requests_seen:
+        elif self.requests == ticks.requests:
             self.close()
             return
         self._arm_idle_timer()
+
+    def _head_overdue(self) -> bool:
+        """Whether the head arriving now began over `head_timeout_s` ago, bytes arriving or not.
+
+        Timed from the first tick that sees it (no clock read per request on the hit path):
+        a head is refused between `head_timeout_s` and that plus two ticks after its first byte.
+        """
+        now, ticks = self.loop.time(), self.ticks
+        if ticks.head_request != self.requests:
+            ticks.head_request, ticks.head_since = self.requests, now
+            return False
+        return now - ticks.head_since >= self.server.head_timeout_s
+
+    # -- refusing ------------------------------------------------------------------
 
     def _reject(self, status: int, message: str) -> typing.NoReturn:
         """Refuse a request this server cannot take: an error answer, in its turn, then close.
 
         Raised out of the parser callbacks (`_Rejected`): nothing more is parsed.
         """
-        if self.closed or self.transport.is_closing():
+        if not self._reads_requests() or self.transport.is_closing():
             # Closing after an answer with `connection: close`: what follows it is not a request.
             self.parsing = None
             raise _Rejected(message)
+        self.state = REFUSED
         self.refusal = self.server.error_answer(status, message)
-        bad, self.parsing, self.in_head, self.raw_body_left = self.parsing, None, False, 0
+        bad, self.parsing = self.parsing, None
         if bad is not None and bad in self.waiting:
             self.waiting.remove(bad)  # never started
         elif bad is not None and bad is self.active:
@@ -445,21 +571,32 @@ class HTTPConnection(asyncio.Protocol):
 
     def _send_refusal(self) -> None:
         """Write the refusal and close, lingering: a client still sending gets to read it."""
-        if self.refusal is not None and not self.closed:
-            self.write(self.refusal)
-            # Closing with its bytes unread would reset the connection and could destroy the
-            # answer before the client reads it: stop writing, read and drop, then close.
-            if self.transport.can_write_eof():
-                self.transport.write_eof()
-                self.lingering = True
-                self.loop.call_later(LINGER_S, self.close)
-                self.reading_paused = True  # so that resume_reading acts
-                self.refusal = None
-                self.resume_reading()
-            else:
-                self.close()
-        self.refusal = None
-        self.closing = True
+        refusal, self.refusal = self.refusal, None
+        if refusal is None or self.state is CLOSED:
+            return
+        self.write(refusal)
+        # Closing with its bytes unread would reset the connection and could destroy the
+        # answer before the client reads it: stop writing, read and drop, then close.
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+            self.state = LINGERING
+            self.loop.call_later(LINGER_S, self.close)
+            self.resume_reading()
+        else:
+            self.close()
+
+
+_REFUSED_METHODS = frozenset({"CONNECT", "TRACE"})
+
+
+class _Dropped(list[tuple[bytes, bytes]]):
+    """Where trailer fields go: nowhere."""
+
+    def append(self, field: tuple[bytes, bytes]) -> None:
+        pass
+
+
+_DROPPED = _Dropped()
 
 
 class _Rejected(Exception):

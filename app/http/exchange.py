@@ -4,7 +4,10 @@
 gone or the answer is complete); `Request.send()` frames the answer: `Content-Length` or
 chunked (never chunks for HTTP/1.0: the close ends the body), `Date`, `Connection`. The last
 part of an answer is queued to go out at the end of the event loop's turn with the other
-answers made in it (`HTTPConnection.write_soon`); a stream's parts go out at once.
+answers made in it (`Channel.write_soon`); a stream's parts go out at once.
+
+The connection drives its requests (body arriving, disconnect, refusal); a request reaches
+back only through the `Channel` it was made with, never into the connection's state.
 """
 
 from __future__ import annotations
@@ -17,15 +20,11 @@ import typing
 from http import HTTPStatus
 from urllib.parse import unquote
 
-from app.http.asgi import Headers, Message
-
-if typing.TYPE_CHECKING:
-    from app.http.connection import HTTPConnection
+from app.http.asgi import ASGIApp, Headers, Message
 
 logger = logging.getLogger(__name__)
 
 HIGH_WATER = 1 << 20  # request body bytes buffered before the socket stops being read
-DISCARD_BYTES = 64 * 1024 * 1024  # of a body left unread by an early answer, read and dropped before closing
 
 _REASONS = {status.value: status.phrase.encode() for status in HTTPStatus}
 _STATUS_LINES: dict[int, bytes] = {}
@@ -56,6 +55,54 @@ class Clock:
         return self.header
 
 
+CLOCK = Clock()  # one Date header for the process, whichever server answers
+
+
+class Site(typing.Protocol):
+    """What a request needs of the server it runs on."""
+
+    @property
+    def app(self) -> ASGIApp: ...
+    @property
+    def state(self) -> dict[str, typing.Any]: ...
+    def error_answer(self, status: int, message: str) -> bytes: ...
+
+
+class Channel(typing.Protocol):
+    """What a request may ask of the connection it came on (`HTTPConnection` implements it)."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+    @property
+    def client(self) -> tuple[str, int] | None: ...
+    @property
+    def local(self) -> tuple[str, int] | None: ...
+    @property
+    def gone(self) -> bool:
+        """The client has left: nothing more can be written."""
+
+    def write(self, data: bytes) -> None:
+        """Write now, after what is queued."""
+
+    def write_soon(self, data: bytes) -> None:
+        """Queue `data` to go out at the end of this turn of the loop, with the other answers made in it."""
+
+    def take_back(self, data: bytes) -> bool:
+        """Unqueue `data` if it has not left yet; True if it was."""
+
+    async def drain(self) -> None:
+        """Return once the client reads again (streamed answers wait on it)."""
+
+    def body_taken(self, request: Request) -> None:
+        """The app took the buffered body: reading may go on."""
+
+    def answered(self, request: Request) -> None:
+        """The answer is complete: on to the next request, or close."""
+
+    def cut(self, request: Request) -> None:
+        """The answer cannot be completed: drop the connection so the client sees it cut short."""
+
+
 class Request:
     """One request's ASGI cycle: its `receive()` and `send()`."""
 
@@ -79,7 +126,7 @@ class Request:
 
     def __init__(
         self,
-        conn: HTTPConnection,
+        conn: Channel,
         method: str,
         raw_path: bytes,
         query: bytes,
@@ -103,17 +150,8 @@ class Request:
     # -- body arriving -----------------------------------------------------------
 
     def add_body(self, chunk: bytes) -> None:
-        if self.response_complete:
-            # Answered without reading it all (413, 401): the rest is read and thrown away,
-            # so that the client, still sending, gets to read its answer; up to a limit.
-            self.discarded += len(chunk)
-            if self.discarded > DISCARD_BYTES:
-                self.conn.close()
-            return
         self.body.append(chunk)
         self.body_size += len(chunk)
-        if self.body_size > HIGH_WATER and not self.deferred:
-            self.conn.pause_reading()
         self.wake()
 
     def wake(self) -> None:
@@ -127,7 +165,7 @@ class Request:
 
     # -- ASGI ------------------------------------------------------------------
 
-    def scope(self) -> dict[str, typing.Any]:
+    def scope(self, site: Site) -> dict[str, typing.Any]:
         conn = self.conn
         return {
             "type": "http",
@@ -142,41 +180,41 @@ class Request:
             "raw_path": self.raw_path,
             "query_string": self.query,
             "headers": self.headers,
-            "state": conn.server.state.copy(),
+            "state": site.state.copy(),
             "extensions": self.extensions,
         }
 
-    async def run(self) -> None:
+    async def run(self, site: Site) -> None:
         try:
-            await self.conn.server.app(self.scope(), self.receive, self.send)
+            await site.app(self.scope(site), self.receive, self.send)
         except asyncio.CancelledError:
             self._cut()
             raise
         except BaseException:
             if not self.malformed:
                 logger.exception("%s %s failed", self.method, self.path)
-            self._unfinished()
+            self._unfinished(site)
         else:
             if not self.response_complete and not self.disconnected:
                 logger.error("%s %s: the application did not finish its answer", self.method, self.path)
-            self._unfinished()
+            self._unfinished(site)
 
-    def _unfinished(self) -> None:
+    def _unfinished(self, site: Site) -> None:
         """The app is done with the request: if its answer is not complete, end it as best as can be."""
         if self.response_complete:
             return
         self.retract_head()  # if none of it has left yet, an error can still be answered instead
         if self.malformed and not self.response_started:
             self.response_complete = True
-            self.conn._finished(self)  # the refusal is written in its turn
+            self.conn.answered(self)  # the refusal is written in its turn
         elif not self.response_started and not self.disconnected:
-            self._internal_error()
+            self._internal_error(site)
         else:
             self._cut()
 
     async def receive(self) -> Message:
         conn = self.conn
-        if self.expect_continue and not self.continue_sent and not self.response_started and not conn.closed:
+        if self.expect_continue and not self.continue_sent and not self.response_started and not conn.gone:
             self.continue_sent = True
             conn.write(_CONTINUE)
         while True:
@@ -186,8 +224,7 @@ class Request:
                 body = self.body[0] if len(self.body) == 1 else b"".join(self.body)
                 self.body = []
                 self.body_size = 0
-                if conn.active is self:
-                    conn.resume_reading()
+                conn.body_taken(self)
                 self.request_sent = self.body_complete
                 return {"type": "http.request", "body": body, "more_body": not self.body_complete}
             self.waiter = conn.loop.create_future()
@@ -203,13 +240,14 @@ class Request:
         if kind == "http.response.start":
             if self.response_started:
                 raise RuntimeError("http.response.start sent twice")
-            self.response_started = True
             headers: Headers = message.get("headers", [])
             length: int | None = None
             for name, value in headers:
                 name = name.lower()
                 if name == b"content-length":
                     length = int(value)
+                    if length < 0:
+                        raise ValueError(f"a negative Content-Length: {value!r}")
                 elif name == b"connection" and value.lower() == b"close":
                     self.keep_alive = False
             status: int = message["status"]
@@ -221,7 +259,8 @@ class Request:
                 self.keep_alive = False  # the client may never send the body it announced
             # Queued: it goes out with the first body part if that comes in this turn of the
             # loop (one write for a whole answer), else on its own at the end of the turn.
-            self.queued_head = self.head(status, headers, length)
+            self.queued_head = self.head(status, headers, length)  # raises before anything is started
+            self.response_started = True
             self.conn.write_soon(self.queued_head)
         elif kind == "http.response.body":
             if not self.response_started:
@@ -244,7 +283,7 @@ class Request:
             else:
                 data = body
             self.queued_head = None  # body follows it: it can no longer be taken back
-            if data and not conn.closed:
+            if data and not conn.gone:
                 # The last part goes out with the other answers of this turn; a stream's
                 # parts go out at once, as they come.
                 if more:
@@ -257,18 +296,24 @@ class Request:
                 if expected is not None and self.method != "HEAD" and self.written != expected:
                     logger.error("%s %s: %d bytes of a %d-byte answer", self.method, self.path, self.written, expected)
                     self.keep_alive = False  # the client is waiting for the rest: only a close tells it
-                conn._finished(self)
+                conn.answered(self)
             else:
                 await conn.drain()
         else:
             raise RuntimeError(f"unexpected ASGI message {kind!r}")
 
     def head(self, status: int, headers: Headers, length: int | None) -> bytes:
-        """Status line and headers; adds Content-Length or chunked framing, Date and Connection."""
-        lines = b"".join([b"%b: %b\r\n" % (n, v) for n, v in headers if n.lower() not in _FRAMING])
-        return self.head_from_lines(status, lines, length)
+        """Status line and headers; adds Content-Length or chunked framing, Date and Connection.
 
-    def head_from_lines(self, status: int, lines: bytes, length: int | None) -> bytes:
+        Raises `UnsafeHeader` if a header name or value holds CR, LF or NUL: written, it
+        would end the head early and let whoever chose the value write a response of its own.
+        """
+        kept = [b"%b: %b\r\n" % (n, v) for n, v in headers if n.lower() not in _FRAMING]
+        lines = b"".join(kept)
+        # One pass over the whole block, not one per header: the CRLF ending each line must be its only CR, LF or NUL.
+        if len(lines.translate(None, b"\r\n\0")) != len(lines) - 2 * len(kept):
+            bad = [n for n, v in headers if any(c in n + v for c in (b"\r", b"\n", b"\0"))]
+            raise UnsafeHeader(f"the answer's header {bad[0]!r} holds CR, LF or NUL")
         if length is not None:
             lines += b"content-length: %d\r\n" % length
         elif self.chunked:
@@ -277,24 +322,22 @@ class Request:
             lines += b"connection: close\r\n"
         elif self.http_version == "1.0":
             lines += b"connection: keep-alive\r\n"
-        return status_line(status) + lines + self.conn.server.clock.date() + b"\r\n"
+        return status_line(status) + lines + CLOCK.date() + b"\r\n"
 
     def retract_head(self) -> bool:
         """Take back a started answer's head if none of it has left yet; True if it was."""
-        outbox = self.conn.outbox
-        if self.queued_head is None or not outbox or outbox[-1] is not self.queued_head:
+        if self.queued_head is None or not self.conn.take_back(self.queued_head):
             return False
-        outbox.pop()
         self.queued_head = None
         self.response_started = False
         return True
 
-    def _internal_error(self) -> None:
+    def _internal_error(self, site: Site) -> None:
         self.keep_alive = False
-        if not self.conn.closed:
-            self.conn.write(self.conn.server.error_answer(500, "the server failed on this request"))
+        if not self.conn.gone:
+            self.conn.write(site.error_answer(500, "the server failed on this request"))
         self.response_started = self.response_complete = True
-        self.conn._finished(self)
+        self.conn.answered(self)
 
     def _cut(self) -> None:
         """The answer cannot be completed: drop the connection so the client sees it cut short."""
@@ -302,7 +345,8 @@ class Request:
             return  # answered already; what failed came after
         self.response_complete = True
         self.keep_alive = False
-        conn = self.conn
-        conn.abort_transport()
-        if conn.active is self:
-            conn.active = None
+        self.conn.cut(self)
+
+
+class UnsafeHeader(ValueError):
+    """An answer's header would split the response (CR, LF or NUL in its name or value)."""

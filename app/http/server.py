@@ -12,11 +12,20 @@ ASGI 3 app (lifespan included) with it:
 - keep-alive (closed after `keep_alive_s` idle), `Connection: close`,
   HTTP/1.0, pipelined requests answered in order, `Expect: 100-continue`;
 - request bodies streamed to `receive()` with backpressure; responses with
-  `Content-Length` or chunked, written as they are sent, with backpressure;
+  `Content-Length` or chunked, written as they are sent, with backpressure
+  on every answer, fast ones included: while a client does not read (its
+  unsent answers over `MAX_UNSENT` plus the transport's high-water mark), no
+  further answer is made and its requests are not read;
   `http.disconnect` once the client is gone;
-- a malformed request gets 400 and the connection is closed; headers over
-  `MAX_HEADER_BYTES` get 431; an app that fails before its answer started
-  gives 500, after it started the connection is cut;
+- refused, and the connection closed after the answers owed before: a
+  malformed request (400), an `Upgrade` request with a body (400: one without
+  is answered as plain HTTP/1.1), `CONNECT` and `TRACE` (501), a request line
+  or headers or trailers over `MAX_HEADER_BYTES` (414, 431), a head not
+  complete `head_timeout_s` after its first byte (408; checked on the
+  keep-alive tick, so up to two `keep_alive_s` later);
+- trailer fields of a chunked body are dropped, never made headers;
+- an app that fails before its answer started gives 500 (so does an answer
+  whose header holds CR, LF or NUL), after it started the connection is cut;
 - graceful shutdown: stop accepting, close idle connections, let requests
   in flight finish within the grace period, then the lifespan shutdown.
 
@@ -45,7 +54,7 @@ from collections.abc import Iterable
 
 from app.http.asgi import ASGIApp, ErrorRenderer, FastHandler, Message, plain_error
 from app.http.connection import HTTPConnection
-from app.http.exchange import Clock, status_line
+from app.http.exchange import CLOCK, status_line
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +72,7 @@ class HTTPServer:
         fast_paths: Iterable[str] = (),
         render_error: ErrorRenderer = plain_error,
         keep_alive_s: float = 5.0,
+        head_timeout_s: float = 30.0,
         shutdown_grace_s: float = 30.0,
         backlog: int = 2048,
     ) -> None:
@@ -72,9 +82,10 @@ class HTTPServer:
         self.fast_paths = frozenset(fast_paths) if fast is not None else frozenset()
         self.render_error = render_error
         self.keep_alive_s = keep_alive_s
+        self.head_timeout_s = head_timeout_s
         self.shutdown_grace_s = shutdown_grace_s
         self.backlog = backlog
-        self.clock = Clock()
+        self.clock = CLOCK
         self.connections: set[HTTPConnection] = set()
         self.tasks: set[asyncio.Task[None]] = set()  # requests' ASGI cycles, running on past their answer too
         self.closing = False
@@ -163,7 +174,8 @@ class HTTPServer:
         deadline = time.monotonic() + self.shutdown_grace_s
 
         def pending() -> bool:
-            return bool(self.tasks) or any(c.parsing is not None for c in self.connections)
+            # A request waiting for its client to read earlier answers has no task yet.
+            return bool(self.tasks) or any(c.owes_answers for c in self.connections)
 
         while pending() and time.monotonic() < deadline and not self.forced:
             waiting = set(self.tasks) or {asyncio.ensure_future(asyncio.sleep(0.01))}
