@@ -5,6 +5,7 @@
     ├── Unauthorized            401 authentication_error
     ├── NotFound                404 not_found_error
     ├── MethodNotAllowed        405 invalid_request_error    (with Allow)
+    ├── MethodNotSupported      501 invalid_request_error    (TRACE, CONNECT: on no route)
     ├── ChunkConflict           409 conflict_error           (chunk already complete)
     ├── RankOwned               409 rank_owned_error         (another live proxy owns the rank: retry later)
     ├── PayloadTooLarge         413 invalid_request_error
@@ -57,6 +58,13 @@ class NotFound(ProxyError):
 
 class MethodNotAllowed(ProxyError):
     status = 405
+    type = "invalid_request_error"
+
+
+class MethodNotSupported(ProxyError):
+    """A method served on no route at all (TRACE, CONNECT): 501, as the built-in server answers it."""
+
+    status = 501
     type = "invalid_request_error"
 
 

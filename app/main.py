@@ -32,7 +32,7 @@ from typing import Any, Protocol
 from app import __version__
 from app.asgi import ClientGone, Headers, Message, Receive, Scope, Send, send_error
 from app.durable import make_dirs_durable
-from app.errors import BadRequest, MethodNotAllowed, NotFound, ProxyError, Unauthorized, error_body
+from app.errors import BadRequest, MethodNotAllowed, MethodNotSupported, NotFound, ProxyError, Unauthorized, error_body
 from app.http.asgi import Answer
 from app.http.server import HTTPServer
 from app.layout import CheckpointsLayout
@@ -43,7 +43,7 @@ from app.routes import ops
 from app.routes.checkpoints import complete_chunk, get_resume, json_route, post_documents
 from app.routes.lookup import handle_lookup
 from app.routes.proxy import CACHEABLE_PATHS, LOOKUP, Lookup, cacheable, forward_uncached, lookup, stored_answer
-from app.routing import OTHER, Route, Router, resolve_dot_segments
+from app.routing import NEVER_SERVED, OTHER, Route, Router, resolve_dot_segments
 from app.services import CacheRegistry, CheckpointRegistry, RankActivity, Services
 from app.settings import Settings
 from app.upstream import UpstreamPool
@@ -134,6 +134,9 @@ class InferProxy:
                 return
         path: str = scope["path"]
         method: str = scope["method"]
+        if method in NEVER_SERVED:  # under uvicorn; the built-in server refuses them itself
+            await send_error(send, MethodNotSupported(f"{method} is not supported by this server"))
+            return
         found = self.router.find(path)
         route = found[0] if found is not None else None
         if route is None or route.auth:

@@ -21,7 +21,8 @@ Handler = Callable[[Services, Scope, Receive, Send], Awaitable[None]]
 
 #: In `Route.handlers`: every method the route does not name, except `NEVER_SERVED`.
 OTHER = "*"
-#: Refused on every route (405): a proxy must not reflect a request (TRACE) or open a tunnel (CONNECT).
+#: Refused on every route (501, as by the built-in server): a proxy must not reflect a request (TRACE)
+#: or open a tunnel (CONNECT).
 NEVER_SERVED = frozenset({"TRACE", "CONNECT"})
 #: The forwarded part of the URL space: a path whose dot segments leave it is refused.
 V1 = "/v1/"
