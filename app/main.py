@@ -288,6 +288,7 @@ def create_server(settings: Settings, app: InferProxy | None = None) -> Server:
         fast_paths=CACHEABLE_PATHS,
         render_error=render_error,
         shutdown_grace_s=settings.shutdown_grace_s,
+        head_timeout_s=settings.head_timeout_s,
     )
 
 

@@ -64,6 +64,9 @@ class Settings(BaseSettings):
     fsync: Literal["always", "never"] = Field("always", description="checkpoint durability policy")
     health_interval_s: float = Field(5.0, gt=0, description="how often an unhealthy replica is probed")
     shutdown_grace_s: float = Field(30.0, ge=0, description="time in-flight requests get to finish on SIGTERM")
+    head_timeout_s: float = Field(
+        30.0, gt=0, description="a request's line and headers must arrive within this (else 408; built-in server)"
+    )
     rank_idle_s: float = Field(
         60.0, ge=0, description="a rank unused this long is released for another proxy to take over (0: never)"
     )

@@ -123,3 +123,13 @@ def test_serve_that_cannot_start_says_why_in_one_line(tmp_path: Path, capsys: py
     assert f"cannot listen on 127.0.0.1:{port}" in err
     # The failed start released every rank it had.
     RankOwnership(CheckpointsLayout(str(tmp_path / "ckpt"))).claim(0)
+
+
+def test_the_server_limits_in_the_settings_reach_the_built_in_server(tmp_path: Path) -> None:
+    from app.http.server import HTTPServer
+    from app.main import create_server
+
+    settings = Settings(checkpoints_dir=tmp_path, head_timeout_s=2.5, shutdown_grace_s=7.0)
+    server = create_server(settings)
+    assert isinstance(server, HTTPServer)
+    assert (server.head_timeout_s, server.shutdown_grace_s) == (2.5, 7.0)
