@@ -51,6 +51,8 @@ class Finding:
     accept, they see different requests), `lenient` (h11 refuses, ours accepts), `strict`
     (h11 accepts, ours refuses), `short-body` (the client returns a body cut short as complete),
     `keep-alive` (ours reads on where h11 closes after an answer), `closed` (the reverse).
+    The client's are `client-crash` (an exception not the client's own, or a hang),
+    `client-differs`, `client-lenient`, `client-strict`, and `short-body`.
     """
 
     kind: str
@@ -786,7 +788,12 @@ async def fetch(client: HTTPClient, method: str, url: str) -> ClientOutcome:
 
 
 async def _run_client(method: bytes, pieces: list[bytes], read_timeout: float) -> ClientOutcome:
+    handlers: set[asyncio.Task[Any]] = set()
+
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
         with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
             await reader.readuntil(b"\r\n\r\n")
             for piece in pieces:
@@ -808,11 +815,13 @@ async def _run_client(method: bytes, pieces: list[bytes], read_timeout: float) -
         return ClientOutcome(error=f"crash {type(exc).__name__}: {exc}")
     finally:
         await client.close()
+        if handlers:  # done writing and closed, before the loop ends
+            await asyncio.wait(handlers, timeout=5.0)
         server.close()
         await server.wait_closed()
 
 
-def run_client(method: bytes, pieces: list[bytes], *, read_timeout: float = 1.0) -> ClientOutcome:
+def run_client(method: bytes, pieces: list[bytes], *, read_timeout: float = 5.0) -> ClientOutcome:
     """Serve `pieces` from a loopback server (then close) to `HTTPClient`; what it made of them."""
     return asyncio.run(_run_client(method, pieces, read_timeout))
 
@@ -821,15 +830,15 @@ def compare_client(parts: list[Part], ours: ClientOutcome, ref: ClientOutcome) -
     """Where the client and h11 part ways on one answer."""
     part = parts[0]
     if ours.error.startswith("crash") or "ReadTimeout" in ours.error:
-        return [Finding("crash", part, f"ours: {ours.error}; h11: {ref.view() if not ref.error else ref.error}")]
+        return [Finding("client-crash", part, f"ours: {ours.error}; h11: {ref.view() if not ref.error else ref.error}")]
     if not ref.error:
         if ours.error:
-            return [Finding("strict", part, f"ours: {ours.error}; h11 took {ref.view()}")]
+            return [Finding("client-strict", part, f"ours: {ours.error}; h11 took {ref.view()}")]
         if ours.view() != ref.view():
-            return [Finding("differs", part, f"ours {ours.view()}; h11 {ref.view()}")]
+            return [Finding("client-differs", part, f"ours {ours.view()}; h11 {ref.view()}")]
         return []
     if ours.error:
         return []
     if "without sending complete message body" in ref.error or "ended with" in ref.error:
         return [Finding("short-body", part, f"ours returned {ours.view()} as complete; h11: {ref.error}")]
-    return [Finding("lenient", part, f"ours took {ours.view()}; h11: {ref.error}")]
+    return [Finding("client-lenient", part, f"ours took {ours.view()}; h11: {ref.error}")]
