@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install check test bench demo format
+.PHONY: install check test bench demo format fuzz
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,3 +32,9 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_library.py
+
+# The long differential fuzz run of app/http against h11 (bench/README.md, "fuzz"): every divergence,
+# shortest input first; `make test` runs a short one. FUZZ_EXAMPLES per side (server, client).
+FUZZ_EXAMPLES ?= 20000
+fuzz: $(STAMP)
+	$(BIN)/python bench/fuzz_http.py --examples $(FUZZ_EXAMPLES)
