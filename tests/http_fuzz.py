@@ -779,11 +779,8 @@ def h11_client(method: bytes, data: bytes) -> ClientOutcome:
 
 async def fetch(client: HTTPClient, method: str, url: str) -> ClientOutcome:
     """The one place that speaks the client's API: status, headers and the whole body of one answer."""
-    response = await client.request(method, url)
-    try:
+    async with client.request(method, url) as response:
         body = await response.read()
-    finally:
-        response.release()
     return ClientOutcome(response.status, tuple(response.headers), body)
 
 

@@ -242,7 +242,7 @@ class _Connection(asyncio.Protocol):
         name = name.lower()
         if name == b"content-length" or name == b"transfer-encoding":
             self.framed = True
-        headers.append((name, value))
+        headers.append((name, value.rstrip(b" \t")))  # trailing whitespace is not the value's (RFC 9110 §5.5)
 
     def on_headers_complete(self) -> None:
         if self.stray:
@@ -274,8 +274,8 @@ class _Connection(asyncio.Protocol):
             self.keep_alive = False
 
     def on_body(self, body: bytes) -> None:
-        if self.stray:
-            return
+        if self.stray or self.method == "HEAD":
+            return  # a HEAD answer has no body, whatever its framing says: the parser cannot know it
         self.chunks.append(body)
         self.buffered += len(body)
 

@@ -227,7 +227,8 @@ class HTTPConnection(asyncio.Protocol):
         self.header_bytes += len(name) + len(value) + 4  # ": " and CRLF
         if self.header_bytes > MAX_HEADER_BYTES:
             self._reject(431, f"the request headers are over {MAX_HEADER_BYTES} bytes")
-        self.headers.append((name.lower(), value))  # after the head, into _DROPPED
+        # llhttp keeps a value's trailing whitespace, which is not part of it (RFC 9110 §5.5).
+        self.headers.append((name.lower(), value.rstrip(b" \t")))  # after the head, into _DROPPED
 
     def on_headers_complete(self) -> None:
         parser = self.parser
