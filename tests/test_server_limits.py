@@ -67,6 +67,22 @@ async def test_an_upgrade_request_without_a_body_is_answered_as_plain_http_and_t
     assert app.calls == ["/echo"] * 4
 
 
+async def test_a_request_refused_after_an_upgrade_is_refused_not_taken_for_a_crash(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    app = App()
+    async with serving(app) as server:
+        conn = await Conn.open(server)
+        # Found by the fuzz run: the requests after an Upgrade were parsed inside the handler of
+        # llhttp's upgrade exception, so the refusal of one of them was logged as a crash and the
+        # connection cut without the answer owed to the first.
+        await conn.send(get("/echo", *UPGRADE) + b"TRACE /x HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert (await conn.response())[0] == 200
+        assert (await conn.response())[0] == 501
+        assert await conn.closed_by_server()
+    assert "broke the server" not in caplog.text
+
+
 @pytest.mark.parametrize(
     "request_",
     [b"CONNECT upstream:443 HTTP/1.1\r\nHost: upstream:443\r\n\r\n", b"TRACE /v1/models HTTP/1.1\r\nHost: t\r\n\r\n"],

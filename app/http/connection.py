@@ -135,20 +135,17 @@ class HTTPConnection(asyncio.Protocol):
             return
         self.bytes_in += len(data)
         self.stuck_bytes += len(data)
+        rest = b""
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade as upgrade:
             # Upgrades (h2c, websocket) are not spoken here: the request is answered as plain
             # HTTP/1.1, as RFC 9110 §7.8 allows. llhttp stops parsing at the end of its head
             # (one with a body was refused in on_headers_complete): the requests after it are
-            # read on with a fresh parser.
+            # read on with a fresh parser, outside this handler (whose exception would otherwise
+            # become the context of theirs, and a refusal among them be taken for a crash).
             self.parser = httptools.HttpRequestParser(self)
             rest = data[upgrade.args[0] :]
-            if rest:
-                self.bytes_in -= len(rest)  # counted again
-                self.stuck_bytes -= len(rest)
-                self.data_received(rest)
-            return
         except httptools.HttpParserCallbackError as exc:
             if not isinstance(exc.__context__, _Rejected):  # else: refused and closing already
                 logger.error("a request on %s broke the server", self.client, exc_info=exc.__context__)
@@ -157,6 +154,11 @@ class HTTPConnection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             with contextlib.suppress(_Rejected):
                 self._reject(400, f"malformed HTTP request: {exc}")
+            return
+        if rest:
+            self.bytes_in -= len(rest)  # counted again
+            self.stuck_bytes -= len(rest)
+            self.data_received(rest)
             return
         # httptools hands over a header or trailer field only once its line ends, and keeps
         # the line until then: a line that never ends is caught here, counting the chunks
