@@ -5,7 +5,7 @@ handler, whether `--api-key` is needed), dispatched by `InferProxy.__call__`
 on raw ASGI with one dict lookup (`app.routing`). A path with dot segments is
 routed by its resolved form, and refused if that leaves `/v1/`. A path no route
 has gets 404, a method its route does not serve 405 (with `Allow`); `TRACE` and
-`CONNECT` are never served.
+`CONNECT` are never served (501, as the built-in server answers them itself).
 
 A cache hit on the built-in server (`app.http`) is answered before that, by
 `InferProxy.answer_fast` inside the server's protocol callback, with no task or
