@@ -374,15 +374,16 @@ _INT64 = range(-(2**63), 2**63)
 
 def _check_row(row: _Row) -> None:
     """Refuse at store time what SQLite would refuse at commit time, where it would fail a whole batch."""
-    for name in ("chunk_index", "rollout_idx"):
-        value = getattr(row, name)
-        if not isinstance(value, int) or isinstance(value, bool) or value not in _INT64:
-            raise TypeError(f"{name} must be a 64-bit integer, got {value!r}")
-    for name in ("doc_id", "payload_hash"):
-        value = getattr(row, name)
-        if not isinstance(value, str):
-            raise TypeError(f"{name} must be a str, got {type(value).__name__} {value!r}")
-        value.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError here, naming the character
+    # Spelled out field by field: this runs for every stored answer on the event loop.
+    for name, value in (("chunk_index", row.chunk_index), ("rollout_idx", row.rollout_idx)):
+        if type(value) is not int or value not in _INT64:
+            if not isinstance(value, int) or isinstance(value, bool) or value not in _INT64:
+                raise TypeError(f"{name} must be a 64-bit integer, got {value!r}")
+    for name, text in (("doc_id", row.doc_id), ("payload_hash", row.payload_hash)):
+        if not isinstance(text, str):
+            raise TypeError(f"{name} must be a str, got {type(text).__name__} {text!r}")
+        if not text.isascii():
+            text.encode("utf-8")  # a lone surrogate raises UnicodeEncodeError here, naming the character
     if row.error_message is not None and not isinstance(row.error_message, str):
         raise TypeError(f"error_message must be a str, got {type(row.error_message).__name__}")
 
@@ -407,11 +408,33 @@ def _open(db_path: str) -> tuple[sqlite3.Connection, sqlite3.Connection, set[str
     return writer, reader, doc_ids
 
 
+#: Rows per INSERT statement, largest first: a batch is written in as few statements as these make.
+_STATEMENT_ROWS = (256, 32, 4, 1)
+_INSERTS = {n: _INSERT + ", (?, ?, ?, ?, ?, ?, ?, ?, ?)" * (n - 1) for n in _STATEMENT_ROWS}
+
+
+def _insert_rows(conn: sqlite3.Connection, rows: list[_Row]) -> None:
+    """Insert `rows` with multi-row statements rather than `executemany`.
+
+    The sqlite3 module lets go of the GIL around every statement it steps: one statement per
+    row made the event loop thread and this one trade the GIL once per row (futex calls and
+    wake-ups that cost the loop several µs per stored answer, bench/README.md). A batch's
+    keys are distinct (the pending dict), so a multi-row INSERT OR REPLACE means the same.
+    """
+    start = 0
+    for size in _STATEMENT_ROWS:
+        statement = _INSERTS[size]
+        while len(rows) - start >= size:
+            values = [value for row in rows[start : start + size] for value in row]
+            conn.execute(statement, values)
+            start += size
+
+
 def _write_batch(conn: sqlite3.Connection, rows: list[_Row], drop_chunk: int | None) -> None:
     conn.execute("BEGIN")
     try:
         if rows:
-            conn.executemany(_INSERT, rows)
+            _insert_rows(conn, rows)
         if drop_chunk is not None:
             conn.execute("DELETE FROM request_cache WHERE chunk_index = ?", (drop_chunk,))
         conn.execute("COMMIT")

@@ -100,6 +100,24 @@ async def test_stores_between_flushes_are_committed_in_one_transaction(
     await cache.close()
 
 
+@pytest.mark.parametrize("count", [1, 3, 4, 37, 256, 293, 1000])
+async def test_a_batch_of_any_size_is_written_whole_in_multi_row_statements(tmp_path: Path, count: int) -> None:
+    cache = await opened(tmp_path, flush_interval_ms=60_000)
+    await cache.store_result(7, "doc-0", 0, {"old": True}, payload_hash=H)
+    await cache.flush()
+    for i in range(count):  # doc-0 again among them: its newer answer replaces the committed one
+        await cache.store_result(i % 3, f"doc-{i}", i % 2, {"i": i}, payload_hash=H)
+    await cache.flush()
+    stored = rows(tmp_path)
+    assert len(stored) == count
+    assert {(r[0], r[1], r[2]) for r in stored} == {(i % 3, f"doc-{i}", i % 2) for i in range(count)}
+    reader = await opened(tmp_path)
+    for i in (0, count // 2, count - 1):
+        assert await reader.get_cached_response(f"doc-{i}", i % 2, payload_hash=H) == ({"i": i}, None)
+    await reader.close()
+    await cache.close()
+
+
 async def test_writer_commits_on_its_own_within_the_flush_window(tmp_path: Path) -> None:
     cache = await opened(tmp_path, flush_interval_ms=5)
     await cache.store_result(0, "doc-1", 0, RESULT, payload_hash=H)
