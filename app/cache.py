@@ -376,9 +376,10 @@ def _check_row(row: _Row) -> None:
     """Refuse at store time what SQLite would refuse at commit time, where it would fail a whole batch."""
     # Spelled out field by field: this runs for every stored answer on the event loop.
     for name, value in (("chunk_index", row.chunk_index), ("rollout_idx", row.rollout_idx)):
-        if type(value) is not int or value not in _INT64:
-            if not isinstance(value, int) or isinstance(value, bool) or value not in _INT64:
-                raise TypeError(f"{name} must be a 64-bit integer, got {value!r}")
+        if type(value) is int and value in _INT64:
+            continue  # the common case, decided by the cheapest test
+        if not isinstance(value, int) or isinstance(value, bool) or value not in _INT64:
+            raise TypeError(f"{name} must be a 64-bit integer, got {value!r}")
     for name, text in (("doc_id", row.doc_id), ("payload_hash", row.payload_hash)):
         if not isinstance(text, str):
             raise TypeError(f"{name} must be a str, got {type(text).__name__} {text!r}")
