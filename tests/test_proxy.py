@@ -569,3 +569,54 @@ async def test_a_request_is_parsed_and_hashed_once_whichever_path_answers_it(
     assert (await env.chat(**doc_headers("new"))).headers["x-cache"] == "MISS"
     assert (await env.chat(**doc_headers("new"))).headers["x-cache"] == "HIT"
     assert len(hashed) == 2
+
+
+@pytest.mark.parametrize("http_server", ["builtin"], indirect=True)
+async def test_a_lookup_made_before_an_identical_request_was_answered_does_not_generate_the_key_again(
+    tmp_path: Path,
+) -> None:
+    """Built-in server only: the fast path looks a request up in the protocol callback, and the app
+    runs a loop turn later. An identical request answered in between must be replayed, not generated
+    again (its stored answer would be replaced by another sample)."""
+    from app.http.server import HTTPServer
+    from app.main import create_server
+
+    async with fake_upstream() as (url, upstream):
+        server = create_server(settings(tmp_path, url, port=0, http="builtin"))
+        assert isinstance(server, HTTPServer)
+        await server.start()
+        try:
+            app: Any = server.app
+            headers = [(b"content-type", b"application/json"), (b"x-doc-id", b"doc-1")]
+            body = orjson.dumps(chat_request())
+            extensions: dict[str, Any] = {}
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as client:
+                # Opens the rank: the fast path below then looks in its cache.
+                await client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers("doc-0"))
+                assert app.answer_fast("/v1/chat/completions", headers, body, extensions) is None  # a miss, now
+                first = await client.post("/v1/chat/completions", content=body, headers=doc_headers("doc-1"))
+            assert first.headers["x-cache"] == "MISS"
+            sent: list[dict[str, Any]] = []
+
+            async def receive() -> dict[str, Any]:
+                return {"type": "http.request", "body": body, "more_body": False}
+
+            async def send(message: Any) -> None:
+                sent.append(message)
+
+            scope = {
+                "type": "http",
+                "method": "POST",
+                "path": "/v1/chat/completions",
+                "raw_path": b"/v1/chat/completions",
+                "query_string": b"",
+                "headers": headers,
+                "extensions": extensions,  # the fast path's stale lookup: looked, no hit
+            }
+            await app(scope, receive, send)
+        finally:
+            await server.shutdown()
+    start, answer = sent[0], sent[1]
+    assert dict(start["headers"])[b"x-cache"] == b"HIT"
+    assert answer["body"] == first.content
+    assert upstream.requests == 2  # doc-0 and doc-1, once each

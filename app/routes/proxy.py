@@ -140,7 +140,13 @@ async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive
                 return
             flight = services.flights.get(flight_key)
             if flight is None:
-                break
+                # The lookup may be an earlier turn's (the fast path's, before this task ran): an
+                # identical request may have been answered and stored since. Look again now, with
+                # nothing awaited between this look and leading, or the key is generated twice.
+                hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
+                if hit is None:
+                    break
+                continue
             # shield: a follower whose client leaves must not cancel the leader's future
             shared = await asyncio.shield(flight)
             if shared is not None:
