@@ -41,6 +41,24 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+#: Values (separators and containers) a JSON request body may hold: parsing one costs memory and event
+#: loop time by value, not by byte (a 31 MB `[{},{},...]` took ~1 GB and stalled every request for a
+#: second). Far more than any inference request or batch of documents holds.
+MAX_JSON_VALUES = 1 << 20
+
+
+def check_json_cost(body: bytes) -> None:
+    """`PayloadTooLarge` for a body whose JSON would hold more than `MAX_JSON_VALUES` values."""
+    # A small body cannot hold that many: the hit path does not pay for the count.
+    if len(body) > MAX_JSON_VALUES // 16:
+        values = body.count(b",") + body.count(b"{") + body.count(b"[")
+        if values > MAX_JSON_VALUES:
+            raise PayloadTooLarge(
+                f"the request body holds about {values} JSON values; the limit is {MAX_JSON_VALUES}: "
+                f"split it (a batch of documents or lookups into several requests)"
+            )
+
+
 class ClientGone(Exception):
     """The client disconnected before its request was read."""
 

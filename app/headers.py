@@ -36,28 +36,52 @@ class RequestKey(NamedTuple):
 
 
 def parse_request_key(headers: list[tuple[bytes, bytes]]) -> RequestKey:
-    """Parse raw ASGI headers (lower-case names) into a `RequestKey`."""
+    """Parse raw ASGI headers (lower-case names) into a `RequestKey`; a key header given twice is refused."""
     doc_id: str | None = None
-    rollout_idx = 0
+    rollout_idx: int | None = None
     chunk_index: int | None = None
-    rank = 0
+    rank: int | None = None
     no_cache = no_store = False
     for name, value in headers:
         if not name.startswith((b"x-", b"cache-control")):
             continue
         if name == b"x-doc-id":
+            if doc_id is not None:
+                raise twice("X-Doc-Id")
             doc_id = parse_doc_id(value)
         elif name == b"x-rollout-idx":
+            if rollout_idx is not None:
+                raise twice("X-Rollout-Idx")
             rollout_idx = parse_int(value, "X-Rollout-Idx")
         elif name == b"x-chunk-index":
+            if chunk_index is not None:
+                raise twice("X-Chunk-Index")
             chunk_index = parse_int(value, "X-Chunk-Index")
         elif name == b"x-rank":
+            if rank is not None:
+                raise twice("X-Rank")
             rank = parse_rank(value)
         elif name == b"cache-control":
             directives = {d.strip().lower() for d in value.decode("latin-1").split(",")}
             no_cache = no_cache or "no-cache" in directives
             no_store = no_store or "no-store" in directives
-    return RequestKey(doc_id, rollout_idx, chunk_index, rank, no_cache, no_store)
+    return RequestKey(doc_id, rollout_idx or 0, chunk_index, rank or 0, no_cache, no_store)
+
+
+def single_header(headers: list[tuple[bytes, bytes]], name: bytes, param: str) -> bytes | None:
+    """The value of a header that may be given once (None if absent); `BadRequest` if given twice."""
+    found: bytes | None = None
+    for key, value in headers:
+        if key == name:
+            if found is not None:
+                raise twice(param)
+            found = value
+    return found
+
+
+def twice(header: str) -> BadRequest:
+    # Which of two values would win differs between proxies and servers: neither is taken.
+    return BadRequest(f"{header} is given more than once: send it once", param=header)
 
 
 def parse_doc_id(value: bytes) -> str:

@@ -107,7 +107,7 @@ class InferProxy:
             return None
         try:
             found = lookup(services, headers, body)
-        except BadRequest:
+        except ProxyError:  # a bad header or body: the ASGI path answers with its error
             return None
         extensions[LOOKUP] = found
         if found.hit is None:
@@ -294,5 +294,6 @@ def create_server(settings: Settings, app: InferProxy | None = None) -> Server:
 
 def render_error(status: int, message: str) -> tuple[bytes, bytes]:
     """The HTTP server's own refusals, in the proxy's error envelope."""
-    kind = "internal_error" if status >= 500 else "invalid_request_error"
+    # 501: a method this proxy serves on no route is the request's fault, as the app says under uvicorn too.
+    kind = "internal_error" if status >= 500 and status != 501 else "invalid_request_error"
     return b"application/json", error_body(message, type_=kind, code=status)

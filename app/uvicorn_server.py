@@ -36,6 +36,7 @@ class UvicornServer:
             http="httptools",
             loop="uvloop",
             lifespan="on",
+            ws="none",  # an Upgrade: websocket request is answered as plain HTTP, as by the built-in server
             access_log=False,
             server_header=False,
             log_config=None,  # the logging `inferproxy serve` set up stays as it is

@@ -530,6 +530,7 @@ async def test_trace_is_501_whichever_server_and_never_forwarded(env: Env, path:
     answer = await env.client.request("TRACE", path)
     assert answer.status_code == 501
     assert answer.json()["error"]["code"] == 501
+    assert answer.json()["error"]["type"] == "invalid_request_error"  # the same from either server
     assert (await env.upstream_stats())["requests"] == 0
 
 
@@ -620,3 +621,52 @@ async def test_a_lookup_made_before_an_identical_request_was_answered_does_not_g
     assert dict(start["headers"])[b"x-cache"] == b"HIT"
     assert answer["body"] == first.content
     assert upstream.requests == 2  # doc-0 and doc-1, once each
+
+
+@pytest.mark.parametrize(
+    ("path", "headers"),
+    [
+        ("/v1/chat/completions", {"X-Doc-Id": "doc-1"}),
+        ("/lookup", {}),
+        ("/documents", {"X-Chunk-Index": "0"}),
+    ],
+)
+async def test_a_body_holding_too_many_json_values_is_refused_before_it_is_parsed(
+    env: Env, path: str, headers: dict[str, str]
+) -> None:
+    bomb = b'{"model":"fake-model","a":[' + b"{}," * (1 << 20) + b"{}]}"  # 3 MB: far under max_body_bytes
+    answer = await env.client.post(path, content=bomb, headers={"content-type": "application/json", **headers})
+    assert answer.status_code == 413
+    assert "JSON values" in answer.json()["error"]["message"]
+    assert (await env.upstream_stats())["requests"] == 0
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "twice"),
+    [
+        ("POST", "/v1/chat/completions", "X-Rank"),
+        ("POST", "/v1/chat/completions", "X-Doc-Id"),
+        ("POST", "/v1/chat/completions", "X-Rollout-Idx"),
+        ("POST", "/v1/chat/completions", "X-Chunk-Index"),
+        ("GET", "/resume", "X-Rank"),
+        ("POST", "/lookup", "X-Rank"),
+        ("POST", "/documents", "X-Chunk-Index"),
+    ],
+)
+async def test_a_key_header_given_twice_is_refused_on_every_route(env: Env, method: str, path: str, twice: str) -> None:
+    headers = [("X-Doc-Id", "doc-1"), ("X-Chunk-Index", "0"), (twice, "1"), (twice, "2")]
+    headers = [(n, v) for n, v in headers if n != twice or v != "0"]
+    body = orjson.dumps(chat_request() if path.startswith("/v1/") else [] if path == "/lookup" else {"id": "d"})
+    answer = await env.client.request(method, path, content=body if method == "POST" else None, headers=headers)
+    assert answer.status_code == 400
+    assert answer.json()["error"]["param"] == twice
+    assert "more than once" in answer.json()["error"]["message"]
+    assert (await env.upstream_stats())["requests"] == 0
+
+
+async def test_a_websocket_upgrade_is_answered_as_plain_http_by_either_server(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url)) as proxy:
+        upgrade = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13"}
+        status, headers, _ = await raw_exchange(proxy, raw_request("GET", "/v1/models", **upgrade))
+    assert status == 200  # forwarded as a plain GET (uvicorn's websocket support used to make it a 500)
+    assert headers["content-type"].startswith("application/json")

@@ -290,3 +290,32 @@ async def test_a_trailer_line_that_never_ends_is_refused_with_431() -> None:
                 await asyncio.sleep(0)
         assert (await conn.response())[0] == 431
         conn.close()
+
+
+class NoContent(App):
+    """Answers 204 with a Content-Length and a body, as a careless app (or a replayed cache entry) might."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/no-content":
+            await read_all(receive)
+            await answer(send, 204, b"stray")
+            return
+        await super().__call__(scope, receive, send)
+
+
+def no_content_fast(path: str, headers: list[tuple[bytes, bytes]], body: bytes, extensions: dict[str, Any]) -> Answer:
+    return Answer(204, [(b"x-cache", b"HIT")], b"stray")
+
+
+@pytest.mark.parametrize("via", ["asgi", "fast"])
+async def test_a_204_is_written_without_content_length_or_body_and_the_connection_goes_on(via: str) -> None:
+    options: dict[str, Any] = {"fast": no_content_fast, "fast_paths": ["/no-content"]} if via == "fast" else {}
+    async with serving(NoContent(), **options) as server:
+        conn = await Conn.open(server)
+        await conn.send(post("/no-content", b"x") + post("/echo", b"after"))
+        status, headers, body = await conn.response()
+        assert (status, body) == (204, b"")
+        assert b"content-length" not in headers  # RFC 9110 §8.6
+        status, _, body = await conn.response()
+        assert (status, body) == (200, b"after")  # nothing of the 204's "body" was taken for this answer
+        conn.close()

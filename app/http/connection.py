@@ -321,6 +321,8 @@ class HTTPConnection(asyncio.Protocol):
             request.body = [body]
             return False
         status, headers, content = answer
+        if status == 204 or status == 304:
+            content = b""  # no body, whatever the handler gave
         try:
             head = request.head(status, headers, len(content))
         except UnsafeHeader:

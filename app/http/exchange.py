@@ -117,6 +117,7 @@ class Request:
     response_started = False
     response_complete = False
     chunked = False
+    bodiless = False  # a HEAD request's answer, a 204 or a 304: what the app sends as body is not written
     queued_head: bytes | None = None  # the answer's head while it waits in the connection's outbox
     expected_length: int | None = None
     written = 0
@@ -252,7 +253,8 @@ class Request:
                     self.keep_alive = False
             status: int = message["status"]
             self.expected_length = length
-            self.chunked = length is None and self.method != "HEAD" and status not in (204, 304)
+            self.bodiless = self.method == "HEAD" or status == 204 or status == 304
+            self.chunked = length is None and not self.bodiless
             if self.chunked and self.http_version == "1.0":
                 self.chunked = self.keep_alive = False  # HTTP/1.0 has no chunks: the close ends the body
             if self.expect_continue and not self.continue_sent and not self.body_complete:
@@ -270,7 +272,7 @@ class Request:
             body: bytes = message.get("body", b"")
             more = bool(message.get("more_body", False))
             conn = self.conn
-            if self.method == "HEAD":
+            if self.bodiless:
                 body = b""
             self.written += len(body)
             expected = self.expected_length
@@ -293,7 +295,7 @@ class Request:
             if not more:
                 self.response_complete = True
                 self.wake()
-                if expected is not None and self.method != "HEAD" and self.written != expected:
+                if expected is not None and not self.bodiless and self.written != expected:
                     logger.error("%s %s: %d bytes of a %d-byte answer", self.method, self.path, self.written, expected)
                     self.keep_alive = False  # the client is waiting for the rest: only a close tells it
                 conn.answered(self)
@@ -314,7 +316,7 @@ class Request:
         if len(lines.translate(None, b"\r\n\0")) != len(lines) - 2 * len(kept):
             bad = [n for n, v in headers if any(c in n + v for c in (b"\r", b"\n", b"\0"))]
             raise UnsafeHeader(f"the answer's header {bad[0]!r} holds CR, LF or NUL")
-        if length is not None:
+        if length is not None and status != 204:  # a 204 has no Content-Length (RFC 9110 §8.6)
             lines += b"content-length: %d\r\n" % length
         elif self.chunked:
             lines += b"transfer-encoding: chunked\r\n"

@@ -21,7 +21,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
-from app.asgi import JSON_HEADERS, Receive, Scope, Send, header, read_body, send_bytes
+from app.asgi import JSON_HEADERS, Receive, Scope, Send, check_json_cost, read_body, send_bytes
 from app.checkpointing import (
     CheckpointDurabilityError,
     CheckpointManager,
@@ -30,7 +30,7 @@ from app.checkpointing import (
 )
 from app.documents import Document, DocumentError
 from app.errors import BadRequest, ChunkConflict, InsufficientStorage, ProxyError
-from app.headers import parse_int, parse_rank
+from app.headers import parse_int, parse_rank, single_header
 from app.publish import PublishError, is_remote
 from app.resume import docs_to_skip
 from app.services import Services
@@ -60,7 +60,7 @@ def json_route(work: Work) -> Callable[[Services, Scope, Receive, Send], Awaitab
 
 
 def rank_of(scope: Scope) -> int:
-    value = header(scope, b"x-rank")
+    value = single_header(scope["headers"], b"x-rank", "X-Rank")
     return 0 if value is None else parse_rank(value)
 
 
@@ -73,7 +73,7 @@ async def manager_of(services: Services, rank: int) -> CheckpointManager:
 
 async def post_documents(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
     rank = rank_of(scope)
-    raw_chunk = header(scope, b"x-chunk-index")
+    raw_chunk = single_header(scope["headers"], b"x-chunk-index", "X-Chunk-Index")
     if raw_chunk is None:
         raise BadRequest("X-Chunk-Index is required: the chunk the documents belong to", param="X-Chunk-Index")
     chunk_index = parse_int(raw_chunk, "X-Chunk-Index")
@@ -122,6 +122,7 @@ def storage_error(exc: OSError, services: Services) -> ProxyError:
 
 def parse_documents(body: bytes) -> list[Document]:
     """One document or a JSON array of them, each validated; the first fault is named, nothing kept."""
+    check_json_cost(body)
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:

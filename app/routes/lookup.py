@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import orjson
 
-from app.asgi import JSON_HEADERS, Receive, Scope, Send, read_body, send_bytes
+from app.asgi import JSON_HEADERS, Receive, Scope, Send, check_json_cost, read_body, send_bytes
 from app.cache import RequestCache, StoredResponse
 from app.errors import BadRequest
 from app.routes.checkpoints import rank_of
@@ -64,6 +64,7 @@ def looked_up(cache: RequestCache, keys: list[tuple[str, int, str]]) -> list[Sto
 
 def parse_keys(body: bytes) -> list[tuple[str, int, str]]:
     """`(doc_id, rollout_idx, payload_hash)` of each item, validated as the request headers would be."""
+    check_json_cost(body)
     try:
         items = orjson.loads(body)
     except orjson.JSONDecodeError as exc:

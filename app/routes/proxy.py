@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from app.asgi import Headers, Receive, Scope, Send, read_body, send_bytes, send_error
+from app.asgi import Headers, Receive, Scope, Send, check_json_cost, read_body, send_bytes, send_error
 from app.cache import RequestCache, StoredResponse
 from app.errors import BadRequest, ProxyError
 from app.hashing import payload_hash
@@ -91,6 +91,7 @@ _COUNTED = {b"HIT": "hit", b"COALESCED": "coalesced"}
 
 
 def payload_digest(body: bytes) -> str:
+    check_json_cost(body)
     try:
         payload = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
