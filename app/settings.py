@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextvars
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator
 from pydantic_settings import (
@@ -47,7 +48,7 @@ class Settings(BaseSettings):
     cache_error_statuses: Annotated[list[int], NoDecode] = Field(
         default_factory=lambda: [400], description="error statuses cached and replayed like answers"
     )
-    upstream_retries: int = Field(3, ge=0, le=20, description="retries on connection errors and 502/503/504")
+    upstream_retries: int = Field(3, ge=0, le=20, description="retries on connection errors and 429/502/503/504")
     retry_backoff_s: float = Field(0.5, gt=0, description="first retry delay; doubles each retry, with jitter")
     connect_timeout_s: float = Field(10.0, gt=0, description="upstream connect timeout")
     read_timeout_s: float = Field(900.0, gt=0, description="upstream silence allowed mid-answer (long generations)")
@@ -98,7 +99,12 @@ class Settings(BaseSettings):
         roots = []
         for url in value:
             root = url.strip().rstrip("/").removesuffix("/v1")
-            if not root.startswith(("http://", "https://")):
+            try:
+                parts = urlsplit(root)
+                parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+            except ValueError:
+                parts = None
+            if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"an upstream is an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
             roots.append(root)
         return roots
@@ -160,4 +166,6 @@ def _split(value: Any) -> Any:
         return [part.strip() for part in text.split(",") if part.strip()]
     if isinstance(value, int):
         return [value]
+    if isinstance(value, list):  # repeated flags: each may itself be a comma list or JSON
+        return [item for part in value for item in (_split(part) if isinstance(part, str) else [part])]
     return value

@@ -38,6 +38,10 @@ def test_lists_come_from_json_or_commas_and_upstreams_are_normalised(monkeypatch
     ("field", "value", "message"),
     [
         ("upstream", ["localhost:8000"], "an upstream is an http"),
+        ("upstream", ["http://127.0.0.1:80x0"], "an upstream is an http"),
+        ("upstream", ["http://:8000"], "an upstream is an http"),
+        ("upstream", ["http://127.0.0.1:80x0"], "an upstream is an http"),
+        ("upstream", ["http://:8000"], "an upstream is an http"),
         ("cache_error_statuses", [429], "cache_error_statuses may hold 4xx statuses other than"),
         ("cache_error_statuses", [500], "cache_error_statuses may hold 4xx"),
         ("port", 70000, "less than or equal to 65535"),
@@ -133,3 +137,17 @@ def test_the_server_limits_in_the_settings_reach_the_built_in_server(tmp_path: P
     server = create_server(settings)
     assert isinstance(server, HTTPServer)
     assert (server.head_timeout_s, server.shutdown_grace_s) == (2.5, 7.0)
+
+
+def test_list_flags_take_repeats_commas_or_json(tmp_path: Path) -> None:
+    parser = build_parser()
+    args = parser.parse_args(
+        ["serve", "--upstream", "http://a:8000,http://b:8000", "--upstream", "http://c:8000"]
+        + ["--cache-error-statuses", "400,422", "--checkpoints-dir", str(tmp_path)]
+    )
+    flags = {name: getattr(args, name) for name in Settings.model_fields}
+    settings = Settings.load(None, **flags)
+    assert settings.upstream == ["http://a:8000", "http://b:8000", "http://c:8000"]
+    assert settings.cache_error_statuses == [400, 422]
+    json_args = parser.parse_args(["serve", "--upstream", '["http://a:1", "http://b:2"]'])
+    assert Settings.load(None, upstream=json_args.upstream).upstream == ["http://a:1", "http://b:2"]
