@@ -139,9 +139,9 @@ def test_the_server_limits_in_the_settings_reach_the_built_in_server(tmp_path: P
 
 def test_list_flags_take_repeats_commas_or_json(tmp_path: Path) -> None:
     parser = build_parser()
+    upstreams = ["--upstream", "http://a:8000,http://b:8000", "--upstream", "http://c:8000"]
     args = parser.parse_args(
-        ["serve", "--upstream", "http://a:8000,http://b:8000", "--upstream", "http://c:8000"]
-        + ["--cache-error-statuses", "400,422", "--checkpoints-dir", str(tmp_path)]
+        ["serve", *upstreams, "--cache-error-statuses", "400,422", "--checkpoints-dir", str(tmp_path)]
     )
     flags = {name: getattr(args, name) for name in Settings.model_fields}
     settings = Settings.load(None, **flags)
