@@ -9,6 +9,5 @@ complete `Answer`, and a callback rendering the server's own errors.
 - `exchange`: one request's ASGI cycle and the framing of its answer;
 - `client`: the upstream client (keep-alive pool, streaming, limits); `client_connection`: one of
   its connections (protocol, response parser, the limits on what a server sends), and its errors;
-- `memory`: an in-process connector for the client, to test without sockets.
 - `memory`: an in-process connector for the client: an ASGI app served without sockets (tests).
 """
