@@ -19,6 +19,7 @@ Under a server without that fast path (uvicorn), `cacheable` calls `lookup` itse
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from typing import Any, NamedTuple
 
@@ -278,8 +279,28 @@ def cacheable_status(status: int, error_statuses: list[int]) -> bool:
 
 
 async def forward_uncached(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
-    """Any other `/v1/*` request: forwarded unchanged (method, query, body, status, streaming)."""
+    """Any other `/v1/*` request: forwarded unchanged (method, query, body, status, streaming).
+
+    A client that leaves, before the answer or in the middle of it, takes the upstream call with it:
+    its connection is closed, so that the upstream stops generating for nobody.
+    """
     body = await read_body(scope, receive, services.settings.max_body_bytes)
+    passing = asyncio.ensure_future(_pass_on(services, scope, send, body))
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((passing, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not passing.done():
+            # Cancelled inside `pool.request`: an answer left unread closes its upstream connection.
+            passing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await passing
+    if not passing.cancelled():
+        passing.result()
+
+
+async def _pass_on(services: Services, scope: Scope, send: Send, body: bytes) -> None:
     pool = services.pool
     # raw_path: the path as the client encoded it (%2F stays %2F, a space stays %20)
     path = scope.get("raw_path") or scope["path"].encode()

@@ -1,0 +1,98 @@
+"""`/v1/*` routes forwarded without caching (`forward_uncached`): a client that leaves stops the upstream's work."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from app.asgi import Receive, Scope, Send, lifespan_noop
+from app.settings import Settings
+from tests.servers import serve_in_loop, serve_proxy
+
+# Under both servers: the upstream must be let go under the built-in one and under uvicorn.
+pytestmark = pytest.mark.usefixtures("http_server")
+
+
+class SlowUpstream:
+    """An upstream that generates slowly on `/v1/slow` (events every 50 ms for 20 s, or silence first with
+    `?silent`) and records when it hears that the proxy let its connection go."""
+
+    def __init__(self) -> None:
+        self.started = asyncio.Event()
+        self.let_go = asyncio.Event()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await lifespan_noop(receive, send)
+            return
+        while (await receive()).get("more_body"):
+            pass
+        watcher = asyncio.create_task(self._watch(receive))
+        self.started.set()
+        try:
+            if scope["query_string"] == b"silent":
+                with contextlib.suppress(TimeoutError):  # thinking, before any byte of the answer
+                    await asyncio.wait_for(self.let_go.wait(), 20)
+            headers = [(b"content-type", b"text/event-stream")]
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            for n in range(400):
+                if self.let_go.is_set():
+                    return
+                await send({"type": "http.response.body", "body": b"data: %d\n\n" % n, "more_body": True})
+                await asyncio.sleep(0.05)
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+        finally:
+            watcher.cancel()
+
+    async def _watch(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.let_go.set()
+
+
+@pytest.fixture
+async def proxy(tmp_path: Path) -> AsyncIterator[tuple[str, SlowUpstream]]:
+    upstream = SlowUpstream()
+    async with serve_in_loop(upstream) as url:
+        settings = Settings(upstream=[url], checkpoints_dir=tmp_path / "ckpt", retry_backoff_s=0.001)
+        async with serve_proxy(settings) as proxy_url:
+            yield proxy_url, upstream
+
+
+async def open_request(proxy_url: str, target: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = proxy_url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    body = b'{"model": "m", "input": "hi", "stream": true}'
+    head = f"POST {target} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+    writer.write(head.encode() + b"\r\n" + body)
+    await writer.drain()
+    return reader, writer
+
+
+async def test_a_client_that_leaves_mid_stream_stops_the_upstream_of_an_uncached_route(
+    proxy: tuple[str, SlowUpstream],
+) -> None:
+    proxy_url, upstream = proxy
+    reader, writer = await open_request(proxy_url, "/v1/slow")
+    async with asyncio.timeout(5):
+        await reader.readuntil(b"data: 0")
+    writer.close()
+    # The upstream would go on generating for 20 s; the proxy lets its connection go at once.
+    async with asyncio.timeout(3):
+        await upstream.let_go.wait()
+
+
+async def test_a_client_that_leaves_before_the_upstream_answers_stops_the_upstream_of_an_uncached_route(
+    proxy: tuple[str, SlowUpstream],
+) -> None:
+    proxy_url, upstream = proxy
+    _, writer = await open_request(proxy_url, "/v1/slow?silent")
+    async with asyncio.timeout(5):
+        await upstream.started.wait()
+    writer.close()
+    async with asyncio.timeout(3):
+        await upstream.let_go.wait()
