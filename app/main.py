@@ -36,6 +36,7 @@ from app.errors import BadRequest, MethodNotAllowed, MethodNotSupported, NotFoun
 from app.http.asgi import Answer
 from app.http.server import HTTPServer
 from app.layout import CheckpointsLayout
+from app.limits import max_connections
 from app.output_check import redact_url
 from app.ownership import RankOwnership
 from app.resume import check_records_per_chunk
@@ -289,6 +290,8 @@ def create_server(settings: Settings, app: InferProxy | None = None) -> Server:
         render_error=render_error,
         shutdown_grace_s=settings.shutdown_grace_s,
         head_timeout_s=settings.head_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        max_connections=max_connections(settings),
     )
 
 

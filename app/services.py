@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import sqlite3
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator
@@ -15,8 +16,9 @@ from pathlib import Path
 from app.cache import RequestCache, StoredResponse
 from app.checkpointing import CheckpointManager
 from app.durable import atomic_write_bytes
-from app.errors import TooManyRanks
+from app.errors import ServiceUnavailable, TooManyRanks
 from app.layout import CheckpointsLayout
+from app.limits import open_files_limit, out_of_files
 from app.output_check import redact_url
 from app.ownership import RankOwnership
 from app.publish import ChunkPublisher
@@ -57,10 +59,19 @@ class CacheRegistry:
         async with lock:
             cache = self._caches.get(rank)
             if cache is None:
-                await self.admit(rank)
-                # replay_same_run: the proxy answers a repeated request with the first answer at once.
-                cache = RequestCache(str(self.root), flush_interval_ms=self.flush_interval_ms, replay_same_run=True)
-                await cache.initialize(rank)
+                claimed = not self.ownership.owns(rank)
+                with opening_files(rank):
+                    try:
+                        await self.admit(rank)
+                        # replay_same_run: the proxy answers a repeated request with the first answer at once.
+                        cache = RequestCache(
+                            str(self.root), flush_interval_ms=self.flush_interval_ms, replay_same_run=True
+                        )
+                        await cache.initialize(rank)
+                    except Exception:
+                        if claimed:  # nothing of the rank is open: its lock goes too, for whichever proxy can
+                            self.ownership.release(rank)
+                        raise
                 self._caches[rank] = cache
         return cache
 
@@ -97,6 +108,23 @@ class CacheRegistry:
                 errors.append(exc)
         if errors:
             raise errors[0]
+
+
+@contextlib.contextmanager
+def opening_files(rank: int) -> Iterator[None]:
+    """Around opening a rank's files: failing for want of file descriptors is 503, worth retrying, not 500."""
+    try:
+        yield
+    except (OSError, sqlite3.OperationalError) as exc:
+        if not out_of_files(exc):
+            raise
+        logger.warning("rank %d could not be opened: out of file descriptors (%s)", rank, exc)
+        raise ServiceUnavailable(
+            f"rank {rank} cannot be opened now: the proxy is out of file descriptors ({exc}). Retry later; "
+            f"to make room, raise the open files limit (ulimit -n, now {open_files_limit()}) or lower "
+            f"max_open_ranks or max_connections",
+            headers=[(b"retry-after", b"1")],
+        ) from exc
 
 
 class RankActivity:
@@ -200,13 +228,20 @@ class CheckpointRegistry:
         async with lock:
             manager = self._managers.get(rank)
             if manager is None:
-                await self.admit(rank)
-                await self.recover_from_output(rank)
-                cache = await self.caches.get(rank)
-                manager = CheckpointManager(
-                    self.root, self.settings.records_per_chunk, request_cache=cache, fsync=self.settings.fsync
-                )
-                await manager.parse_existing_checkpoints(rank, self.publisher)
+                claimed = not self.ownership.owns(rank)
+                with opening_files(rank):
+                    try:
+                        await self.admit(rank)
+                        await self.recover_from_output(rank)
+                        cache = await self.caches.get(rank)
+                        manager = CheckpointManager(
+                            self.root, self.settings.records_per_chunk, request_cache=cache, fsync=self.settings.fsync
+                        )
+                        await manager.parse_existing_checkpoints(rank, self.publisher)
+                    except Exception:
+                        if claimed and self.caches.opened_cache(rank) is None:
+                            self.ownership.release(rank)  # nothing of the rank is open
+                        raise
                 self._managers[rank] = manager
         return manager
 
@@ -218,9 +253,10 @@ class CheckpointRegistry:
 
     async def last_chunk(self, rank: int) -> int:
         """The rank's last published chunk as the disk says, without opening it (claims it)."""
-        await self.admit(rank)
-        await self.recover_from_output(rank)
-        return read_last_chunk(self.layout.rank(rank).last_chunk_file)
+        with opening_files(rank):
+            await self.admit(rank)
+            await self.recover_from_output(rank)
+            return read_last_chunk(self.layout.rank(rank).last_chunk_file)
 
     async def recover_from_output(self, rank: int) -> None:
         """A rank without any checkpoint on disk resumes after its last published chunk.

@@ -68,6 +68,15 @@ class Settings(BaseSettings):
     head_timeout_s: float = Field(
         30.0, gt=0, description="a request's line and headers must arrive within this (else 408; built-in server)"
     )
+    body_timeout_s: float = Field(
+        300.0, gt=0, description="a request's body must arrive within this (else 408; built-in server)"
+    )
+    max_connections: int | None = Field(
+        None,
+        gt=0,
+        description="client connections open at once; past it a new one gets 503 "
+        "(default: what the open files limit leaves, see the README)",
+    )
     rank_idle_s: float = Field(
         60.0, ge=0, description="a rank unused this long is released for another proxy to take over (0: never)"
     )

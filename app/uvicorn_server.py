@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import uvicorn
 
 from app.http.server import CannotListen
+from app.limits import max_connections
 from app.settings import Settings
 
 if TYPE_CHECKING:
@@ -41,6 +42,9 @@ class UvicornServer:
             server_header=False,
             log_config=None,  # the logging `inferproxy serve` set up stays as it is
             timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s),
+            # uvicorn counts the connection asking among those open: one more lets exactly
+            # max_connections in. It answers past them with 503 when a request comes.
+            limit_concurrency=max_connections(settings) + 1,
         )
         self.server = uvicorn.Server(self.config)
         self._exit: asyncio.Event | None = None

@@ -39,6 +39,9 @@ MAX_UNSENT = 256 * 1024  # answers queued in the outbox past this go to the tran
 DISCARD_BYTES = 64 * 1024 * 1024  # of a body left unread by an early answer, read and dropped before closing
 LINGER_S = 2.0  # after a refusal, how long what the client still sends is read and dropped
 REQUEST_STALL_S = 30.0  # a request that stops arriving part-way, with nothing in flight, is dropped after this
+#: Connections turned away past `max_connections` that may linger at once (their 503 out, the client's bytes
+#: read and dropped so that it gets to read the 503); past it they are closed at once, and may be reset.
+MAX_TURNED_AWAY_LINGERING = 64
 
 
 class State(enum.Enum):
@@ -66,6 +69,8 @@ class _Ticks:
     stalled: int = 0  # ticks in a row with a request part-way and no byte arriving
     head_request: int = 0  # the request whose head the timer saw arriving, and when it first did
     head_since: float = 0.0
+    body_request: int = 0  # the same for a body
+    body_since: float = 0.0
 
 
 class HTTPConnection(asyncio.Protocol):
@@ -96,6 +101,7 @@ class HTTPConnection(asyncio.Protocol):
         self.ticks = _Ticks()
         self.requests = 0  # begun on this connection; the idle timer compares it with its last look
         self.bytes_in = 0
+        self.turned_away = False  # past `max_connections`: answered 503 and closed, nothing read
 
     @property
     def busy(self) -> bool:
@@ -124,6 +130,9 @@ class HTTPConnection(asyncio.Protocol):
         sock = transport.get_extra_info("sockname")
         self.client = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else None
         self.local = (str(sock[0]), int(sock[1])) if isinstance(sock, tuple) else None
+        if len(self.server.connections) >= self.server.max_connections:
+            self._turn_away()
+            return
         self.server.connections.add(self)
         if self.server.closing:
             self.abort()
@@ -169,6 +178,8 @@ class HTTPConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.state = CLOSED
+        if self.turned_away:
+            self.server.lingering_turned_away -= 1
         self.server.connections.discard(self)
         if self.server.closing:
             self.server.wakeup.set()
@@ -517,6 +528,9 @@ class HTTPConnection(asyncio.Protocol):
         state, ticks = self.state, self.ticks
         if state is CLOSED:
             return
+        if state is BODY and self._body_overdue():
+            self._refuse_body()
+            return
         if self.busy:
             ticks.stalled = 0
             ticks.head_request = 0  # a head arriving behind answers owed is not timed: reading may be paused
@@ -549,7 +563,55 @@ class HTTPConnection(asyncio.Protocol):
             return False
         return now - ticks.head_since >= self.server.head_timeout_s
 
+    def _body_overdue(self) -> bool:
+        """Whether the body arriving now began over `body_timeout_s` ago, bytes arriving or not.
+
+        Timed as the head is, from the first tick that sees it; not while reading is paused (the
+        app has not taken what came, or answers are owed before it): that wait is not the client's.
+        """
+        now, ticks = self.loop.time(), self.ticks
+        if self.reading_paused or ticks.body_request != self.requests:
+            ticks.body_request, ticks.body_since = self.requests, now
+            return False
+        return now - ticks.body_since >= self.server.body_timeout_s
+
+    def _refuse_body(self) -> None:
+        request, limit = self.parsing, self.server.body_timeout_s
+        logger.info("refusing a request from %s: its body took over %g s", self.client, limit)
+        if request is not None and request.response_complete:
+            self.close()  # answered already (413, 401): only the rest of its body was being thrown away
+        elif request is not None and request.response_started:
+            self.abort_transport()  # its answer has begun: cut, so that the client sees it was not complete
+        else:
+            with contextlib.suppress(_Rejected):
+                self._reject(408, f"the request body was not complete within {limit:g} s")
+
     # -- refusing ------------------------------------------------------------------
+
+    def _turn_away(self) -> None:
+        """Past `max_connections`: `503` with `Retry-After` at once, nothing read or parsed, then close.
+
+        Answered rather than closed bare: an OpenAI client retries a 503 after its `Retry-After`, and
+        its log says the server is busy, not that it broke. It is not counted among the connections.
+        """
+        server = self.server
+        self.turned_away = True
+        server.turned_away += 1
+        server.lingering_turned_away += 1
+        if server.turned_away & (server.turned_away - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
+            logger.warning(
+                "turned away a connection from %s: %d are open, max_connections (%d turned away so far)",
+                self.client,
+                len(server.connections),
+                server.turned_away,
+            )
+        if server.lingering_turned_away > MAX_TURNED_AWAY_LINGERING:
+            self.abort_transport()
+            return
+        message = f"the server has {len(server.connections)} connections open, its max_connections: retry later"
+        self.state = REFUSED
+        self.refusal = server.error_answer(503, message, b"retry-after: 1\r\n")
+        self._send_refusal()
 
     def _reject(self, status: int, message: str) -> typing.NoReturn:
         """Refuse a request this server cannot take: an error answer, in its turn, then close.

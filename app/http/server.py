@@ -22,7 +22,11 @@ ASGI 3 app (lifespan included) with it:
   is answered as plain HTTP/1.1), `CONNECT` and `TRACE` (501), a request line
   or headers or trailers over `MAX_HEADER_BYTES` (414, 431), a head not
   complete `head_timeout_s` after its first byte (408; checked on the
-  keep-alive tick, so up to two `keep_alive_s` later);
+  keep-alive tick, so up to two `keep_alive_s` later), a body not complete
+  `body_timeout_s` after the tick that first sees it arriving (408, or the
+  connection cut if its answer has begun);
+- past `max_connections` open at once, a new connection gets `503` with
+  `Retry-After: 1` at once, before anything of it is read, and is closed;
 - trailer fields of a chunked body are dropped, never made headers;
 - an app that fails before its answer started gives 500 (so does an answer
   whose header holds CR, LF or NUL), after it started the connection is cut;
@@ -73,6 +77,8 @@ class HTTPServer:
         render_error: ErrorRenderer = plain_error,
         keep_alive_s: float = 5.0,
         head_timeout_s: float = 30.0,
+        body_timeout_s: float = 300.0,
+        max_connections: int | None = None,
         shutdown_grace_s: float = 30.0,
         backlog: int = 2048,
     ) -> None:
@@ -83,6 +89,10 @@ class HTTPServer:
         self.render_error = render_error
         self.keep_alive_s = keep_alive_s
         self.head_timeout_s = head_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.max_connections = max_connections or _UNLIMITED
+        self.turned_away = 0  # connections refused for being past `max_connections`, since the start
+        self.lingering_turned_away = 0  # of them, those still open: their 503 sent, the client's bytes dropped
         self.shutdown_grace_s = shutdown_grace_s
         self.backlog = backlog
         self.clock = CLOCK
@@ -131,11 +141,14 @@ class HTTPServer:
         logger.info("listening on http://%s:%d", self.host, self.port)
         self.started.set()
 
-    def error_answer(self, status: int, message: str) -> bytes:
-        """The server's own error answer, rendered by the app; the connection closes after it."""
+    def error_answer(self, status: int, message: str, headers: bytes = b"") -> bytes:
+        """The server's own error answer, rendered by the app; the connection closes after it.
+
+        `headers`: more header lines, each ending in CRLF.
+        """
         content_type, body = self.render_error(status, message)
         head = b"content-type: %b\r\ncontent-length: %d\r\nconnection: close\r\n" % (content_type, len(body))
-        return status_line(status) + head + self.clock.date() + b"\r\n" + body
+        return status_line(status) + head + headers + self.clock.date() + b"\r\n" + body
 
     def flush(self) -> None:
         connections, self.flushing = self.flushing, []
@@ -200,6 +213,9 @@ class HTTPServer:
         if self._server is not None:
             await self._server.wait_closed()
         await self._lifespan.shutdown()
+
+
+_UNLIMITED = 1 << 62
 
 
 class CannotListen(OSError):
