@@ -41,7 +41,7 @@ LINGER_S = 2.0  # after a refusal, how long what the client still sends is read 
 REQUEST_STALL_S = 30.0  # a request that stops arriving part-way, with nothing in flight, is dropped after this
 #: Connections turned away past `max_connections` that may linger at once (their 503 out, the client's bytes
 #: read and dropped so that it gets to read the 503); past it they are closed at once, and may be reset.
-MAX_TURNED_AWAY_LINGERING = 64
+MAX_TURNED_AWAY_LINGERING = 16
 
 
 class State(enum.Enum):

@@ -1,0 +1,254 @@
+"""File descriptors: the connection cap, the body deadline, and a rank that cannot be opened for want of files.
+
+The proxies whose open files are limited run as processes (`resource.setrlimit` in the child), so
+that the test process keeps its own limit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import errno
+import resource
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from app.cache import RequestCache
+from app.layout import CheckpointsLayout
+from app.limits import default_max_connections
+from app.ownership import RankOwnership
+from app.settings import Settings
+from tests.factories import chat_request, doc_headers
+from tests.servers import fake_upstream, free_port, proxy_client, serve_proxy, wait_for_http
+from tests.test_server import App, Conn, get, post, serving
+from tests.test_server_limits import big_fast
+
+# -- the connection cap --------------------------------------------------------------
+
+
+async def test_past_max_connections_a_new_connection_gets_503_at_once_and_those_open_are_served() -> None:
+    async with serving(App(), max_connections=5) as server:
+        admitted = [await Conn.open(server) for _ in range(5)]
+        for conn in admitted:  # each accepted and served before the next ones come
+            await conn.send(get("/echo"))
+            assert (await conn.response())[0] == 200
+        for _ in range(3):
+            turned_away = await Conn.open(server)  # sends nothing: the answer comes all the same
+            status, headers, body = await turned_away.response()
+            assert (status, headers[b"retry-after"], headers[b"connection"]) == (503, b"1", b"close")
+            assert b"max_connections" in body
+            assert await turned_away.closed_by_server()
+        for conn in admitted:
+            await conn.send(post("/echo", b"still served"))
+            assert (await conn.response())[2] == b"still served"
+        admitted.pop().close()
+        async with asyncio.timeout(5):
+            while len(server.connections) > 4:
+                await asyncio.sleep(0.01)
+        again = await Conn.open(server)
+        await again.send(get("/echo"))
+        assert (await again.response())[0] == 200
+        for conn in [*admitted, again]:
+            conn.close()
+
+
+async def test_under_uvicorn_max_connections_turns_away_a_request_past_it(tmp_path: Path) -> None:
+    settings = Settings(upstream=["http://127.0.0.1:9"], checkpoints_dir=tmp_path, http="uvicorn", max_connections=5)
+    async with serve_proxy(settings) as url:
+        port = int(url.rsplit(":", 1)[1])
+        opened = []
+        for _ in range(5):
+            opened.append(Conn(*await asyncio.open_connection("127.0.0.1", port)))
+            await opened[-1].send(get("/healthz"))
+            assert (await opened[-1].response())[0] == 200
+        opened.append(Conn(*await asyncio.open_connection("127.0.0.1", port)))
+        await opened[-1].send(get("/healthz"))
+        assert (await opened[-1].response())[0] == 503
+        for conn in opened:
+            conn.close()
+
+
+def test_the_default_max_connections_is_what_the_open_files_limit_leaves_after_the_ranks() -> None:
+    assert default_max_connections(max_open_ranks=100, limit=65536) == (65536 - 64 - 800) // 2
+    assert default_max_connections(max_open_ranks=256, limit=1024) == 64  # the floor
+
+
+# -- the body deadline -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "path"),
+    [({}, "/echo"), ({"fast": big_fast, "fast_paths": ["/fast"]}, "/fast")],
+    ids=["ASGI app", "fast path"],
+)
+async def test_a_body_trickled_byte_by_byte_is_refused_with_408_once_its_deadline_passes(
+    options: dict[str, Any], path: str
+) -> None:
+    app = App()
+    async with serving(app, keep_alive_s=0.05, body_timeout_s=0.3, **options) as server:
+        conn = await Conn.open(server)
+        await conn.send(f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Length: 100000\r\n\r\n".encode())
+
+        async def trickle() -> None:
+            with contextlib.suppress(ConnectionError):
+                while True:  # bytes keep arriving, faster than any stall timeout
+                    await conn.send(b"a")
+                    await asyncio.sleep(0.01)
+
+        trickling = asyncio.create_task(trickle())
+        try:
+            status, headers, body = await conn.response()
+        finally:
+            trickling.cancel()
+        assert (status, headers[b"connection"]) == (408, b"close")
+        assert b"body was not complete within 0.3 s" in body
+        conn.close()
+
+
+# -- a rank that cannot be opened for want of files -------------------------------------
+
+
+async def test_a_rank_whose_cache_cannot_be_opened_for_want_of_files_gets_503_and_is_left_unclaimed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    opening = RequestCache.initialize
+
+    async def out_of_files(self: RequestCache, rank: int) -> None:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    async with fake_upstream() as (url, _):
+        settings = Settings(upstream=[url], checkpoints_dir=tmp_path, retry_backoff_s=0.001)
+        async with proxy_client(settings) as client:
+            monkeypatch.setattr(RequestCache, "initialize", out_of_files)
+            refused = await client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers(**RANK_8))
+            assert (refused.status_code, refused.headers["retry-after"]) == (503, "1")
+            message = refused.json()["error"]["message"]
+            assert "out of file descriptors" in message
+            assert all(name in message for name in ("ulimit -n", "max_open_ranks", "max_connections"))
+            # Nothing of the rank stays claimed: another proxy could take it now.
+            elsewhere = RankOwnership(CheckpointsLayout(str(tmp_path)))
+            elsewhere.claim(8)
+            elsewhere.release(8)
+            monkeypatch.setattr(RequestCache, "initialize", opening)
+            served = await client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers(**RANK_8))
+            assert (served.status_code, served.headers["x-cache"]) == (200, "MISS")
+
+
+RANK_8 = {"X-Rank": "8"}
+
+
+@contextlib.contextmanager
+def limited_proxy(tmp_path: Path, upstream: str, open_files: int, *flags: str) -> Iterator[int]:
+    """`inferproxy serve` as a process whose open files are limited to `open_files`; yield its port."""
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (open_files, open_files))
+
+    port = free_port()
+    args = [f"--port={port}", f"--upstream={upstream}", f"--checkpoints-dir={tmp_path / 'ckpt'}"]
+    log = tmp_path / "proxy.log"
+    with log.open("wb") as stderr:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "serve", *args, f"--output={tmp_path / 'out'}", *flags],
+            preexec_fn=limit,
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    try:
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        print(log.read_text()[-4000:])  # shown when the test fails
+
+
+async def chat(conn: Conn) -> tuple[int, dict[bytes, bytes], bytes]:
+    body = orjson.dumps(chat_request())
+    headers = [f"{name}: {value}" for name, value in doc_headers(**RANK_8).items()]
+    await conn.send(post("/v1/chat/completions", body, "Content-Type: application/json", *headers))
+    return await conn.response()
+
+
+@contextlib.asynccontextmanager
+async def connections(port: int, count: int) -> AsyncIterator[list[Conn]]:
+    """`count` connections, each holding a request head part-way (neither idle nor stalled for 30 s)."""
+    opened: list[Conn] = []
+    try:
+        for _ in range(count):
+            with contextlib.suppress(OSError):
+                conn = Conn(*await asyncio.open_connection("127.0.0.1", port))
+                opened.append(conn)
+                conn.writer.write(b"POST /v1/chat/completions HTTP/1.1\r\n")
+        await asyncio.sleep(0.5)  # the proxy accepts what it can
+        yield opened
+    finally:
+        for conn in opened:
+            conn.close()
+
+
+async def probe(port: int) -> Conn:
+    """A connection the proxy has accepted and served already."""
+    conn = Conn(*await asyncio.open_connection("127.0.0.1", port))
+    await conn.send(get("/healthz"))
+    assert (await conn.response())[0] == 200
+    return conn
+
+
+async def test_out_of_file_descriptors_a_new_rank_gets_503_and_is_served_once_files_are_free(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, _):
+        # A connection cap above what the limit holds: the connections take every descriptor.
+        with limited_proxy(tmp_path, url, 128, "--max-connections=1000") as port:
+            await asyncio.to_thread(wait_for_http, f"http://127.0.0.1:{port}/healthz")
+            conn = await probe(port)
+            async with connections(port, 200):
+                status, headers, body = await chat(conn)
+                assert (status, headers[b"retry-after"]) == (503, b"1"), body
+                assert b"ulimit -n" in body
+                # Nothing of the rank was left claimed.
+                elsewhere = RankOwnership(CheckpointsLayout(str(tmp_path / "ckpt")))
+                elsewhere.claim(8)
+                elsewhere.release(8)
+            async with asyncio.timeout(10):
+                while True:  # once the connections are gone, the same request is served
+                    status, headers, body = await chat(conn)
+                    if status != 503:
+                        break
+                    await asyncio.sleep(0.1)
+            assert (status, headers[b"x-cache"]) == (200, b"MISS"), body
+            conn.close()
+
+
+async def test_with_the_default_connection_cap_connections_past_it_are_turned_away_and_ranks_still_open(
+    tmp_path: Path,
+) -> None:
+    # 256 files, 4 ranks: the default cap is (256 - 64 - 32) // 2 = 80 connections.
+    async with fake_upstream() as (url, _):
+        with limited_proxy(tmp_path, url, 256, "--max-open-ranks=4") as port:
+            await asyncio.to_thread(wait_for_http, f"http://127.0.0.1:{port}/healthz")
+            conn = await probe(port)
+            async with connections(port, 200) as opened:
+                seen: list[str] = []
+                for other in opened:
+                    try:
+                        async with asyncio.timeout(0.05):
+                            seen.append(str((await other.response())[0]))
+                    except TimeoutError:
+                        seen.append("admitted")
+                    except (asyncio.IncompleteReadError, ConnectionError):
+                        seen.append("dropped")  # turned away past those that may linger for their 503
+                assert seen.count("admitted") == 80 - 1  # the probe is one of them
+                assert seen.count("503") >= 1
+                assert set(seen) <= {"admitted", "503", "dropped"}
+                status, headers, body = await chat(conn)
+                assert (status, headers[b"x-cache"]) == (200, b"MISS"), body
+            conn.close()
