@@ -47,10 +47,10 @@ async def test_past_max_connections_a_new_connection_gets_503_at_once_and_those_
         for conn in admitted:
             await conn.send(post("/echo", b"still served"))
             assert (await conn.response())[2] == b"still served"
-        admitted.pop().close()
-        async with asyncio.timeout(5):
-            while len(server.connections) > 4:
-                await asyncio.sleep(0.01)
+        leaving = admitted.pop()
+        await leaving.send(get("/echo", "Connection: close"))
+        assert (await leaving.response())[0] == 200
+        assert await leaving.closed_by_server()  # the server closed it: one place is free
         again = await Conn.open(server)
         await again.send(get("/echo"))
         assert (await again.response())[0] == 200
@@ -72,6 +72,20 @@ async def test_under_uvicorn_max_connections_turns_away_a_request_past_it(tmp_pa
         assert (await opened[-1].response())[0] == 503
         for conn in opened:
             conn.close()
+
+
+def test_the_connection_limits_in_the_settings_reach_both_servers(tmp_path: Path) -> None:
+    from app.http.server import HTTPServer
+    from app.main import create_server
+    from app.uvicorn_server import UvicornServer
+
+    settings = Settings(checkpoints_dir=tmp_path, body_timeout_s=12.5, max_connections=7)
+    builtin = create_server(settings)
+    assert isinstance(builtin, HTTPServer)
+    assert (builtin.body_timeout_s, builtin.max_connections) == (12.5, 7)
+    uvicorn = create_server(settings.model_copy(update={"http": "uvicorn"}))
+    assert isinstance(uvicorn, UvicornServer)
+    assert uvicorn.config.limit_concurrency == 7 + 1  # uvicorn counts the connection asking
 
 
 def test_the_default_max_connections_is_what_the_open_files_limit_leaves_after_the_ranks() -> None:

@@ -600,7 +600,7 @@ class HTTPConnection(asyncio.Protocol):
         server.lingering_turned_away += 1
         if server.turned_away & (server.turned_away - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
             logger.warning(
-                "turned away a connection from %s: %d are open, max_connections (%d turned away so far)",
+                "turned away a connection from %s: max_connections (%d) are open; %d turned away so far",
                 self.client,
                 len(server.connections),
                 server.turned_away,
@@ -608,7 +608,7 @@ class HTTPConnection(asyncio.Protocol):
         if server.lingering_turned_away > MAX_TURNED_AWAY_LINGERING:
             self.abort_transport()
             return
-        message = f"the server has {len(server.connections)} connections open, its max_connections: retry later"
+        message = f"the server has max_connections ({len(server.connections)}) connections open: retry later"
         self.state = REFUSED
         self.refusal = server.error_answer(503, message, b"retry-after: 1\r\n")
         self._send_refusal()
