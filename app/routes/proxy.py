@@ -70,11 +70,11 @@ def lookup(services: Services, headers: Headers, body: bytes) -> Lookup:
     key = parse_request_key(headers)
     digest = payload_digest(body)
     if key.doc_id is None or key.no_cache:
-        return Lookup(key, body, digest, None, looked=True)
+        return Lookup(key, body, digest, None, True)
     cache = services.caches.opened_cache(key.rank)
     if cache is None:
-        return Lookup(key, body, digest, None, looked=False)
-    return Lookup(key, body, digest, cache.get_response(key.doc_id, key.rollout_idx, digest), looked=True)
+        return Lookup(key, body, digest, None, False)  # not looked: the cache is not open
+    return Lookup(key, body, digest, cache.get_response(key.doc_id, key.rollout_idx, digest), True)
 
 
 def stored_answer(services: Services, answer: StoredResponse, state: bytes, digest: str) -> Answer:
