@@ -64,6 +64,12 @@ class ClientGone(Exception):
 
 
 async def send_bytes(send: Send, status: int, headers: Headers, body: bytes) -> None:
+    """A whole answer; a 204 goes without Content-Length or body (RFC 9110 §8.6), whichever server
+    writes it (uvicorn writes what it is given)."""
+    if status == 204:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
+        return
     await send(
         {
             "type": "http.response.start",

@@ -670,3 +670,12 @@ async def test_a_websocket_upgrade_is_answered_as_plain_http_by_either_server(tm
         status, headers, _ = await raw_exchange(proxy, raw_request("GET", "/v1/models", **upgrade))
     assert status == 200  # forwarded as a plain GET (uvicorn's websocket support used to make it a 500)
     assert headers["content-type"].startswith("application/json")
+
+
+async def test_a_204_from_the_upstream_is_passed_on_and_replayed_without_content_length(env: Env) -> None:
+    body = chat_request(fake_upstream={"status": 204})
+    answers = [await env.chat(body, **doc_headers("no-content")) for _ in range(2)]
+    assert [a.headers["x-cache"] for a in answers] == ["MISS", "HIT"]
+    for answer in answers:
+        assert (answer.status_code, answer.content) == (204, b"")
+        assert "content-length" not in answer.headers  # RFC 9110 §8.6, under either server
