@@ -59,6 +59,18 @@ def out_of_files(exc: BaseException) -> bool:
     return False
 
 
+def files_short_for_a_rank() -> bool:
+    """Whether opening one more rank's files would take the process to its open files limit now.
+
+    False where the count cannot be taken (no /proc): the open then says so itself.
+    """
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError as exc:
+        return exc.errno in _OUT_OF_FILES
+    return in_use + 2 * FILES_PER_RANK >= open_files_limit()
+
+
 def _at_the_limit() -> bool:
     try:
         in_use = len(os.listdir("/proc/self/fd"))

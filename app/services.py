@@ -18,7 +18,7 @@ from app.checkpointing import CheckpointManager
 from app.durable import atomic_write_bytes
 from app.errors import ServiceUnavailable, TooManyRanks
 from app.layout import CheckpointsLayout
-from app.limits import open_files_limit, out_of_files
+from app.limits import files_short_for_a_rank, open_files_limit, out_of_files
 from app.output_check import redact_url
 from app.ownership import RankOwnership
 from app.publish import ChunkPublisher
@@ -158,6 +158,10 @@ class RankActivity:
         return not self.in_flight[rank] and time.monotonic() - self.last_used.get(rank, 0.0) >= idle_s
 
 
+#: Idle ranks closed, at most, to open one rank when file descriptors run short (each frees ~7).
+FILES_EVICTIONS = 2
+
+
 class CheckpointRegistry:
     """One `CheckpointManager` per rank this proxy owns, restored from disk before it serves anything.
 
@@ -197,8 +201,17 @@ class CheckpointRegistry:
         async with self._admitting:  # one rank admitted at a time: two must not both take the last place
             if self.ownership.owns(rank):
                 return
-            while len(self.ownership.owned()) >= self.settings.max_open_ranks:
+            closed_for_files = 0
+            while True:
+                full = len(self.ownership.owned()) >= self.settings.max_open_ranks
+                # Out of file descriptors before max_open_ranks (connections took them): an idle
+                # rank's files make room now, rather than once rank_idle_s releases it.
+                short = not full and closed_for_files < FILES_EVICTIONS and bool(self.ownership.owned())
+                if not full and not (short and files_short_for_a_rank()):
+                    break
                 victim = self._least_recently_used_idle()
+                if victim is None and not full:
+                    break  # nothing idle to close: the open is tried, and answered 503 if it fails
                 if victim is None:
                     raise TooManyRanks(
                         f"all {self.settings.max_open_ranks} open ranks are in use, so rank {rank} cannot be "
@@ -207,9 +220,9 @@ class CheckpointRegistry:
                         headers=[(b"retry-after", b"1")],
                     )
                 if await self._release(victim, self._is_idle):
-                    logger.info(
-                        "closed rank %d, the least recently used, to open rank %d (max_open_ranks)", victim, rank
-                    )
+                    why = "max_open_ranks" if full else "the process is short of file descriptors"
+                    logger.info("closed rank %d, the least recently used, to open rank %d (%s)", victim, rank, why)
+                closed_for_files += 0 if full else 1
             self.ownership.claim(rank)
 
     def _is_idle(self, rank: int) -> bool:

@@ -157,6 +157,32 @@ async def test_a_rank_whose_cache_cannot_be_opened_for_want_of_files_gets_503_an
 RANK_8 = {"X-Rank": "8"}
 
 
+async def test_short_of_file_descriptors_a_new_rank_closes_the_least_recently_used_idle_one_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import app.services
+
+    async with fake_upstream() as (url, _):
+        settings = Settings(upstream=[url], checkpoints_dir=tmp_path, retry_backoff_s=0.001, max_open_ranks=100)
+        async with proxy_client(settings) as client:
+            for rank in (1, 2, 3):  # opened in this order: rank 1 is the least recently used
+                answer = await client.post(
+                    "/v1/chat/completions", json=chat_request(), headers=doc_headers(**{"X-Rank": str(rank)})
+                )
+                assert answer.status_code == 200
+            monkeypatch.setattr(app.services, "files_short_for_a_rank", lambda: True)
+            opened = await client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers(**RANK_8))
+            assert opened.status_code == 200
+            ranks = (await client.get("/stats")).json()["ranks"]
+            # At most FILES_EVICTIONS idle ranks closed, least recently used first; far below max_open_ranks.
+            assert ranks == [3, 8]
+            monkeypatch.setattr(app.services, "files_short_for_a_rank", lambda: False)
+            replayed = await client.post(
+                "/v1/chat/completions", json=chat_request(), headers=doc_headers(**{"X-Rank": "1"})
+            )
+            assert (replayed.status_code, replayed.headers["x-cache"]) == (200, "HIT")  # reopened with its answers
+
+
 @contextlib.contextmanager
 def limited_proxy(tmp_path: Path, upstream: str, open_files: int, *flags: str) -> Iterator[int]:
     """`inferproxy serve` as a process whose open files are limited to `open_files`; yield its port."""
