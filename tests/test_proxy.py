@@ -679,3 +679,13 @@ async def test_a_204_from_the_upstream_is_passed_on_and_replayed_without_content
     for answer in answers:
         assert (answer.status_code, answer.content) == (204, b"")
         assert "content-length" not in answer.headers  # RFC 9110 §8.6, under either server
+
+
+async def test_a_non_streamed_answer_whose_client_left_is_still_stored_for_its_retry(env: Env) -> None:
+    body = chat_request(fake_upstream={"latency_ms": 400})
+    with pytest.raises(httpx.ReadTimeout):
+        await env.client.post("/v1/chat/completions", json=body, headers=doc_headers("left"), timeout=0.1)
+    await asyncio.sleep(0.6)  # the generation (400 ms) goes on for nobody, then is stored
+    retry = await env.client.post("/v1/chat/completions", json=body, headers=doc_headers("left"))
+    assert (retry.status_code, retry.headers["x-cache"]) == (200, "HIT")
+    assert (await env.upstream_stats())["requests"] == 1
