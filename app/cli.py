@@ -43,19 +43,48 @@ def flag_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a default only where there is one: `(default: None)` tells a reader nothing."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.required or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def setting_default(name: str) -> str:
+    """A setting's default as it is written on the command line ("not set" for None)."""
+    info = Settings.model_fields[name]
+    value = info.get_default(call_default_factory=True)
+    if value is None:
+        return "not set"
+    if isinstance(value, list):
+        return ",".join(str(item) for item in value)
+    return str(value)
+
+
+def _setting_help(name: str) -> str:
+    description = Settings.model_fields[name].description or name
+    if "default:" not in description:
+        description = f"{description} (default: {setting_default(name)})"
+    return description.replace("%", "%%")  # argparse %-formats help texts
+
+
 def _settings_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per Settings field; values are validated by Settings, which names what is wrong."""
     parser.add_argument("--config", type=Path, default=None, help="TOML file with settings (keys as field names)")
+    # The flags' own defaults stay None, so Settings can tell a flag given from one left to the
+    # environment, the file or the default; the help shows the setting's real default instead.
     for name, info in Settings.model_fields.items():
         annotation = info.annotation
         origin = typing.get_origin(annotation)
-        kwargs: dict[str, Any] = {"default": None, "help": info.description, "dest": name}
+        kwargs: dict[str, Any] = {"default": None, "help": _setting_help(name), "dest": name}
         if origin is list or (
             typing.get_args(annotation) and typing.get_origin(typing.get_args(annotation)[0]) is list
         ):
             kwargs["action"] = "append"
             kwargs["metavar"] = "VALUE"
-            kwargs["help"] = f"{info.description} (repeat the flag for several)"
+            kwargs["help"] = f"{_setting_help(name)}; repeat the flag for several"
         elif origin is typing.Literal:
             kwargs["choices"] = list(typing.get_args(annotation))
         parser.add_argument(flag_name(name), **kwargs)
@@ -63,9 +92,11 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     defaults = demo.DemoOptions()
-    parser.add_argument("--documents", type=_positive, default=defaults.documents)
+    parser.add_argument("--documents", type=_positive, default=defaults.documents, help="documents in the job")
     parser.add_argument("--rollouts", type=_positive, default=defaults.rollouts, help="generations per document")
-    parser.add_argument("--records-per-chunk", type=_positive, default=defaults.records_per_chunk)
+    parser.add_argument(
+        "--records-per-chunk", type=_positive, default=defaults.records_per_chunk, help="documents per published chunk"
+    )
     parser.add_argument("--concurrency", type=_positive, default=defaults.concurrency, help="documents in flight")
     parser.add_argument("--model", default=defaults.model, help="the model name sent upstream")
 
@@ -74,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inferproxy", description="Caching and checkpointing for batch inference.")
     parser.add_argument("--version", action="version", version=f"inferproxy {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
-    shows_defaults = argparse.ArgumentDefaultsHelpFormatter
+    shows_defaults = _HelpFormatter
 
     serve_parser = commands.add_parser(
         "serve", help="run the caching proxy in front of vLLM/SGLang", formatter_class=shows_defaults
@@ -84,8 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     fake = commands.add_parser(
         "fake-upstream", help="run a vLLM-shaped OpenAI-compatible simulator", formatter_class=shows_defaults
     )
-    fake.add_argument("--host", default="127.0.0.1")
-    fake.add_argument("--port", type=_non_negative, default=8000)
+    fake.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    fake.add_argument("--port", type=_non_negative, default=8000, help="port to listen on (0: any free one)")
     fake.add_argument("--latency-ms", type=float, default=0.0, help="delay before every answer")
     fake.add_argument("--model", default="fake-model", help="the one model name served")
 
@@ -95,7 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _demo_arguments(demo_parser)
     demo_parser.add_argument("--workdir", type=Path, default=defaults.workdir, help="where checkpoints and output go")
-    demo_parser.add_argument("--kills", type=_non_negative, default=defaults.kills)
+    demo_parser.add_argument(
+        "--kills", type=_non_negative, default=defaults.kills, help="times the job is killed with SIGKILL and restarted"
+    )
     demo_parser.add_argument(
         "--kill-proxy",
         choices=["never", "alternate", "always"],
@@ -104,9 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo_parser.add_argument("--latency-ms", type=float, default=defaults.latency_ms, help="fake generation time")
     demo_parser.add_argument("--upstream", default=None, help="a real vLLM/SGLang server instead of the fake one")
-    demo_parser.add_argument("--seed", type=int, default=None, help="fixes the kill moments")
+    demo_parser.add_argument("--seed", type=int, default=None, help="fixes the kill moments (default: random)")
 
-    job_parser = commands.add_parser("demo-job", help="the job `demo` runs (one run of it)")
+    job_parser = commands.add_parser(
+        "demo-job", help="the job `demo` runs (one run of it)", formatter_class=shows_defaults
+    )
     _demo_arguments(job_parser)
     job_parser.add_argument("--proxy", required=True, help="the proxy's URL")
     return parser
