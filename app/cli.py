@@ -25,18 +25,41 @@ from app import __version__, demo
 from app.settings import Settings
 
 
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be an integer > 0, got {text}")
+# argparse prefixes a type's ArgumentTypeError with the flag ("argument --port: must be ...");
+# a ValueError would instead become "invalid _positive value", naming the function.
+def _integer(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
     return value
+
+
+def _positive(text: str) -> int:
+    return _integer(text, 1)
 
 
 def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text}")
+    return _integer(text, 0)
+
+
+def _milliseconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number of milliseconds >= 0, got {text!r}")
     return value
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
 
 
 def flag_name(field: str) -> str:
@@ -87,6 +110,8 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["help"] = f"{_setting_help(name)}; repeat the flag for several"
         elif origin is typing.Literal:
             kwargs["choices"] = list(typing.get_args(annotation))
+            if name == "log_level":  # Settings lower-cases it; the flag takes `DEBUG` as well
+                kwargs["type"] = str.lower
         parser.add_argument(flag_name(name), **kwargs)
 
 
@@ -117,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fake.add_argument("--host", default="127.0.0.1", help="address to listen on")
     fake.add_argument("--port", type=_non_negative, default=8000, help="port to listen on (0: any free one)")
-    fake.add_argument("--latency-ms", type=float, default=0.0, help="delay before every answer")
+    fake.add_argument("--latency-ms", type=_milliseconds, default=0.0, help="delay before every answer")
     fake.add_argument("--model", default="fake-model", help="the one model name served")
 
     defaults = demo.DemoOptions()
@@ -135,9 +160,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=defaults.kill_proxy,
         help="whether the proxy is killed with the job",
     )
-    demo_parser.add_argument("--latency-ms", type=float, default=defaults.latency_ms, help="fake generation time")
+    demo_parser.add_argument(
+        "--latency-ms", type=_milliseconds, default=defaults.latency_ms, help="fake generation time"
+    )
     demo_parser.add_argument("--upstream", default=None, help="a real vLLM/SGLang server instead of the fake one")
-    demo_parser.add_argument("--seed", type=int, default=None, help="fixes the kill moments (default: random)")
+    demo_parser.add_argument("--seed", type=_int, default=None, help="fixes the kill moments (default: random)")
 
     job_parser = commands.add_parser(
         "demo-job", help="the job `demo` runs (one run of it)", formatter_class=shows_defaults

@@ -90,6 +90,12 @@ class Settings(BaseSettings):
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
 
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _lower_case_level(cls, value: Any) -> Any:
+        # `DEBUG` is how Python and most tools spell a level: take it as written.
+        return value.lower() if isinstance(value, str) else value
+
     @field_validator("upstream", mode="before")
     @classmethod
     def _split_upstreams(cls, value: Any) -> Any:

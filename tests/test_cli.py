@@ -1,10 +1,11 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
-from app.cli import build_parser, flag_name, main
+from app.cli import build_parser, flag_name
 from app.settings import Settings
 
 
@@ -32,3 +33,38 @@ def test_serve_help_shows_each_settings_real_default() -> None:
     assert "(default: not set)" in helps["api_key"]
     for name in Settings.model_fields:
         assert "default:" in helps[name], f"{flag_name(name)} does not show its default"
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["fake-upstream", "--port", "abc"], "argument --port: must be an integer >= 0, got 'abc'"),
+        (["fake-upstream", "--latency-ms", "x"], "argument --latency-ms: must be a number of milliseconds >= 0"),
+        (["demo", "--documents", "0"], "argument --documents: must be an integer >= 1, got '0'"),
+        (["demo", "--kills", "two"], "argument --kills: must be an integer >= 0, got 'two'"),
+        (["demo", "--seed", "x"], "argument --seed: must be an integer, got 'x'"),
+        (["demo-job", "--proxy=http://a", "--rollouts", "1.5"], "argument --rollouts: must be an integer >= 1"),
+    ],
+)
+def test_a_bad_option_value_names_the_flag_and_what_it_takes(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "invalid" not in err  # argparse's "invalid _non_negative value" names a function
+
+
+def test_the_log_level_is_taken_in_any_case_from_flag_environment_and_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    args = build_parser().parse_args(["serve", "--log-level", "DEBUG"])
+    assert Settings.load(None, log_level=args.log_level).log_level == "debug"
+    monkeypatch.setenv("INFERPROXY_LOG_LEVEL", "Warning")
+    assert Settings.load().log_level == "warning"
+    monkeypatch.delenv("INFERPROXY_LOG_LEVEL")
+    config = tmp_path / "c.toml"
+    config.write_text('log_level = "ERROR"\n')
+    assert Settings.load(config).log_level == "error"
