@@ -255,27 +255,37 @@ def check_checkpoints_dir(settings: Settings) -> None:
 
 
 def fake_upstream(args: argparse.Namespace) -> int:
+    import socket
+
     import uvicorn
 
     from app.fake_upstream import FakeUpstream
 
+    # Listen before saying so: a busy port fails in one line, without a banner claiming a server, and
+    # `--port 0` prints the port actually taken.
+    try:
+        listening = socket.create_server((args.host, args.port), backlog=2048)
+    except OSError as exc:
+        print(f"inferproxy fake-upstream: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    port = listening.getsockname()[1]
     app = FakeUpstream(latency_ms=args.latency_ms, model=args.model)
-    print(
-        f"inferproxy fake-upstream: a vLLM-shaped simulator of {args.model!r} on http://{args.host}:{args.port}/v1 "
-        f"({args.latency_ms:g} ms per answer)",
-        file=sys.stderr,
-        flush=True,
-    )
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
-        host=args.host,
-        port=args.port,
         loop="uvloop",
         http="httptools",
         access_log=False,
         server_header=False,
         log_level="warning",
     )
+    print(
+        f"inferproxy fake-upstream: a vLLM-shaped simulator of {args.model!r} on http://{args.host}:{port}/v1 "
+        f"({args.latency_ms:g} ms per answer)",
+        file=sys.stderr,
+        flush=True,
+    )
+    with listening:
+        uvicorn.Server(config).run(sockets=[listening])
     return 0
 
 

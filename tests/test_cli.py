@@ -68,3 +68,44 @@ def test_the_log_level_is_taken_in_any_case_from_flag_environment_and_file(
     config = tmp_path / "c.toml"
     config.write_text('log_level = "ERROR"\n')
     assert Settings.load(config).log_level == "error"
+
+
+def test_fake_upstream_on_a_busy_port_fails_in_one_line_without_its_banner(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import socket
+
+    from app.cli import main
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["fake-upstream", f"--port={port}"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"inferproxy fake-upstream: cannot listen on 127.0.0.1:{port}: ")
+    assert err.count("\n") == 1
+    assert "simulator" not in err
+
+
+def test_fake_upstream_prints_its_banner_once_listening_with_the_port_it_took() -> None:
+    import re
+    import subprocess
+    import sys
+    import urllib.request
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "fake-upstream", "--port=0"], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stderr is not None
+        banner = proc.stderr.readline()
+        match = re.search(r"on (http://127\.0\.0\.1:(\d+))/v1 ", banner)
+        assert match, banner
+        assert match[2] != "0"
+        # The banner comes once the port is bound: a client may connect at once.
+        with urllib.request.urlopen(match[1] + "/v1/models", timeout=10) as answer:
+            assert answer.status == 200
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        if proc.stderr is not None:
+            proc.stderr.close()
