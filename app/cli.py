@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import gc
 import logging
+import os
 import sys
 import typing
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from app import __version__, demo
-from app.settings import Settings
+from app.settings import CONFIG_ENV, Settings, config_file_keys, config_file_path
 
 
 # argparse prefixes a type's ArgumentTypeError with the flag ("argument --port: must be ...");
@@ -95,7 +96,12 @@ def _setting_help(name: str) -> str:
 
 def _settings_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per Settings field; values are validated by Settings, which names what is wrong."""
-    parser.add_argument("--config", type=Path, default=None, help="TOML file with settings (keys as field names)")
+    parser.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help=f"TOML file with settings, keys as the setting names (default: ${CONFIG_ENV} if set)",
+    )
     # The flags' own defaults stay None, so Settings can tell a flag given from one left to the
     # environment, the file or the default; the help shows the setting's real default instead.
     for name, info in Settings.model_fields.items():
@@ -185,13 +191,14 @@ def serve(args: argparse.Namespace) -> int:
     from app.output_check import check_output
 
     flags = {name: getattr(args, name) for name in Settings.model_fields}
+    config_file = config_file_path(args.config)
     try:
         settings = Settings.load(args.config, **flags)
         # Before the lifespan takes its lock: a start that fails here has created nothing.
         check_checkpoints_dir(settings)
         check_output(settings.output)
     except ValidationError as exc:
-        print(f"inferproxy serve: invalid settings:\n{describe_errors(exc)}", file=sys.stderr)
+        print(f"inferproxy serve: invalid settings:\n{describe_errors(exc, config_file, flags)}", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError) as exc:
         print(f"inferproxy serve: {exc}", file=sys.stderr)
@@ -235,12 +242,29 @@ def raise_open_files_limit() -> None:
         logger.info("open files limit: %d", soft)
 
 
-def describe_errors(exc: ValidationError) -> str:
-    """One line per bad setting: its flag, environment variable, what is wrong and the value given."""
+def describe_errors(exc: ValidationError, config_file: Path | None = None, flags: dict[str, Any] | None = None) -> str:
+    """One line per bad setting: where its value came from, what is wrong and the value given.
+
+    A value from the config file is named as the file's key, so that the fix is made where the
+    value was written; otherwise the flag and the environment variable are both named.
+    """
+    flags = flags or {}
+    in_file = config_file_keys(config_file)
+    environment = {key.upper() for key in os.environ}
     lines = []
     for error in exc.errors():
         name = str(error["loc"][0]) if error["loc"] else "?"
-        where = f"{flag_name(name)} / INFERPROXY_{name.upper()}" if name in Settings.model_fields else name
+        env_name = f"INFERPROXY_{name.upper()}"
+        if name in Settings.model_fields and flags.get(name) is not None:
+            where = flag_name(name)
+        elif name in Settings.model_fields and env_name in environment:
+            where = env_name
+        elif name in in_file:
+            where = f"{config_file}: {name}"
+        elif name in Settings.model_fields:
+            where = f"{flag_name(name)} / {env_name}"
+        else:
+            where = name
         given = f" (got {error['input']!r})" if "input" in error and not isinstance(error["input"], dict) else ""
         lines.append(f"  {where}: {error['msg']}{given}")
     return "\n".join(lines)

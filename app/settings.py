@@ -1,13 +1,16 @@
 """All of inferproxy's settings, in one pydantic-settings class.
 
 Precedence: command-line flag > `INFERPROXY_<NAME>` environment variable >
-TOML file (`--config`, keys as the field names) > default. Lists read from
+TOML file (`--config`, else `INFERPROXY_CONFIG`; keys as the field names) > default. Lists read from
 the environment take JSON or commas: `INFERPROXY_UPSTREAM=http://a:8000,http://b:8000`.
 """
 
 from __future__ import annotations
 
 import contextvars
+import os
+import re
+import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -24,6 +27,35 @@ from pydantic_settings import (
 _CONFIG_FILE: contextvars.ContextVar[Path | None] = contextvars.ContextVar("inferproxy_config_file", default=None)
 
 MiB = 1024 * 1024
+
+CONFIG_ENV = "INFERPROXY_CONFIG"
+
+
+def config_file_path(flag: Path | None) -> Path | None:
+    """The TOML file to read: `--config`, else `INFERPROXY_CONFIG`, else none."""
+    if flag is not None:
+        return flag
+    from_env = os.environ.get(CONFIG_ENV)
+    return Path(from_env) if from_env else None
+
+
+def describe_toml_error(path: Path, exc: tomllib.TOMLDecodeError) -> str:
+    """`FILE: line L, column C: what is wrong`, the way compilers name a place in a file."""
+    message = str(exc)
+    found = re.fullmatch(r"(.*) \(at line (\d+), column (\d+)\)", message)
+    if found is None:
+        return f"{path}: {message}"
+    return f"{path}: line {found[2]}, column {found[3]}: {found[1]}"
+
+
+def config_file_keys(path: Path | None) -> set[str]:
+    """The top-level keys of a config file (none if there is no file or it does not parse)."""
+    if path is None:
+        return set()
+    try:
+        return set(tomllib.loads(path.read_text()))
+    except (OSError, ValueError):
+        return set()
 
 
 class Settings(BaseSettings):
@@ -161,12 +193,22 @@ class Settings(BaseSettings):
 
     @classmethod
     def load(cls, config_file: Path | None = None, **flags: Any) -> Settings:
-        """Settings from flags (those not None), the environment, the TOML file and defaults."""
+        """Settings from flags (those not None), the environment, the TOML file and defaults.
+
+        The file is `config_file`, else the one `INFERPROXY_CONFIG` names. A file that does not
+        exist or does not parse raises FileNotFoundError or ValueError naming it.
+        """
+        given = config_file
+        config_file = config_file_path(config_file)
         if config_file is not None and not config_file.is_file():
-            raise FileNotFoundError(f"config file {config_file} does not exist")
+            source = f" (from {CONFIG_ENV})" if given is None else ""
+            raise FileNotFoundError(f"config file {config_file}{source} does not exist")
         token = _CONFIG_FILE.set(config_file)
         try:
             return cls(**{name: value for name, value in flags.items() if value is not None})
+        except tomllib.TOMLDecodeError as exc:
+            assert config_file is not None  # only the file is TOML
+            raise ValueError(describe_toml_error(config_file, exc)) from None
         finally:
             _CONFIG_FILE.reset(token)
 

@@ -149,3 +149,47 @@ def test_list_flags_take_repeats_commas_or_json(tmp_path: Path) -> None:
     assert settings.cache_error_statuses == [400, 422]
     json_args = parser.parse_args(["serve", "--upstream", '["http://a:1", "http://b:2"]'])
     assert Settings.load(None, upstream=json_args.upstream).upstream == ["http://a:1", "http://b:2"]
+
+
+def test_a_toml_syntax_error_names_the_file_line_and_column(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import main
+
+    config = tmp_path / "x.toml"
+    config.write_text("port = 8x\n")
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(config))}: line 1, column 9: Expected newline"):
+        Settings.load(config)
+    assert main(["serve", f"--config={config}"]) == 2
+    assert f"{config}: line 1, column 9: " in capsys.readouterr().err
+
+
+def test_a_bad_value_is_named_where_it_was_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from app.cli import main
+
+    config = tmp_path / "x.toml"
+    config.write_text('port = "abc"\n')
+    assert main(["serve", f"--config={config}"]) == 2
+    err = capsys.readouterr().err
+    assert f"{config}: port: Input should be a valid integer" in err
+    assert "--port" not in err
+    monkeypatch.setenv("INFERPROXY_PORT", "xyz")  # the environment wins over the file: it is the one named
+    assert main(["serve", f"--config={config}"]) == 2
+    assert "  INFERPROXY_PORT: Input should be a valid integer" in capsys.readouterr().err
+    assert main(["serve", f"--config={config}", "--port=99999"]) == 2
+    assert "  --port: Input should be less than or equal to 65535" in capsys.readouterr().err
+
+
+def test_inferproxy_config_names_the_config_file_and_the_flag_wins_over_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from_env = tmp_path / "env.toml"
+    from_env.write_text("port = 1111\n")
+    from_flag = tmp_path / "flag.toml"
+    from_flag.write_text("port = 2222\n")
+    monkeypatch.setenv("INFERPROXY_CONFIG", str(from_env))
+    assert Settings.load().port == 1111
+    assert Settings.load(from_flag).port == 2222
+    monkeypatch.setenv("INFERPROXY_CONFIG", str(tmp_path / "nope.toml"))
+    with pytest.raises(FileNotFoundError, match=r"nope\.toml \(from INFERPROXY_CONFIG\) does not exist"):
+        Settings.load()
