@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -271,10 +272,27 @@ def verify_output(options: DemoOptions) -> tuple[int, int]:
     return len(seen), len(files)
 
 
+def check_upstream_answers(root: str) -> None:
+    """Stop at once, in one line, on an upstream that does not answer (else the job fails deep inside)."""
+    try:
+        with urllib.request.urlopen(root + "/v1/models", timeout=10):
+            pass
+    except urllib.error.HTTPError:
+        pass  # it answers (an API key may be needed for /v1/models): the job will tell more
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "reason", exc)
+        raise SystemExit(
+            f"inferproxy demo: the upstream {root} does not answer ({reason}): start it, "
+            "fix --upstream, or leave --upstream out to use the built-in fake one"
+        ) from None
+
+
 @contextlib.contextmanager
 def upstream_server(options: DemoOptions) -> Iterator[str]:
     if options.upstream:
-        yield options.upstream.rstrip("/").removesuffix("/v1")
+        root = options.upstream.rstrip("/").removesuffix("/v1")
+        check_upstream_answers(root)
+        yield root
         return
     port = free_port()
     proc = inferproxy(

@@ -109,3 +109,25 @@ def test_fake_upstream_prints_its_banner_once_listening_with_the_port_it_took() 
         proc.wait(timeout=30)
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def test_demo_against_an_upstream_that_does_not_answer_says_so_in_one_line(tmp_path: Path) -> None:
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    upstream = f"http://127.0.0.1:{port}"
+    done = subprocess.run(
+        [sys.executable, "-m", "app.cli", "demo", f"--upstream={upstream}", f"--workdir={tmp_path / 'demo'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 1
+    lines = done.stderr.splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"the upstream {upstream} does not answer" in lines[0]
+    assert "leave --upstream out" in lines[0]
