@@ -34,7 +34,8 @@ def _integer(text: str, minimum: int) -> int:
     except ValueError:
         value = None
     if value is None or value < minimum:
-        raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        bound = "> 0" if minimum == 1 else f">= {minimum}"
+        raise argparse.ArgumentTypeError(f"must be an integer {bound}, got {text!r}")
     return value
 
 

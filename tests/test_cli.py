@@ -40,10 +40,13 @@ def test_serve_help_shows_each_settings_real_default() -> None:
     [
         (["fake-upstream", "--port", "abc"], "argument --port: must be an integer >= 0, got 'abc'"),
         (["fake-upstream", "--latency-ms", "x"], "argument --latency-ms: must be a number of milliseconds >= 0"),
-        (["demo", "--documents", "0"], "argument --documents: must be an integer >= 1, got '0'"),
+        (["demo", "--documents", "0"], "argument --documents: must be an integer > 0, got '0'"),
         (["demo", "--kills", "two"], "argument --kills: must be an integer >= 0, got 'two'"),
         (["demo", "--seed", "x"], "argument --seed: must be an integer, got 'x'"),
-        (["demo-job", "--proxy=http://a", "--rollouts", "1.5"], "argument --rollouts: must be an integer >= 1"),
+        (
+            ["demo-job", "--proxy=http://a", "--rollouts", "1.5"],
+            "argument --rollouts: must be an integer > 0, got '1.5'",
+        ),
     ],
 )
 def test_a_bad_option_value_names_the_flag_and_what_it_takes(

@@ -43,7 +43,7 @@ def test_demo_refuses_to_clear_a_directory_it_did_not_create(tmp_path: Path) -> 
 def test_a_bad_flag_value_says_what_to_fix(tmp_path: Path) -> None:
     done = inferproxy("demo", "--documents=0", cwd=tmp_path)
     assert done.returncode == 2
-    assert "--documents: must be an integer > 0, got 0" in done.stderr
+    assert "--documents: must be an integer > 0, got '0'" in done.stderr
     assert not (tmp_path / "inferproxy-data").exists()
 
 
