@@ -54,6 +54,24 @@ async def test_names_and_lines_match_datatrove_jsonl_writer(tmp_path: Path) -> N
     assert (tmp_path / "ip/00002/part_7.jsonl").read_bytes() == (tmp_path / "dt/00002/part_7.jsonl").read_bytes()
 
 
+async def test_published_files_and_folders_get_the_modes_datatrove_jsonl_writer_gives(tmp_path: Path) -> None:
+    # Published chunks were 0600: other users and downstream jobs could not read them.
+    template = "${rank}/part_${chunk_index}.jsonl"
+    doc = DatatroveDocument(text="t", id="d")
+    previous = os.umask(0o022)
+    try:
+        with JsonlWriter(str(tmp_path / "dt"), output_filename=template, compression=None) as theirs:
+            theirs.write(doc, rank=2, chunk_index=0)
+        cm = CheckpointManager(str(tmp_path / "ckpt"), 1)
+        with ChunkPublisher(str(tmp_path / "ip"), str(tmp_path / "ckpt"), template) as ours:
+            await cm.write_document(doc, 2, 0, ours)
+    finally:
+        os.umask(previous)
+    for relative, mode in (("", 0o755), ("00002", 0o755), ("00002/part_0.jsonl", 0o644)):
+        assert (tmp_path / "dt" / relative).stat().st_mode & 0o777 == mode
+        assert (tmp_path / "ip" / relative).stat().st_mode & 0o777 == mode, relative
+
+
 @pytest.mark.parametrize(
     ("template", "names", "expected"),
     [
