@@ -53,6 +53,9 @@ from app.output_check import redact_url
 
 logger = logging.getLogger(__name__)
 
+#: The User-Agent of the proxy's own `GET /v1/models` health probes: an upstream's logs (and the fake
+#: upstream's counts) can tell them from the clients' requests.
+PROBE_USER_AGENT = b"inferproxy-health-probe"
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 MAX_RETRY_AFTER_S = 60.0
 HOP_BY_HOP = frozenset(
@@ -277,7 +280,9 @@ class UpstreamPool:
         try:
             async with (
                 asyncio.timeout(timeout_s),
-                self._client.request("GET", replica.base + "/v1/models", headers=replica.auth) as answer,
+                self._client.request(
+                    "GET", replica.base + "/v1/models", headers=[*replica.auth, (b"user-agent", PROBE_USER_AGENT)]
+                ) as answer,
             ):
                 await answer.read()
                 status = answer.status
