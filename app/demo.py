@@ -259,7 +259,10 @@ def verify_output(options: DemoOptions) -> tuple[int, int]:
     seen: dict[str, int] = {}
     files = sorted(p for p in (options.workdir / "output").glob("*.jsonl"))
     for path in files:
-        for line in path.read_text().splitlines():
+        # By b"\n" only: str.splitlines() also splits at U+2028 and U+0085, which JSON leaves unescaped.
+        for line in path.read_bytes().split(b"\n"):
+            if not line:
+                continue
             record = json.loads(line)
             if len(record["metadata"]["rollout_results"]) != options.rollouts:
                 raise SystemExit(f"{path}: document {record['id']} lacks rollouts")

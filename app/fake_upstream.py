@@ -16,7 +16,8 @@ Faults are asked for per request, in the body, under the key `fake_upstream`
     {"disconnect_after_chunks": 3}   drop the connection mid-stream
 
 `GET /_fake/stats` counts requests and generations and shows the last
-request's headers; `POST /_fake/reset` zeroes them.
+request's headers, the proxy's health probes (`PROBE_USER_AGENT`) left out;
+`POST /_fake/reset` zeroes them.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import orjson
 from app.asgi import JSON_HEADERS as JSON
 from app.asgi import Receive, Scope, Send, lifespan_noop, read_body, send_bytes
 from app.hashing import payload_hash
+from app.upstream import PROBE_USER_AGENT
 
 MAX_MODEL_LEN = 8192
 MAX_BODY_BYTES = 1 << 30  # a simulator: any body a test sends
@@ -89,7 +91,7 @@ class FakeUpstream:
         if scope["type"] != "http":
             return
         path, method = scope["path"], scope["method"]
-        if not path.startswith("/_fake/"):
+        if not path.startswith("/_fake/") and (b"user-agent", PROBE_USER_AGENT) not in scope["headers"]:
             self.requests += 1
             raw_path = (scope.get("raw_path") or path.encode()).decode("latin-1")
             self.by_path[f"{method} {raw_path}"] += 1

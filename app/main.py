@@ -240,6 +240,9 @@ class InferProxy:
             shown["output"] = redact_url(settings.output)
             shown["upstream"] = [r.url for r in pool.replicas]
             logger.info("settings: %s", shown)
+            # In the background: a dead upstream must not delay or fail the start, only be said at once.
+            probe = asyncio.create_task(pool.warn_about_silent_replicas(), name="probe-upstreams")
+            stack.push_async_callback(cancel, probe)
             yield services
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import threading
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
@@ -26,10 +27,10 @@ class OutputError(ValueError):
 
 
 def check_output(output: str, *, timeout_s: float = 30.0) -> None:
-    """Fail with an `OutputError` if `output` cannot take chunks, creating nothing.
+    """Fail with an `OutputError` if `output` cannot take chunks, leaving nothing behind.
 
     A folder: it, or the nearest folder above it that exists, must be a
-    writable folder. A URL: its protocol must be known to fsspec and its
+    folder that takes a new file (one is created and removed). A URL: its protocol must be known to fsspec and its
     package installed, and the location, or one above it (for S3, the
     bucket), must exist, all within `timeout_s`. Whether the credentials may
     write is only known at the first upload: nothing is written to find out.
@@ -114,14 +115,28 @@ def _check_location(fs: Any, root: str, shown: str) -> None:
 
 
 def _check_folder(path: str) -> None:
-    """The folder, or the nearest one above it that exists (it is created later), must be writable."""
+    """The folder, or the nearest one above it that exists (it is created later), must take a new file.
+
+    A file is created there and removed, rather than asking `os.access`: that
+    says yes to root whatever the folder, and knows nothing of what refuses
+    a file all the same (sysfs and other special filesystems, a full disk or
+    quota, NFS mapping root to nobody, security modules).
+    """
     here = os.path.abspath(path)
     while not os.path.exists(here):
         here = os.path.dirname(here)
     if not os.path.isdir(here):
         raise OutputError(f"--output {path}: {here} is a file, not a folder: choose another output")
-    if not os.access(here, os.W_OK | os.X_OK):
-        raise OutputError(f"--output {path}: {here} is not writable: choose another output or fix its permissions")
+    # A leftover (a kill between the two calls) is a dot file ending in .tmp: never taken for a chunk.
+    probe = os.path.join(here, f".inferproxy-write-check.{secrets.token_hex(6)}.tmp")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+        os.unlink(probe)
+    except OSError as exc:
+        raise OutputError(
+            f"--output {path}: cannot create a file in {here} ({exc.strerror}): "
+            f"choose another output or fix its permissions"
+        ) from None
 
 
 def protocols(output: str) -> set[str]:

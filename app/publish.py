@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import logging
 import os
 from string import Template
 from typing import Any
@@ -47,6 +48,8 @@ from app.resume import last_published_chunk
 
 __all__ = ["DEFAULT_OUTPUT_FILENAME", "ChunkPublisher", "PublishError", "check_output_filename", "is_remote"]
 from app.output_check import S3_PROTOCOLS, install_hint, protocols, redact_url, scrub
+
+logger = logging.getLogger(__name__)
 
 _ALLOWED_FIELDS = frozenset({"rank", "chunk_index"})
 # S3 takes up to 5 GiB in one PutObject; s3fs switches to a multipart upload
@@ -114,7 +117,18 @@ class ChunkPublisher:
         try:
             await asyncio.to_thread(self._publish, original_name)
         except Exception as exc:
-            raise PublishError(f"publishing {original_name} failed: {scrub(str(exc), self.output)}") from exc
+            reason = scrub(str(exc), self.output)
+            rank, chunk_index = self._chunks.get(original_name, (-1, -1))
+            # The client that triggered it gets a 500, but the operator reads the proxy's log.
+            logger.error(
+                "publishing chunk %d of rank %d to %s failed: %s; its documents stay checkpointed and it "
+                "is retried with the rank's next write or chunk completion",
+                chunk_index,
+                rank,
+                redact_url(os.path.join(self.output, original_name)),
+                reason,
+            )
+            raise PublishError(f"publishing {original_name} failed: {reason}") from exc
 
     def close(self) -> None:
         """Nothing to flush: every chunk is published when the manager completes it."""

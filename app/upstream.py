@@ -53,6 +53,9 @@ from app.output_check import redact_url
 
 logger = logging.getLogger(__name__)
 
+#: The User-Agent of the proxy's own `GET /v1/models` health probes: an upstream's logs (and the fake
+#: upstream's counts) can tell them from the clients' requests.
+PROBE_USER_AGENT = b"inferproxy-health-probe"
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 MAX_RETRY_AFTER_S = 60.0
 HOP_BY_HOP = frozenset(
@@ -264,21 +267,42 @@ class UpstreamPool:
 
     async def probe(self, replica: Replica, timeout_s: float = 5.0) -> bool:
         """`GET /v1/models` on one replica; updates its health."""
-        try:
-            async with (
-                asyncio.timeout(timeout_s),
-                self._client.request("GET", replica.base + "/v1/models", headers=replica.auth) as answer,
-            ):
-                await answer.read()
-                ok = answer.status == 200
-        except (TimeoutError, HTTPClientError):
-            ok = False
+        ok = await self.why_not_answering(replica, timeout_s) is None
         if ok and not replica.healthy:
             logger.info("upstream %s is healthy again", replica.url)
         replica.healthy = ok
         if not ok:
             replica.failed_at = time.monotonic()
         return ok
+
+    async def why_not_answering(self, replica: Replica, timeout_s: float = 5.0) -> str | None:
+        """None if `GET /v1/models` on `replica` answers 200 now, else why not; its health is left as it is."""
+        try:
+            async with (
+                asyncio.timeout(timeout_s),
+                self._client.request(
+                    "GET", replica.base + "/v1/models", headers=[*replica.auth, (b"user-agent", PROBE_USER_AGENT)]
+                ) as answer,
+            ):
+                await answer.read()
+                status = answer.status
+        except TimeoutError:
+            return f"no answer within {timeout_s:g} s"
+        except (HTTPClientError, OSError) as exc:
+            return str(exc) or type(exc).__name__
+        return None if status == 200 else f"it answered {status}"
+
+    async def warn_about_silent_replicas(self, timeout_s: float = 10.0) -> None:
+        """One WARNING per replica that does not answer `GET /v1/models` now (a dead or mistyped upstream)."""
+        reasons = await asyncio.gather(*(self.why_not_answering(r, timeout_s) for r in self.replicas))
+        for replica, reason in zip(self.replicas, reasons, strict=True):
+            if reason is not None:
+                logger.warning(
+                    "upstream %s does not answer GET /v1/models (%s): requests sent to it will fail until it "
+                    "does; check --upstream, --upstream-api-key and that the server is up",
+                    replica.url,
+                    reason,
+                )
 
     async def probe_all(self) -> bool:
         """True if at least one replica answers `GET /v1/models` now."""

@@ -9,6 +9,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
+MODELS = (
+    b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\nConnection: close\r\n\r\n{"data":[]}'
+)
+
 
 @dataclass
 class Canned:
@@ -47,13 +51,24 @@ async def canned_server(
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writers.append(writer)
+        try:
+            first: bytes | None = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+            return
+        if first is not None and first.startswith(b"GET /v1/models "):
+            # The proxy's start-up probe, as a real upstream answers it: not one of the test's requests.
+            writer.write(MODELS)
+            writer.close()
+            return
         seen.connections += 1
         seen.count_open(+1)
         try:
             if silent:
                 await reader.read()  # never answers; returns when the client gives up
             while answers:
-                head = await reader.readuntil(b"\r\n\r\n")
+                head = first if first is not None else await reader.readuntil(b"\r\n\r\n")
+                first = None
                 seen.heads.append(head)
                 length = 0
                 for line in head.split(b"\r\n"):

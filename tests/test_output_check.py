@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,6 +59,46 @@ def test_a_local_output_under_a_file_is_refused(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("x")
     with pytest.raises(OutputError, match=r"file is a file, not a folder"):
         check_output(str(tmp_path / "file" / "out"))
+
+
+def test_a_local_output_where_no_file_can_be_created_is_refused_naming_the_folder_and_why() -> None:
+    # sysfs takes no new file, even from root, whom os.access lets write anywhere (tests run as root).
+    with pytest.raises(
+        OutputError,
+        match=r"^--output /sys/out: cannot create a file in /sys \((Permission denied|Read-only file system)\)",
+    ):
+        check_output("/sys/out")
+
+
+def test_a_local_output_check_leaves_no_file_in_an_existing_folder(tmp_path: Path) -> None:
+    (tmp_path / "out").mkdir()
+    check_output(str(tmp_path / "out"))
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+@pytest.mark.parametrize("under", ["/sys", "file"])
+def test_serve_refuses_an_output_that_takes_no_file_in_one_line_and_creates_nothing(tmp_path: Path, under: str) -> None:
+    (tmp_path / "file").write_text("x")
+    output = f"{under if under.startswith('/') else tmp_path / under}/out"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "serve",
+            "--upstream=http://127.0.0.1:9",
+            "--port=0",
+            f"--checkpoints-dir={tmp_path / 'ckpt'}",
+            f"--output={output}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"inferproxy serve: --output {output}: ")
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_an_unknown_protocol_is_refused_naming_it() -> None:

@@ -31,6 +31,12 @@ class SlowUpstream:
             return
         while (await receive()).get("more_body"):
             pass
+        if scope["path"] == "/v1/models":  # the proxy's start-up probe: answered as a real upstream would
+            await send(
+                {"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]}
+            )
+            await send({"type": "http.response.body", "body": b'{"data": []}'})
+            return
         watcher = asyncio.create_task(self._watch(receive))
         self.started.set()
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +15,7 @@ import pytest
 from app.settings import Settings
 from tests.canned import canned_server
 from tests.factories import chat_request, doc_headers
-from tests.servers import fake_upstream, free_port, proxy_client
+from tests.servers import fake_upstream, free_port, proxy_client, serve_proxy
 
 ANSWER = orjson.dumps({"object": "chat.completion", "choices": [{"message": {"content": "hi"}}]})
 
@@ -106,3 +107,43 @@ async def test_credentials_in_an_unreachable_upstream_url_are_never_shown(
         assert "***@127.0.0.1" in answer.text
     assert "***@127.0.0.1" in caplog.text  # the start-up lines name the upstream
     assert "s3cret" not in caplog.text
+
+
+async def _warnings(caplog: pytest.LogCaptureFixture, count: int) -> list[str]:
+    """The WARNING lines logged so far, once there are `count` of them (the probe runs in the background)."""
+    found: list[str] = []
+    for _ in range(1000):
+        found = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        if len(found) >= count:
+            break
+        await asyncio.sleep(0.01)
+    return found
+
+
+async def test_an_upstream_that_does_not_answer_at_start_is_a_warning_naming_it_without_credentials(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    dead = f"127.0.0.1:{free_port()}"
+    async with fake_upstream() as (alive, _):
+        both = settings(tmp_path, alive).model_copy(update={"upstream": [alive, f"http://user:s3cret@{dead}"]})
+        async with serve_proxy(both):
+            warnings = await _warnings(caplog, 1)
+            await asyncio.sleep(0.2)  # room for a wrong second line about the live upstream
+            warnings = await _warnings(caplog, 1)
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith(f"upstream http://***@{dead} does not answer GET /v1/models (")
+    assert "s3cret" not in caplog.text
+
+
+async def test_an_upstream_that_never_answers_neither_delays_the_start_nor_the_stop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING)
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # takes connections, never answers
+        upstream = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        async with proxy_client(settings(tmp_path, upstream)) as client:
+            assert (await client.get("/healthz")).status_code == 200
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # the probe still waits
+    # the stop cancelled the probe: no line about it, and no error from it
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,7 @@ from datatrove.pipeline.writers import JsonlWriter
 
 from app.checkpointing import CheckpointManager
 from app.layout import OutputNames
-from app.publish import ChunkPublisher
+from app.publish import ChunkPublisher, PublishError
 from app.resume import last_published_chunk
 from tests.factories import document, documents, manager
 
@@ -52,6 +53,40 @@ async def test_names_and_lines_match_datatrove_jsonl_writer(tmp_path: Path) -> N
         for doc in docs:
             await cm.write_document(doc, 2, 7, ours)
     assert (tmp_path / "ip/00002/part_7.jsonl").read_bytes() == (tmp_path / "dt/00002/part_7.jsonl").read_bytes()
+
+
+async def test_published_files_and_folders_get_the_modes_datatrove_jsonl_writer_gives(tmp_path: Path) -> None:
+    # Published chunks were 0600: other users and downstream jobs could not read them.
+    template = "${rank}/part_${chunk_index}.jsonl"
+    doc = DatatroveDocument(text="t", id="d")
+    previous = os.umask(0o022)
+    try:
+        with JsonlWriter(str(tmp_path / "dt"), output_filename=template, compression=None) as theirs:
+            theirs.write(doc, rank=2, chunk_index=0)
+        cm = CheckpointManager(str(tmp_path / "ckpt"), 1)
+        with ChunkPublisher(str(tmp_path / "ip"), str(tmp_path / "ckpt"), template) as ours:
+            await cm.write_document(doc, 2, 0, ours)
+    finally:
+        os.umask(previous)
+    for relative, mode in (("", 0o755), ("00002", 0o755), ("00002/part_0.jsonl", 0o644)):
+        assert (tmp_path / "dt" / relative).stat().st_mode & 0o777 == mode
+        assert (tmp_path / "ip" / relative).stat().st_mode & 0o777 == mode, relative
+
+
+async def test_a_chunk_that_cannot_be_published_is_an_error_in_the_log_naming_chunk_rank_and_reason(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "out").write_text("a file where the output folder should be")
+    cm = manager(tmp_path / "ckpt", 1)
+    writer = ChunkPublisher(str(tmp_path / "out"), str(tmp_path / "ckpt"))
+    with caplog.at_level(logging.ERROR, logger="app.publish"), pytest.raises(PublishError, match="00003_chunk_5"):
+        await cm.write_document(document("a"), 3, 5, writer)
+    [record] = caplog.records
+    assert record.levelname == "ERROR"
+    assert record.getMessage().startswith(
+        f"publishing chunk 5 of rank 3 to {tmp_path}/out/00003_chunk_5.jsonl failed: "
+    )
+    assert "File exists" in record.getMessage() or "Not a directory" in record.getMessage()
 
 
 @pytest.mark.parametrize(
