@@ -8,15 +8,13 @@ same, but there is no fast path, so a cache hit costs more CPU
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
-import signal
 from typing import TYPE_CHECKING
 
 import uvicorn
 
-from app.http.server import CannotListen
+from app.http.server import CannotListen, ExitSignal
 from app.limits import max_connections
 from app.settings import Settings
 
@@ -47,7 +45,7 @@ class UvicornServer:
             limit_concurrency=max_connections(settings) + 1,
         )
         self.server = uvicorn.Server(self.config)
-        self._exit: asyncio.Event | None = None
+        self.exit = ExitSignal(force=self._force)
 
     async def start(self) -> None:
         """Lifespan startup, then listen; the app's own exception if its startup failed."""
@@ -70,29 +68,11 @@ class UvicornServer:
             await self.server.lifespan.shutdown()
 
     def request_exit(self) -> None:
-        if self._exit is not None:
-            self._exit.set()
+        self.exit.request_exit()
 
     async def serve(self, *, install_signal_handlers: bool = False) -> None:
         """As `app.http.server.HTTPServer.serve`: until SIGTERM/SIGINT (a second one cuts what is in flight)."""
-        self._exit = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        signals = (signal.SIGTERM, signal.SIGINT) if install_signal_handlers else ()
-        for signum in signals:
-            loop.add_signal_handler(signum, self._on_signal, signum)
-        try:
-            await self.start()
-            await self._exit.wait()
-            await self.shutdown()
-        finally:
-            for signum in signals:
-                loop.remove_signal_handler(signum)
+        await self.exit.serve(self.start, self.shutdown, install_signal_handlers=install_signal_handlers)
 
-    def _on_signal(self, signum: int) -> None:
-        assert self._exit is not None
-        if self._exit.is_set():
-            logger.warning("%s again: not waiting for requests in flight", signal.Signals(signum).name)
-            self.server.force_exit = True
-            return
-        logger.info("%s: finishing requests in flight, then stopping", signal.Signals(signum).name)
-        self._exit.set()
+    def _force(self) -> None:
+        self.server.force_exit = True

@@ -54,7 +54,7 @@ import logging
 import signal
 import time
 import typing
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 from app.http.asgi import ASGIApp, ErrorRenderer, FastHandler, Message, plain_error
 from app.http.connection import HTTPConnection
@@ -103,7 +103,7 @@ class HTTPServer:
         self.flushing: list[HTTPConnection] = []  # connections with fast answers to write this turn
         self.wakeup = asyncio.Event()  # set when a connection closes or a second signal comes, while stopping
         self.started = asyncio.Event()
-        self._exit: asyncio.Event | None = None
+        self.exit = ExitSignal(force=self._force)
         self._server: asyncio.Server | None = None
         self._lifespan = _Lifespan(app)
         self.state = self._lifespan.state
@@ -112,18 +112,7 @@ class HTTPServer:
 
     async def serve(self, *, install_signal_handlers: bool = False) -> None:
         """Lifespan startup, listen, wait for the exit request, shut down gracefully."""
-        self._exit = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        signals = (signal.SIGTERM, signal.SIGINT) if install_signal_handlers else ()
-        for signum in signals:
-            loop.add_signal_handler(signum, self._on_signal, signum)
-        try:
-            await self.start()
-            await self._exit.wait()
-            await self.shutdown()
-        finally:
-            for signum in signals:
-                loop.remove_signal_handler(signum)
+        await self.exit.serve(self.start, self.shutdown, install_signal_handlers=install_signal_handlers)
 
     async def start(self) -> None:
         await self._lifespan.startup()
@@ -160,17 +149,11 @@ class HTTPServer:
                 connection.abort()
 
     def request_exit(self) -> None:
-        if self._exit is not None:
-            self._exit.set()
+        self.exit.request_exit()
 
-    def _on_signal(self, signum: int) -> None:
-        if self._exit is not None and self._exit.is_set():
-            logger.warning("%s again: not waiting for requests in flight", signal.Signals(signum).name)
-            self.forced = True
-            self.wakeup.set()
-            return
-        logger.info("%s: finishing requests in flight, then stopping", signal.Signals(signum).name)
-        self.request_exit()
+    def _force(self) -> None:
+        self.forced = True
+        self.wakeup.set()
 
     async def shutdown(self) -> None:
         """Stop accepting; idle connections close now, busy ones after their answer; then the lifespan.
@@ -216,6 +199,49 @@ class HTTPServer:
 
 
 _UNLIMITED = 1 << 62
+
+
+class ExitSignal:
+    """When a server's `serve()` stops: at `request_exit()` or SIGTERM/SIGINT; a second signal
+    calls `force` (stop waiting for the requests in flight). Shared by the built-in server and
+    `app.uvicorn_server`, so that both stop alike."""
+
+    def __init__(self, *, force: Callable[[], None]) -> None:
+        self.force = force
+        self._event: asyncio.Event | None = None
+
+    def request_exit(self) -> None:
+        if self._event is not None:
+            self._event.set()
+
+    def on_signal(self, signum: int) -> None:
+        if self._event is not None and self._event.is_set():
+            logger.warning("%s again: not waiting for requests in flight", signal.Signals(signum).name)
+            self.force()
+            return
+        logger.info("%s: finishing requests in flight, then stopping", signal.Signals(signum).name)
+        self.request_exit()
+
+    async def serve(
+        self,
+        start: Callable[[], Awaitable[None]],
+        shutdown: Callable[[], Awaitable[None]],
+        *,
+        install_signal_handlers: bool,
+    ) -> None:
+        """`start()`, wait for the exit request, `shutdown()`."""
+        self._event = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        signals = (signal.SIGTERM, signal.SIGINT) if install_signal_handlers else ()
+        for signum in signals:
+            loop.add_signal_handler(signum, self.on_signal, signum)
+        try:
+            await start()
+            await self._event.wait()
+            await shutdown()
+        finally:
+            for signum in signals:
+                loop.remove_signal_handler(signum)
 
 
 class CannotListen(OSError):
