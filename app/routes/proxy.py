@@ -136,26 +136,24 @@ async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive
     flight_key = (key.rank, key.doc_id, key.rollout_idx, digest)
     if not key.no_cache:
         hit = found.hit
-        while True:
-            if hit is not None:
-                await send_answer(send, stored_answer(services, hit, b"HIT", digest))
-                return
+        while hit is None:
             flight = services.flights.get(flight_key)
             if flight is None:
-                # The lookup may be an earlier turn's (the fast path's, before this task ran): an
-                # identical request may have been answered and stored since. Look again now, with
-                # nothing awaited between this look and leading, or the key is generated twice.
+                # The lookup may be an earlier turn's (the fast path's, before this task ran, or
+                # one from before a leader failed): an identical request may have been answered
+                # and stored since. Look again now, with nothing awaited between this look and
+                # leading, or the key is generated twice.
                 hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
-                if hit is None:
-                    break
-                continue
+                break
             # shield: a follower whose client leaves must not cancel the leader's future
             shared = await asyncio.shield(flight)
             if shared is not None:
                 await send_answer(send, stored_answer(services, shared, b"COALESCED", digest))
                 return
             # the leader got no whole answer (its client left mid-stream): look again, maybe lead
-            hit = lookup(services, scope["headers"], body).hit
+        if hit is not None:
+            await send_answer(send, stored_answer(services, hit, b"HIT", digest))
+            return
     state = b"REFRESH" if key.no_cache else b"MISS"
     services.stats["refresh" if key.no_cache else "miss"] += 1
     future: asyncio.Future[StoredResponse | None] = asyncio.get_running_loop().create_future()
