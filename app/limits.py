@@ -64,20 +64,21 @@ def files_short_for_a_rank() -> bool:
 
     False where the count cannot be taken (no /proc): the open then says so itself.
     """
-    try:
-        in_use = len(os.listdir("/proc/self/fd"))
-    except OSError as exc:
-        return exc.errno in _OUT_OF_FILES
-    return in_use + 2 * FILES_PER_RANK >= open_files_limit()
+    return _within_of_the_limit(2 * FILES_PER_RANK)
 
 
 def _at_the_limit() -> bool:
+    # A few may have been closed since the open failed (a connection gone, a thread's file).
+    return _within_of_the_limit(16)
+
+
+def _within_of_the_limit(margin: int) -> bool:
+    """Whether the process's open descriptors are within `margin` of its open files limit."""
     try:
         in_use = len(os.listdir("/proc/self/fd"))
     except OSError as exc:  # the listing needs a descriptor of its own; no /proc: cannot tell
         return exc.errno in _OUT_OF_FILES
-    # A few may have been closed since the open failed (a connection gone, a thread's file).
-    return in_use >= open_files_limit() - 16
+    return in_use + margin >= open_files_limit()
 
 
 def max_connections(settings: Settings) -> int:
