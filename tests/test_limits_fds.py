@@ -27,7 +27,7 @@ from app.settings import Settings
 from tests.factories import chat_request, doc_headers
 from tests.servers import fake_upstream, free_port, proxy_client, serve_proxy, wait_for_http
 from tests.test_server import App, Conn, get, post, serving
-from tests.test_server_limits import big_fast
+from tests.test_server_limits import big_fast, response_while_trickling
 
 # -- the connection cap --------------------------------------------------------------
 
@@ -108,18 +108,7 @@ async def test_a_body_trickled_byte_by_byte_is_refused_with_408_once_its_deadlin
     async with serving(app, keep_alive_s=0.05, body_timeout_s=0.3, **options) as server:
         conn = await Conn.open(server)
         await conn.send(f"POST {path} HTTP/1.1\r\nHost: t\r\nContent-Length: 100000\r\n\r\n".encode())
-
-        async def trickle() -> None:
-            with contextlib.suppress(ConnectionError):
-                while True:  # bytes keep arriving, faster than any stall timeout
-                    await conn.send(b"a")
-                    await asyncio.sleep(0.01)
-
-        trickling = asyncio.create_task(trickle())
-        try:
-            status, headers, body = await conn.response()
-        finally:
-            trickling.cancel()
+        status, headers, body = await response_while_trickling(conn)
         assert (status, headers[b"connection"]) == (408, b"close")
         assert b"body was not complete within 0.3 s" in body
         conn.close()

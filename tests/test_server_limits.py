@@ -196,23 +196,28 @@ async def test_a_fast_answer_whose_header_holds_cr_lf_or_nul_becomes_a_500(
     assert "CR, LF or NUL" in caplog.text
 
 
+async def response_while_trickling(conn: Conn) -> tuple[int, dict[bytes, bytes], bytes]:
+    """The server's answer while one byte a time keeps arriving, faster than any idle or stall timeout."""
+
+    async def trickle() -> None:
+        with contextlib.suppress(ConnectionError):
+            while True:
+                await conn.send(b"a")
+                await asyncio.sleep(0.01)
+
+    trickling = asyncio.create_task(trickle())
+    try:
+        return await conn.response()
+    finally:
+        trickling.cancel()
+
+
 async def test_a_head_trickled_byte_by_byte_is_refused_with_408_once_its_deadline_passes() -> None:
     app = App()
     async with serving(app, keep_alive_s=0.05, head_timeout_s=0.3) as server:
         conn = await Conn.open(server)
         await conn.send(b"GET /echo HTTP/1.1\r\nHost: t\r\nX-Slow: ")
-
-        async def trickle() -> None:
-            with contextlib.suppress(ConnectionError):
-                while True:  # bytes keep arriving, faster than any idle or stall timeout
-                    await conn.send(b"a")
-                    await asyncio.sleep(0.01)
-
-        trickling = asyncio.create_task(trickle())
-        try:
-            status, headers, body = await conn.response()
-        finally:
-            trickling.cancel()
+        status, headers, body = await response_while_trickling(conn)
         assert (status, headers[b"connection"]) == (408, b"close")
         assert b"0.3 s" in body
         conn.close()
