@@ -22,7 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from app import __version__, demo
+from app import __version__, demo, logs
 from app.settings import CONFIG_ENV, Settings, config_file_keys, config_file_path
 
 
@@ -115,6 +115,8 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs["action"] = "append"
             kwargs["metavar"] = "VALUE"
             kwargs["help"] = f"{_setting_help(name)}; repeat the flag for several"
+        elif annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
         elif origin is typing.Literal:
             kwargs["choices"] = list(typing.get_args(annotation))
             if name == "log_level":  # Settings lower-cases it; the flag takes `DEBUG` as well
@@ -204,7 +206,7 @@ def serve(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as exc:
         print(f"inferproxy serve: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(settings.log_level, settings.log_format)
     raise_open_files_limit()
     server = create_server(settings)
     # What is loaded by now lives as long as the process: keep it out of the

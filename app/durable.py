@@ -18,10 +18,13 @@ import errno
 import logging
 import os
 import secrets
+import time
 from collections.abc import Iterable
 from typing import Any
 
 import orjson
+
+from app.metrics import FSYNC_SECONDS
 
 logger = logging.getLogger(__name__)
 
@@ -223,8 +226,10 @@ class GroupSync:
 
 
 def _fsync_all(fds: Iterable[int]) -> None:
+    started = time.monotonic()
     for fd in fds:
         os.fsync(fd)
+    FSYNC_SECONDS.observe(time.monotonic() - started)
 
 
 class CorruptFileError(ValueError):

@@ -2,7 +2,8 @@
 
 Routes: `GET /v1/models`, `POST /v1/chat/completions`, `POST /v1/completions`
 (both with SSE streaming and `stream_options.include_usage`), `POST /v1/embeddings`,
-`GET /health`; errors in vLLM's envelope. Every generation draws new words,
+and vLLM's routes outside `/v1`: `GET /health`, `GET|POST /ping`, `GET /version`, `POST /tokenize` (one token
+per word), `POST /detokenize`; errors in vLLM's envelope. Every generation draws new words,
 so two generations of one payload differ, as with sampling at temperature > 0.
 
 Faults are asked for per request, in the body, under the key `fake_upstream`
@@ -93,13 +94,19 @@ class FakeUpstream:
         path, method = scope["path"], scope["method"]
         if not path.startswith("/_fake/") and (b"user-agent", PROBE_USER_AGENT) not in scope["headers"]:
             self.requests += 1
-            raw_path = (scope.get("raw_path") or path.encode()).decode("latin-1")
-            self.by_path[f"{method} {raw_path}"] += 1
+            target = (scope.get("raw_path") or path.encode()).decode("latin-1")
+            if scope.get("query_string"):
+                target += "?" + scope["query_string"].decode("latin-1")
+            self.by_path[f"{method} {target}"] += 1
             self.last_headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         if method == "GET" and path == "/v1/models":
             await send_bytes(send, 200, JSON, self.models())
-        elif method == "GET" and path == "/health":
+        elif (method == "GET" and path == "/health") or (method in ("GET", "POST") and path == "/ping"):
             await send_bytes(send, 200, JSON, b"")
+        elif method == "GET" and path == "/version":
+            await send_bytes(send, 200, JSON, b'{"version":"fake"}')
+        elif method == "POST" and path in ("/tokenize", "/detokenize"):
+            await self.tokens(path, await read_body(scope, receive, MAX_BODY_BYTES), send)
         elif method == "GET" and path == "/_fake/stats":
             stats = {
                 "requests": self.requests,
@@ -117,6 +124,22 @@ class FakeUpstream:
             await self.generate(path, await read_body(scope, receive, MAX_BODY_BYTES), send)
         else:
             await send_bytes(send, 404, JSON, vllm_error(f"Not Found: {method} {path}", "NotFoundError", 404))
+
+    async def tokens(self, path: str, raw: bytes, send: Send) -> None:
+        """vLLM's `/tokenize` and `/detokenize`, one token per word (its id: the word's place in `WORDS`, or 0)."""
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as exc:
+            await send_bytes(send, 400, JSON, vllm_error(f"Invalid JSON body: {exc}", "BadRequestError", 400))
+            return
+        if path == "/detokenize":
+            words = [WORDS[t] if isinstance(t, int) and 0 <= t < len(WORDS) else "?" for t in body.get("tokens", [])]
+            await send_bytes(send, 200, JSON, orjson.dumps({"prompt": " ".join(words)}))
+            return
+        text = body.get("prompt") or " ".join(str(m.get("content", "")) for m in body.get("messages", []))
+        tokens = [WORDS.index(w) if w in WORDS else 0 for w in str(text).split()]
+        answer = {"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens, "token_strs": None}
+        await send_bytes(send, 200, JSON, orjson.dumps(answer))
 
     def models(self) -> bytes:
         card = {

@@ -25,7 +25,8 @@ import asyncio
 import contextlib
 import hmac
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterable
 from contextlib import AsyncExitStack
 from typing import Any, Protocol
 
@@ -37,13 +38,24 @@ from app.http.asgi import Answer
 from app.http.server import HTTPServer
 from app.layout import CheckpointsLayout
 from app.limits import max_connections
+from app.logs import RequestLog
+from app.metrics import SAMPLE_EVERY_S, Metrics
 from app.output_check import redact_url
 from app.ownership import RankOwnership
 from app.resume import check_records_per_chunk
 from app.routes import ops
 from app.routes.checkpoints import complete_chunk, get_resume, json_route, post_documents
 from app.routes.lookup import handle_lookup
-from app.routes.proxy import CACHEABLE_PATHS, LOOKUP, Lookup, cacheable, forward_uncached, lookup, stored_answer
+from app.routes.proxy import (
+    CACHEABLE_PATHS,
+    LOOKUP,
+    REPLICA,
+    Lookup,
+    cacheable,
+    forward_uncached,
+    lookup,
+    stored_answer,
+)
 from app.routing import NEVER_SERVED, OTHER, Route, Router, resolve_dot_segments
 from app.services import CacheRegistry, CheckpointRegistry, RankActivity, Services
 from app.settings import Settings
@@ -53,11 +65,12 @@ logger = logging.getLogger(__name__)
 
 _BYPASS: Headers = [(b"x-cache", b"BYPASS")]
 
-#: Every route. `/v1/{path...}` forwards whatever else is under `/v1/` unchanged and uncached.
+FORWARDED = "/{path...}"
+#: Every route. The last one forwards every other path unchanged and uncached, so that whatever worked
+#: against vLLM or SGLang (`/tokenize`, `/health`, `/version`, ...) works through the proxy.
 ROUTES = [
     Route("/v1/chat/completions", {"POST": cacheable, OTHER: forward_uncached}, error_headers=_BYPASS),
     Route("/v1/completions", {"POST": cacheable, OTHER: forward_uncached}, error_headers=_BYPASS),
-    Route("/v1/{path...}", {OTHER: forward_uncached}, error_headers=_BYPASS),
     Route("/documents", {"POST": json_route(post_documents)}),
     Route("/chunks/{i}/complete", {"POST": json_route(complete_chunk)}),
     Route("/resume", {"GET": json_route(get_resume)}),
@@ -65,8 +78,28 @@ ROUTES = [
     Route("/healthz", {"GET": ops.healthz}, auth=False),
     Route("/readyz", {"GET": ops.readyz}),
     Route("/stats", {"GET": ops.stats}),
+    Route("/metrics", {"GET": ops.metrics}),
+    Route("/", {"GET": ops.page}),
+    Route(FORWARDED, {OTHER: forward_uncached}, error_headers=_BYPASS),
 ]
+#: The first path segments of the proxy's own routes: a path under one of them that no route has is the
+#: proxy's 404 (a mistyped `/chunks/x/complete`), not the upstream's.
+OWN_SEGMENTS = frozenset(r.path.split("/")[1] for r in ROUTES if not r.path.startswith(("/v1/", FORWARDED)))
 assert {r.path for r in ROUTES} >= CACHEABLE_PATHS  # the fast path's paths are routes of their own
+
+
+#: Scope keys: the route that served the request, and the replica that answered it (set by the handler).
+ROUTE = "inferproxy.route"
+#: The status counted and logged for a request whose client left before an answer was started (nginx's).
+CLIENT_LEFT = 499
+
+
+def cache_outcome(headers: Iterable[tuple[bytes, bytes]]) -> str:
+    """The answer's `X-Cache` value (HIT, MISS, ...), "" for a route that does not cache."""
+    for name, value in headers:
+        if name == b"x-cache":
+            return value.decode("latin-1")
+    return ""
 
 
 def create_app(settings: Settings | None = None) -> InferProxy:
@@ -81,6 +114,7 @@ class InferProxy:
         self.router = Router(ROUTES)
         self.expected = f"Bearer {settings.api_key}".encode() if settings.api_key else None
         self.services: Services | None = None  # while the lifespan runs
+        self.request_log = RequestLog(settings.log_hits_every)
         self.startup_error: BaseException | None = None  # why the last startup failed, for the server to raise
 
     # -- the one authentication check ----------------------------------------------
@@ -108,15 +142,21 @@ class InferProxy:
             return None
         if self.expected is not None and self.authenticate(headers) is not None:
             return None
+        started = time.perf_counter() if self.request_log.hit_due() else 0.0
         try:
             found = lookup(services, headers, body)
         except ProxyError:  # a bad header or body: the ASGI path answers with its error
             return None
         extensions[LOOKUP] = found
-        if found.hit is None:
+        hit = found.hit
+        if hit is None:
             return None
-        services.activity.touch(found.key.rank)
-        return stored_answer(services, found.hit, b"HIT", found.digest)
+        rank = found.key.rank
+        services.activity.touch(rank)
+        services.metrics.hit(rank, path, hit.status, hit.body)
+        if self.request_log.hit():
+            self.request_log.write("POST", path, hit.status, "HIT", headers, None, time.perf_counter() - started)
+        return stored_answer(hit, b"HIT", found.digest)
 
     # -- ASGI ---------------------------------------------------------------------
 
@@ -127,8 +167,30 @@ class InferProxy:
             await self.run_lifespan(receive, send)
 
     async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Route the request; count it, and write its line, however it ends."""
         services = self.services
         assert services is not None, "a request before the lifespan's startup"
+        started = time.perf_counter()
+        status, outcome = CLIENT_LEFT, ""
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal status, outcome
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                outcome = cache_outcome(message.get("headers") or ())
+            await send(message)
+
+        try:
+            await self.route(services, scope, receive, tracking_send)
+        finally:
+            services.metrics.request(scope.get(ROUTE, "-"), outcome, status)
+            log = self.request_log
+            if (outcome != "HIT" or log.hit()) and log.enabled():
+                seconds = time.perf_counter() - started
+                replica = scope.get(REPLICA)
+                log.write(scope["method"], scope["path"], status, outcome, scope["headers"], replica, seconds)
+
+    async def route(self, services: Services, scope: Scope, receive: Receive, send: Send) -> None:
         if "/." in scope["path"]:
             try:
                 resolve_dot_segments(scope)
@@ -142,6 +204,8 @@ class InferProxy:
             return
         found = self.router.find(path)
         route = found[0] if found is not None else None
+        if route is not None and route.path == FORWARDED and path.split("/", 2)[1] in OWN_SEGMENTS:
+            route = None  # under one of the proxy's own routes: not the upstream's to answer
         if route is None or route.auth:
             extensions = scope.get("extensions")
             fast: Lookup | None = extensions.get(LOOKUP) if extensions else None
@@ -158,6 +222,7 @@ class InferProxy:
             not_allowed = MethodNotAllowed(f"{method} {path} is not served: only {allow.decode() or 'nothing'}")
             await send_error(send, not_allowed, [(b"allow", allow)])
             return
+        scope[ROUTE] = route.path
         if found is not None and found[1] is not None:
             scope["path_params"] = found[1]
         started = False
@@ -227,7 +292,16 @@ class InferProxy:
             stack.push_async_callback(caches.close)
             checkpoints = CheckpointRegistry(settings, caches, activity)
             stack.push_async_callback(checkpoints.close)
-            services = Services(settings=settings, pool=pool, caches=caches, checkpoints=checkpoints, activity=activity)
+            services = Services(
+                settings=settings,
+                pool=pool,
+                caches=caches,
+                checkpoints=checkpoints,
+                activity=activity,
+                metrics=Metrics(enabled=settings.metrics),
+            )
+            sampler = asyncio.create_task(sample_metrics(services.metrics), name="sample-metrics")
+            stack.push_async_callback(cancel, sampler)
             if settings.rank_idle_s > 0:
                 janitor = asyncio.create_task(release_idle_ranks(services), name="release-idle-ranks")
                 stack.push_async_callback(cancel, janitor)
@@ -258,6 +332,13 @@ async def release_idle_ranks(services: Services) -> None:
             continue
         if released:
             logger.info("released ranks %s, unused for %g s: another proxy may take them over", released, idle_s)
+
+
+async def sample_metrics(metrics: Metrics) -> None:
+    """The totals every few seconds: the last minute's rates and the history in `/stats`."""
+    while True:
+        metrics.sample()
+        await asyncio.sleep(SAMPLE_EVERY_S)
 
 
 async def cancel(task: asyncio.Task[None]) -> None:

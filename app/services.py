@@ -19,6 +19,7 @@ from app.durable import atomic_write_bytes
 from app.errors import ServiceUnavailable, TooManyRanks
 from app.layout import CheckpointsLayout
 from app.limits import files_short_for_a_rank, open_files_limit, out_of_files
+from app.metrics import Metrics
 from app.output_check import redact_url
 from app.ownership import RankOwnership
 from app.publish import ChunkPublisher
@@ -361,4 +362,4 @@ class Services:
     checkpoints: CheckpointRegistry
     activity: RankActivity = field(default_factory=RankActivity)
     flights: dict[CacheKey, asyncio.Future[StoredResponse | None]] = field(default_factory=dict)
-    stats: Counter[str] = field(default_factory=Counter)
+    metrics: Metrics = field(default_factory=Metrics)

@@ -121,6 +121,16 @@ class Settings(BaseSettings):
         "builtin", description="HTTP server: the built-in one (cache hits on its fast path) or uvicorn"
     )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log verbosity")
+    log_format: Literal["text", "json"] = Field("text", description="log lines as text, or one JSON object each")
+    log_hits_every: int = Field(
+        100,
+        ge=0,
+        description="one request line at INFO per this many cache hits (1: every hit, 0: none), "
+        "so that a replay storm does not flood the log; every other request gets its line",
+    )
+    metrics: bool = Field(
+        True, description="count cache hits for /metrics and /stats (off only to measure what counting costs)"
+    )
 
     @field_validator("log_level", mode="before")
     @classmethod

@@ -49,6 +49,7 @@ from app.http.client import (
     Response,
     ResponseTooLarge,
 )
+from app.metrics import LATENCY_BUCKETS, Histogram
 from app.output_check import redact_url
 
 logger = logging.getLogger(__name__)
@@ -102,6 +103,11 @@ class Replica:
     in_flight: int = 0
     healthy: bool = True
     failed_at: float = 0.0
+    #: attempts sent, attempts that failed (no answer, or a 5xx), attempts retried; time to each answer's head
+    requests: int = 0
+    errors: int = 0
+    retries: int = 0
+    latency: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
 
     @classmethod
     def at(cls, root: str, api_auth: list[tuple[bytes, bytes]]) -> Replica:
@@ -228,10 +234,15 @@ class UpstreamPool:
         while True:
             replica = self.pick()
             replica.in_flight += 1
+            replica.requests += 1
             raw: Response | None = None
             sent = [*headers, *replica.auth] if replica.auth else headers
+            sent_at = time.monotonic()
             try:
                 async with self._client.request(method, replica.base + path, headers=sent, body=body) as raw:
+                    replica.latency.observe(time.monotonic() - sent_at)
+                    if raw.status >= 500:
+                        replica.errors += 1
                     if raw.status not in RETRY_STATUSES or attempt >= self.retries:
                         yield UpstreamResponse(raw, replica, self.max_response_bytes)
                         return
@@ -241,12 +252,14 @@ class UpstreamPool:
             except ReadTimeout as exc:
                 if raw is not None:
                     raise  # the caller's, from its block
+                replica.errors += 1
                 raise UpstreamTimeout(
                     f"the upstream {replica.url} sent nothing for {self.read_timeout_s:g} s (read_timeout_s)"
                 ) from exc
             except (ConnectError, ConnectionLost) as exc:
                 if raw is not None:
                     raise
+                replica.errors += 1
                 self._mark_failed(replica, exc)
                 if attempt >= self.retries:
                     tries = f"after {attempt + 1} tries"
@@ -257,11 +270,13 @@ class UpstreamPool:
             except InvalidResponse as exc:
                 if raw is not None:
                     raise
+                replica.errors += 1
                 # Not HTTP as the client takes it (a 101, a status outside 100-599, a head over the limits):
                 # the same request would only get the same answer.
                 raise UpstreamUnreachable(f"the upstream {replica.url} sent an invalid answer: {exc}") from exc
             finally:
                 replica.in_flight -= 1  # however the attempt ends: answer done, error, retry, cancellation
+            replica.retries += 1
             await asyncio.sleep(retry_in)
             attempt += 1
 

@@ -211,7 +211,7 @@ async def test_a_restarted_proxy_answers_resume_as_the_one_that_stopped(tmp_path
             before = [(await c.get("/resume", headers={"X-Rank": str(r)})).json() for r in (0, 4)]
         async with proxy_client(config(tmp_path, url)) as c:
             after = [(await c.get("/resume", headers={"X-Rank": str(r)})).json() for r in (0, 4)]
-            assert (await c.get("/stats")).json()["ranks"] == [0, 4]  # restored on their first request
+            assert (await c.get("/stats")).json()["owned_ranks"] == [0, 4]  # restored on their first request
         assert after == before
         assert before[1]["processed_ids"] == ["4-d"]
 

@@ -162,7 +162,7 @@ async def test_short_of_file_descriptors_a_new_rank_closes_the_least_recently_us
             monkeypatch.setattr(app.services, "files_short_for_a_rank", lambda: True)
             opened = await client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers(**RANK_8))
             assert opened.status_code == 200
-            ranks = (await client.get("/stats")).json()["ranks"]
+            ranks = (await client.get("/stats")).json()["owned_ranks"]
             # At most FILES_EVICTIONS idle ranks closed, least recently used first; far below max_open_ranks.
             assert ranks == [3, 8]
             monkeypatch.setattr(app.services, "files_short_for_a_rank", lambda: False)

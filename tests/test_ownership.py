@@ -119,7 +119,7 @@ async def test_an_idle_rank_is_released_for_another_proxy_and_a_busy_one_is_not(
                     break
                 await asyncio.sleep(0.05)
             assert answer.json()["processed_ids"] == ["a"]
-            assert (await first.get("/stats")).json()["ranks"] == []
+            assert (await first.get("/stats")).json()["owned_ranks"] == []
             again = await second.post("/v1/completions", json=completion_request(), headers={"X-Doc-Id": "b"})
             assert again.headers["x-cache"] == "HIT"  # the cache moved with the rank
 
@@ -182,7 +182,7 @@ async def test_a_rank_whose_checkpoints_fail_to_close_when_idle_leaves_nothing_o
             answer = await first.post("/v1/completions", json=completion_request(), headers=rank_4("b"))
             assert answer.headers["x-cache"] == "MISS"
             for _ in range(200):  # released once idle, close failure or not
-                if (await first.get("/stats")).json()["ranks"] == []:
+                if (await first.get("/stats")).json()["owned_ranks"] == []:
                     break
                 await asyncio.sleep(0.02)
             rank_dir = str(tmp_path / "ckpt" / "00004")
@@ -273,7 +273,7 @@ async def test_past_max_open_ranks_the_least_recently_used_idle_rank_is_closed_a
         for rank in range(4, 20):
             await use(rank)
         assert len(os.listdir("/proc/self/fd")) <= baseline + 8  # 16 more ranks, each ~6 files, if none closed
-        assert (await client.get("/stats")).json()["ranks"] == [16, 17, 18, 19]
+        assert (await client.get("/stats")).json()["owned_ranks"] == [16, 17, 18, 19]
         for rank in (0, 3):  # closed long ago: reopened, and its answers are still there
             again = await client.post(
                 "/v1/completions", json=completion_request(), headers={"X-Doc-Id": f"d{rank}", "X-Rank": str(rank)}
@@ -307,4 +307,4 @@ async def test_when_every_open_rank_is_in_use_a_new_rank_gets_503_naming_max_ope
         assert (await busy).status_code == 200
         # rank 0 is idle now: it makes room
         assert (await post(client, doc("x"), rank=1)).status_code == 200
-        assert (await client.get("/stats")).json()["ranks"] == [1]
+        assert (await client.get("/stats")).json()["owned_ranks"] == [1]

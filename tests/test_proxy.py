@@ -128,7 +128,7 @@ async def test_answers_are_stored_in_the_rank_file_under_the_chunk_given(tmp_pat
             headers=doc_headers("a", **{"X-Rank": "3", "X-Chunk-Index": "7"}),
         )
         await client.post("/v1/completions", json=completion_request(), headers=doc_headers("b", **{"X-Rank": "3"}))
-        assert (await client.get("/stats")).json()["ranks"] == [3]
+        assert (await client.get("/stats")).json()["owned_ranks"] == [3]
     with sqlite3.connect(tmp_path / "ckpt" / "00003" / "replay.sqlite3") as conn:
         rows = conn.execute("SELECT doc_id, chunk_index FROM request_cache ORDER BY doc_id").fetchall()
     assert rows == [("a", 7), ("b", -1)]
@@ -289,7 +289,7 @@ async def test_every_error_the_proxy_makes_is_the_openai_envelope(tmp_path: Path
             await c.post("/v1/completions", content=b"[]", headers=auth),
             await c.post("/v1/completions", json={"prompt": "x" * 100}, headers=auth),
             await c.post("/v1/completions", json={}, headers=auth),
-            await c.get("/nope", headers=auth),
+            await c.get("/chunks/x/complete", headers=auth),
             await c.get("/readyz", headers=auth),
         ]
         assert [a.status_code for a in answers] == [401, 400, 400, 413, 502, 404, 503]
@@ -545,11 +545,34 @@ async def test_connect_is_refused_and_never_forwarded(tmp_path: Path) -> None:
         assert upstream.requests == 0
 
 
-async def test_unknown_routes_are_404_and_a_route_with_parameters_checks_them(env: Env) -> None:
-    for path in ("/nope", "/v1", "/chunks/x/complete", "/chunks//complete", "/chunks/1/complete/more", "/documents/"):
+async def test_paths_under_the_proxys_own_routes_are_its_404_and_a_route_with_parameters_checks_them(
+    env: Env,
+) -> None:
+    for path in ("/chunks/x/complete", "/chunks//complete", "/chunks/1/complete/more", "/documents/", "/stats/x"):
         answer = await env.client.post(path)
         assert answer.status_code == 404, path
         assert answer.json()["error"]["type"] == "not_found_error"
+        assert "docs/contract.md" in answer.json()["error"]["message"]
+    assert not any(
+        path.startswith(("POST /chunks", "POST /documents")) for path in (await env.upstream_stats())["by_path"]
+    )
+
+
+async def test_every_route_not_the_proxys_is_forwarded_unchanged(env: Env) -> None:
+    """vLLM's routes outside /v1 (/tokenize, /health, /version, ...) work through the proxy as they did without it."""
+    tokenized = await env.client.post("/tokenize?add_special_tokens=false", json={"prompt": "a b c"})
+    health = await env.client.get("/health")
+    missing = await env.client.post("/nope")
+    by_path = (await env.upstream_stats())["by_path"]
+    assert "POST /tokenize?add_special_tokens=false" in by_path
+    assert "GET /health" in by_path
+    assert "POST /nope" in by_path
+    assert health.status_code == 200
+    assert tokenized.status_code == 200
+    assert tokenized.json()["count"] == 3
+    assert missing.status_code == 404
+    assert missing.json()["error"]["type"] == "NotFoundError"  # the upstream's own envelope
+    assert "x-cache" not in health.headers
 
 
 async def test_a_request_is_parsed_and_hashed_once_whichever_path_answers_it(

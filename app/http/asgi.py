@@ -23,6 +23,11 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
 
 
+class CutConnection(Exception):
+    """Raised by an app mid-answer to end the connection without the answer's end, on purpose (its own
+    source broke off, and the client must see a cut): the server cuts it and logs nothing; the app said why."""
+
+
 class Answer(NamedTuple):
     """A complete answer from a fast handler; the server adds the framing (length, date, connection)."""
 

@@ -20,7 +20,7 @@ import typing
 from http import HTTPStatus
 from urllib.parse import unquote
 
-from app.http.asgi import ASGIApp, Headers, Message
+from app.http.asgi import ASGIApp, CutConnection, Headers, Message
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +191,8 @@ class Request:
         except asyncio.CancelledError:
             self._cut()
             raise
+        except CutConnection:
+            self._unfinished(site)
         except BaseException:
             if not self.malformed:
                 logger.exception("%s %s failed", self.method, self.path)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -71,14 +72,39 @@ async def manager_of(services: Services, rank: int) -> CheckpointManager:
         raise ChunkConflict(str(exc)) from exc
 
 
+def declared_total(services: Services, scope: Scope, rank: int) -> None:
+    """`X-Total-Documents`: how many documents the job has for this rank, for progress and ETA."""
+    raw = single_header(scope["headers"], b"x-total-documents", "X-Total-Documents")
+    if raw is not None:
+        services.metrics.rank(rank).total_documents = parse_int(raw, "X-Total-Documents")
+
+
+def note_progress(services: Services, rank: int, manager: CheckpointManager) -> None:
+    """The rank's progress for `/stats` and `/metrics`: where its checkpoints stood when it was first
+    seen (published chunks counted as full), then each chunk published since."""
+    counters = services.metrics.rank(rank)
+    last = manager.last_chunk_index
+    if not counters.known:
+        in_open_chunks = sum(count for chunk, count in manager.per_chunk_counts.items() if chunk > last)
+        counters.done_documents = docs_to_skip(last, manager.records_per_chunk) + in_open_chunks
+        counters.known_at, counters.known_done = time.time(), counters.done_documents
+    elif last > counters.last_chunk_index:
+        counters.chunks_published += last - counters.last_chunk_index
+    counters.known = True
+    counters.last_chunk_index = last
+
+
 async def post_documents(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
     rank = rank_of(scope)
+    declared_total(services, scope, rank)
     raw_chunk = single_header(scope["headers"], b"x-chunk-index", "X-Chunk-Index")
     if raw_chunk is None:
         raise BadRequest("X-Chunk-Index is required: the chunk the documents belong to", param="X-Chunk-Index")
     chunk_index = parse_int(raw_chunk, "X-Chunk-Index")
     documents = parse_documents(await read_body(scope, receive, services.settings.max_body_bytes))
     manager = await manager_of(services, rank)
+    if not services.metrics.rank(rank).known:
+        note_progress(services, rank, manager)  # where the rank stood: what this write publishes is counted
     try:
         outcome = await manager.write_documents(documents, rank, chunk_index, services.checkpoints.publisher)
     except DocumentError as exc:
@@ -92,6 +118,11 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
         ) from exc
     except OSError as exc:
         raise storage_error(exc, services) from exc
+    counters = services.metrics.rank(rank)
+    counters.documents += outcome.written
+    counters.done_documents += outcome.written
+    counters.duplicates += outcome.duplicates
+    note_progress(services, rank, manager)
     cache = services.caches.opened_cache(rank)
     if cache is not None:
         for document in documents:
@@ -162,6 +193,7 @@ async def complete_chunk(services: Services, scope: Scope, receive: Receive) -> 
         raise ProxyError(f"{exc}; send this request again to retry") from exc
     except OSError as exc:
         raise storage_error(exc, services) from exc
+    note_progress(services, rank, manager)
     return {
         "rank": rank,
         "last_chunk_index": manager.last_chunk_index,
@@ -171,15 +203,21 @@ async def complete_chunk(services: Services, scope: Scope, receive: Receive) -> 
 
 async def get_resume(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
     rank = rank_of(scope)
+    declared_total(services, scope, rank)
     registry = services.checkpoints
     if registry.is_open(rank) or registry.has_working_files(rank):
         manager = await manager_of(services, rank)
         records_per_chunk, last = manager.records_per_chunk, manager.last_chunk_index
         skip, processed = manager.resume_state()
+        note_progress(services, rank, manager)
     else:
         # Nothing in progress for this rank: answer from last_chunk (or the output) alone, opening nothing.
         records_per_chunk, last = services.settings.records_per_chunk, await registry.last_chunk(rank)
         skip, processed = docs_to_skip(last, records_per_chunk), set()
+        counters = services.metrics.rank(rank)
+        if not counters.known:
+            counters.known, counters.known_at, counters.known_done = True, time.time(), skip
+        counters.last_chunk_index, counters.done_documents = last, skip
     return {
         "rank": rank,
         "records_per_chunk": records_per_chunk,

@@ -41,9 +41,11 @@ async def handle_lookup(services: Services, scope: Scope, receive: Receive, send
     with services.activity.using(rank):
         cache = services.caches.opened_cache(rank) or await services.caches.get(rank)
         answers = looked_up(cache, keys)
-    hits = sum(answer is not None for answer in answers)
-    services.stats["hit"] += hits
-    services.stats["lookup_miss"] += len(answers) - hits
+    for answer in answers:
+        if answer is not None:
+            services.metrics.replayed(rank, False, answer.body)
+        else:
+            services.metrics.lookup_misses += 1
     await send_bytes(send, 200, JSON_HEADERS, b"[" + b",".join(rendered(answer) for answer in answers) + b"]")
 
 

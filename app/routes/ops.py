@@ -1,12 +1,34 @@
-"""Health, readiness and counters: `GET /healthz`, `GET /readyz`, `GET /stats`."""
+"""Health, readiness and what the proxy has done: `GET /healthz`, `/readyz`, `/stats` (JSON), `/metrics`
+(Prometheus text) and the page at `/`.
+
+`/stats`, `/metrics`, the page and `inferproxy status` show the same numbers: `snapshot` reads them once
+from `app.metrics` and the services, and each route renders it.
+"""
 
 from __future__ import annotations
 
-import orjson
+import asyncio
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from importlib import resources
+from typing import Any
 
+import orjson
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from app import __version__
 from app.asgi import JSON_HEADERS, Receive, Scope, Send, send_bytes, send_error
 from app.errors import ServiceUnavailable
+from app.metrics import FSYNC_SECONDS, Histogram, Metrics, RankCounters
 from app.services import Services
+
+#: How long a rank's counted cache entries are shown before they are counted again: a count scans the
+#: table, so a second per this many rows (a few ms of scanning), at least one.
+ROWS_PER_SECOND_SHOWN = 200_000
 
 
 async def healthz(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
@@ -27,11 +49,251 @@ async def readyz(services: Services, scope: Scope, receive: Receive, send: Send)
 
 
 async def stats(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
-    """Counters since start: hits, misses, coalesced, bypassed, refreshed, errors by status."""
-    answer = {
-        "requests": dict(services.stats),
+    """Everything in one JSON object (docs/contract.md, "Operations")."""
+    await send_bytes(send, 200, JSON_HEADERS, orjson.dumps(await snapshot(services)))
+
+
+async def metrics(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+    """The same numbers in Prometheus' text format."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(await snapshot(services), services.metrics, services))
+    body = generate_latest(registry)
+    await send_bytes(send, 200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], body)
+
+
+async def page(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+    """The live page: one HTML file that polls `/stats` (no build step, no CDN)."""
+    html = resources.files("app").joinpath("static/page.html").read_bytes()
+    await send_bytes(send, 200, [(b"content-type", b"text/html; charset=utf-8"), (b"cache-control", b"no-cache")], html)
+
+
+# -- the snapshot -----------------------------------------------------------------------
+
+
+async def snapshot(services: Services) -> dict[str, Any]:
+    metrics = services.metrics
+    now = time.time()
+    totals = metrics.totals()
+    window = metrics.window()
+    rates: dict[str, float] = {}
+    rank_rates: dict[int, float] = {}
+    if window is not None:
+        oldest, latest = window
+        span = max(latest.at - oldest.at, 1e-9)
+        for name in ("requests", "hits", "misses", "documents", "tokens_saved"):
+            rates[f"{name}_per_s"] = round((latest.totals[name] - oldest.totals[name]) / span, 3)
+        rates["window_s"] = round(span, 1)
+        rank_rates = {r: rate for r in metrics.ranks if (rate := metrics.documents_per_s(r, window)) is not None}
+    replayed = totals["hits"] + totals["coalesced"]
+    answered = replayed + totals["misses"] + totals["refreshed"]
+    owned = services.caches.ownership.owned()
+    sizes = await cache_sizes(services)
+    ranks = [
+        rank_view(rank, metrics.rank(rank), rank in owned, rank_rates.get(rank), sizes.get(rank))
+        for rank in sorted(set(metrics.ranks) | set(owned))
+    ]
+    return {
+        "version": __version__,
+        "started_at": round(metrics.started, 3),
+        "now": round(now, 3),
+        "uptime_s": round(now - metrics.started, 1),
+        "requests": request_counts(metrics),
+        "totals": {**totals, "hit_ratio": round(replayed / answered, 4) if answered else None},
+        "rates": rates,
         "in_flight": len(services.flights),
-        "upstreams": [{"url": r.url, "healthy": r.healthy, "in_flight": r.in_flight} for r in services.pool.replicas],
-        "ranks": services.caches.ownership.owned(),  # released only once all of a rank is closed
+        "upstreams": [
+            {
+                "url": r.url,
+                "healthy": r.healthy,
+                "in_flight": r.in_flight,
+                "requests": r.requests,
+                "errors": r.errors,
+                "retries": r.retries,
+                "latency_p50_s": r.latency.quantile(0.5),
+                "latency_p99_s": r.latency.quantile(0.99),
+            }
+            for r in services.pool.replicas
+        ],
+        "fsync": {"count": FSYNC_SECONDS.count, "p99_s": FSYNC_SECONDS.quantile(0.99)},
+        "owned_ranks": owned,
+        "ranks": ranks,
+        "history": [{"t": round(s.at, 1), **s.totals} for s in metrics.history],
     }
-    await send_bytes(send, 200, JSON_HEADERS, orjson.dumps(answer))
+
+
+def request_counts(metrics: Metrics) -> dict[str, int]:
+    """Requests by cache outcome (`hit`, `miss`, ...) and errors by status (`error_502`), as before."""
+    counts: dict[str, int] = {}
+    totals = metrics.totals()
+    for name, total in (("hit", "hits"), ("coalesced", "coalesced"), ("miss", "misses"), ("refresh", "refreshed")):
+        if totals[total]:
+            counts[name] = totals[total]
+    if metrics.lookup_misses:
+        counts["lookup_miss"] = metrics.lookup_misses
+    for (_, outcome, status), count in metrics.requests.items():
+        if outcome == "BYPASS":
+            counts["bypass"] = counts.get("bypass", 0) + count
+        if status >= 400:
+            counts[f"error_{status}"] = counts.get(f"error_{status}", 0) + count
+    return counts
+
+
+def rank_view(
+    rank: int, counters: RankCounters, owned: bool, rate: float | None, size: tuple[int | None, int] | None
+) -> dict[str, Any]:
+    total = counters.total_documents
+    done = counters.done_documents
+    progress = min(done / total, 1.0) if total else (1.0 if total == 0 else None)
+    eta = None
+    if total is not None and rate:
+        eta = round(max(total - done, 0) / rate, 1) if rate > 0 else None
+    entries, size_bytes = size if size is not None else (None, 0)
+    return {
+        "rank": rank,
+        "owned": owned,
+        "hits": counters.hits,
+        "coalesced": counters.coalesced,
+        "misses": counters.misses,
+        "refreshed": counters.refreshed,
+        "tokens_saved": counters.tokens_saved,
+        "documents": counters.documents,
+        "duplicates": counters.duplicates,
+        "chunks_published": counters.chunks_published,
+        "last_chunk_index": counters.last_chunk_index if counters.known else None,
+        "done_documents": done if counters.known else None,
+        "total_documents": total,
+        "progress": round(progress, 4) if progress is not None else None,
+        "documents_per_s": round(rate, 3) if rate is not None else None,
+        "eta_s": eta,
+        "cache_entries": entries,
+        "cache_bytes": size_bytes,
+    }
+
+
+async def cache_sizes(services: Services) -> dict[int, tuple[int | None, int]]:
+    """`(entries, bytes)` of each open rank's cache; entries counted again once the count is older than a
+    second per `ROWS_PER_SECOND_SHOWN` rows."""
+    counts = services.metrics.cache_entries
+    sizes: dict[int, tuple[int | None, int]] = {}
+    now = time.monotonic()
+    for rank, cache in services.caches.opened().items():
+        path = cache.db_path
+        if path is None:
+            continue
+        size = sum(_size(path + suffix) for suffix in ("", "-wal"))
+        counted = counts.get(rank)
+        if counted is None or now - counted[0] > max(1.0, (counted[1] or 0) / ROWS_PER_SECOND_SHOWN):
+            counted = counts[rank] = (now, await asyncio.to_thread(_count_entries, path))
+        sizes[rank] = (counted[1], size)
+    return sizes
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _count_entries(path: str) -> int | None:
+    """The rows of a cache file, read on a connection of its own (read-only: it writes nothing)."""
+    try:
+        connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1.0)
+    except sqlite3.Error:
+        return None
+    try:
+        row = connection.execute("SELECT count(*) FROM request_cache").fetchone()
+        return int(row[0])
+    except sqlite3.Error:
+        return None
+    finally:
+        connection.close()
+
+
+# -- Prometheus -------------------------------------------------------------------------
+
+
+class _Collector(Collector):
+    """The snapshot as metric families, built on each scrape."""
+
+    def __init__(self, view: dict[str, Any], metrics: Metrics, services: Services) -> None:
+        self.view = view
+        self.metrics = metrics
+        self.services = services
+
+    def collect(self) -> Iterator[Metric]:
+        requests = CounterMetricFamily(
+            "inferproxy_requests",
+            "requests answered, by route, X-Cache outcome and status",
+            labels=["route", "cache", "status"],
+        )
+        for (route, outcome, status), count in sorted(self.metrics.requests.items()):
+            requests.add_metric([route, outcome, str(status)], count)
+        yield requests
+
+        upstream_requests = CounterMetricFamily(
+            "inferproxy_upstream_requests", "attempts sent upstream", labels=["replica"]
+        )
+        upstream_errors = CounterMetricFamily(
+            "inferproxy_upstream_errors", "attempts with no answer, or a 5xx", labels=["replica"]
+        )
+        upstream_retries = CounterMetricFamily("inferproxy_upstream_retries", "attempts retried", labels=["replica"])
+        healthy = GaugeMetricFamily("inferproxy_upstream_healthy", "1 if the replica answers", labels=["replica"])
+        latency = HistogramMetricFamily(
+            "inferproxy_upstream_latency_seconds", "from sending to the answer's head", labels=["replica"]
+        )
+        for replica in self.services.pool.replicas:
+            upstream_requests.add_metric([replica.url], replica.requests)
+            upstream_errors.add_metric([replica.url], replica.errors)
+            upstream_retries.add_metric([replica.url], replica.retries)
+            healthy.add_metric([replica.url], 1.0 if replica.healthy else 0.0)
+            latency.add_metric([replica.url], list(replica.latency.cumulative()), replica.latency.total)
+        yield from (upstream_requests, upstream_errors, upstream_retries, healthy, latency)
+
+        per_rank = {
+            "cache_hits": ("inferproxy_cache_hits", "answers replayed from the cache", "hits"),
+            "coalesced": ("inferproxy_coalesced", "answers shared with an identical request in flight", "coalesced"),
+            "misses": ("inferproxy_cache_misses", "requests generated upstream", "misses"),
+            "tokens": ("inferproxy_tokens_saved", "usage.total_tokens of replayed answers", "tokens_saved"),
+            "documents": ("inferproxy_documents_written", "documents checkpointed", "documents"),
+            "duplicates": ("inferproxy_documents_duplicate", "documents sent again, counted once", "duplicates"),
+            "chunks": ("inferproxy_chunks_published", "chunks published by this proxy", "chunks_published"),
+        }
+        families = {key: CounterMetricFamily(name, text, labels=["rank"]) for key, (name, text, _) in per_rank.items()}
+        generations = CounterMetricFamily(
+            "inferproxy_generations_saved", "answers served without generating: hits and coalesced", labels=["rank"]
+        )
+        last_chunk = GaugeMetricFamily("inferproxy_last_chunk_index", "the last chunk published", labels=["rank"])
+        done = GaugeMetricFamily("inferproxy_documents_done", "documents checkpointed or published", labels=["rank"])
+        total = GaugeMetricFamily("inferproxy_documents_total", "documents the job declared", labels=["rank"])
+        entries = GaugeMetricFamily("inferproxy_cache_entries", "answers stored in the rank's cache", labels=["rank"])
+        size = GaugeMetricFamily("inferproxy_cache_bytes", "size of the rank's cache files", labels=["rank"])
+        for rank in self.view["ranks"]:
+            label = [str(rank["rank"])]
+            for key, (_, _, field) in per_rank.items():
+                families[key].add_metric(label, rank[field])
+            generations.add_metric(label, rank["hits"] + rank["coalesced"])
+            if rank["last_chunk_index"] is not None:
+                last_chunk.add_metric(label, rank["last_chunk_index"])
+                done.add_metric(label, rank["done_documents"])
+            if rank["total_documents"] is not None:
+                total.add_metric(label, rank["total_documents"])
+            if rank["cache_entries"] is not None:
+                entries.add_metric(label, rank["cache_entries"])
+            if rank["owned"]:
+                size.add_metric(label, rank["cache_bytes"])
+        yield from families.values()
+        yield from (generations, last_chunk, done, total, entries, size)
+
+        yield _histogram("inferproxy_fsync_seconds", "checkpoint fsync rounds", FSYNC_SECONDS)
+        yield GaugeMetricFamily("inferproxy_in_flight", "upstream generations in flight", value=self.view["in_flight"])
+        yield GaugeMetricFamily("inferproxy_start_time_seconds", "when the proxy started", value=self.metrics.started)
+        yield CounterMetricFamily(
+            "inferproxy_lookup_misses", "/lookup keys without a stored answer", value=self.metrics.lookup_misses
+        )
+
+
+def _histogram(name: str, text: str, histogram: Histogram) -> HistogramMetricFamily:
+    family = HistogramMetricFamily(name, text)
+    family.add_metric([], list(histogram.cumulative()), histogram.total)
+    return family

@@ -30,13 +30,15 @@ from app.cache import RequestCache, StoredResponse
 from app.errors import BadRequest, ProxyError
 from app.hashing import payload_hash
 from app.headers import RequestKey, parse_request_key
-from app.http.asgi import Answer
+from app.http.asgi import Answer, CutConnection
 from app.http.client import HTTPClientError
 from app.services import Services
 from app.upstream import UpstreamResponse, response_headers
 
 logger = logging.getLogger(__name__)
 
+#: The scope key under which a forwarding handler leaves the replica that answered, for the request's log line.
+REPLICA = "inferproxy.replica"
 CACHEABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 NO_CHUNK = -1  # the chunk_index stored for requests without X-Chunk-Index: never dropped by a chunk
 _PASSED_ON = frozenset({b"retry-after"})
@@ -77,18 +79,14 @@ def lookup(services: Services, headers: Headers, body: bytes) -> Lookup:
     return Lookup(key, body, digest, cache.get_response(key.doc_id, key.rollout_idx, digest), True)
 
 
-def stored_answer(services: Services, answer: StoredResponse, state: bytes, digest: str) -> Answer:
-    """A stored answer as it is replayed (a hit, or a flight's shared answer), counted under `state`."""
-    services.stats[_COUNTED[state]] += 1
+def stored_answer(answer: StoredResponse, state: bytes, digest: str) -> Answer:
+    """A stored answer as it is replayed (a hit, or a flight's shared answer)."""
     headers = [
         (b"content-type", answer.content_type.encode("latin-1")),
         (b"x-cache", state),
         (b"x-payload-hash", digest.encode()),
     ]
     return Answer(answer.status, headers, answer.body)
-
-
-_COUNTED = {b"HIT": "hit", b"COALESCED": "coalesced"}
 
 
 def payload_digest(body: bytes) -> str:
@@ -119,7 +117,6 @@ async def cacheable(services: Services, scope: Scope, receive: Receive, send: Se
         found = lookup(services, scope["headers"], body)
     key = found.key
     if key.doc_id is None:
-        services.stats["bypass"] += 1
         await forward(services, scope, receive, send, key, found.digest, found.body, b"BYPASS", cache=None)
         return
     with services.activity.using(key.rank):
@@ -148,14 +145,20 @@ async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive
             # shield: a follower whose client leaves must not cancel the leader's future
             shared = await asyncio.shield(flight)
             if shared is not None:
-                await send_answer(send, stored_answer(services, shared, b"COALESCED", digest))
+                services.metrics.replayed(key.rank, True, shared.body)
+                await send_answer(send, stored_answer(shared, b"COALESCED", digest))
                 return
             # the leader got no whole answer (its client left mid-stream): look again, maybe lead
         if hit is not None:
-            await send_answer(send, stored_answer(services, hit, b"HIT", digest))
+            services.metrics.replayed(key.rank, False, hit.body)
+            await send_answer(send, stored_answer(hit, b"HIT", digest))
             return
     state = b"REFRESH" if key.no_cache else b"MISS"
-    services.stats["refresh" if key.no_cache else "miss"] += 1
+    counters = services.metrics.rank(key.rank)
+    if key.no_cache:
+        counters.refreshed += 1
+    else:
+        counters.misses += 1
     future: asyncio.Future[StoredResponse | None] = asyncio.get_running_loop().create_future()
     # A no-store request does not lead: its followers' answer would never be stored.
     if not key.no_cache and not key.no_store:
@@ -197,6 +200,7 @@ async def forward(
         async with pool.request(
             "POST", scope["path"], headers=pool.upstream_headers(scope["headers"]), body=body
         ) as upstream:
+            scope[REPLICA] = upstream.replica.url
             content_type = upstream.content_type
             headers: Headers = [(b"content-type", content_type.encode("latin-1")), *ours]
             headers += [(k, v) for k, v in response_headers(upstream.headers) if k in _PASSED_ON]
@@ -214,7 +218,6 @@ async def forward(
             # An answer that ends where the connection does may have been cut: passed on, never kept.
             whole = whole and not upstream.framed_by_close
     except ProxyError as error:
-        services.stats[f"error_{error.status}"] += 1
         await send_error(send, error, ours)
         return None
     if (
@@ -263,8 +266,9 @@ async def stream_through(
     return b"".join(pieces)
 
 
-class StreamBrokeOff(Exception):
-    """The upstream's stream ended before its answer did; the client's connection is dropped."""
+class StreamBrokeOff(CutConnection):
+    """The upstream's stream ended before its answer did; the client's connection is dropped (an expected
+    event: a WARNING says so, no traceback)."""
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -305,7 +309,14 @@ async def _pass_on(services: Services, scope: Scope, send: Send, body: bytes) ->
     query = scope.get("query_string") or b""
     target = path.decode("latin-1") + (f"?{query.decode('latin-1')}" if query else "")
     async with pool.request(scope["method"], target, headers=pool.upstream_headers(scope["headers"]), body=body) as up:
+        scope[REPLICA] = up.replica.url
         await send({"type": "http.response.start", "status": up.status, "headers": response_headers(up.headers)})
-        async for chunk in up.iter_chunks():
-            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        size = 0
+        try:
+            async for chunk in up.iter_chunks():
+                size += len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except HTTPClientError as exc:
+            logger.warning("the upstream's answer to %s broke off after %d bytes: %s", target, size, exc)
+            raise StreamBrokeOff from exc
         await send({"type": "http.response.body", "body": b"", "more_body": False})

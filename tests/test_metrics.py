@@ -1,0 +1,255 @@
+"""`/metrics`, `/stats` and the request log, against a real proxy and the fake upstream on loopback ports."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.client import run_job
+from app.documents import DocumentLike
+from app.fake_upstream import FakeUpstream
+from app.settings import Settings
+from tests.factories import chat_request, doc_headers
+from tests.servers import fake_upstream, serve_proxy
+
+pytestmark = pytest.mark.usefixtures("http_server")
+
+DOCS = [{"id": f"doc-{i}", "text": f"question {i}"} for i in range(10)]
+
+
+class Env:
+    def __init__(self, proxy: str, upstream: FakeUpstream, client: httpx.AsyncClient) -> None:
+        self.proxy = proxy
+        self.upstream = upstream
+        self.client = client
+
+    async def rollout(self, document: DocumentLike, rollout_idx: int, headers: dict[str, str]) -> str:
+        async with openai.AsyncOpenAI(base_url=self.proxy + "/v1", api_key="unused", max_retries=0) as client:
+            answer = await client.chat.completions.create(
+                model="fake-model",
+                messages=[{"role": "user", "content": document.text}],
+                max_tokens=4,
+                extra_headers=headers,
+            )
+        return answer.choices[0].message.content or ""
+
+    async def scrape(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of `/metrics`, parsed by prometheus-client's own parser."""
+        answer = await self.client.get("/metrics")
+        assert answer.status_code == 200
+        assert answer.headers["content-type"].startswith("text/plain; version=")
+        return {
+            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+            for family in text_string_to_metric_families(answer.text)
+            for sample in family.samples
+        }
+
+    async def stats(self) -> dict[str, Any]:
+        answer = await self.client.get("/stats")
+        assert answer.status_code == 200
+        result: dict[str, Any] = answer.json()
+        return result
+
+
+@pytest.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    async with fake_upstream() as (url, upstream):
+        settings = Settings(
+            upstream=[url],
+            checkpoints_dir=tmp_path / "ckpt",
+            output=str(tmp_path / "out"),
+            records_per_chunk=4,
+            retry_backoff_s=0.001,
+        )
+        async with serve_proxy(settings) as proxy, httpx.AsyncClient(base_url=proxy, timeout=30) as client:
+            yield Env(proxy, upstream, client)
+
+
+def rank(labels: dict[str, str] | None = None, **more: str) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted({"rank": "0", **(labels or {}), **more}.items()))
+
+
+async def test_metrics_parse_and_move_as_a_job_runs(env: Env) -> None:
+    before = await env.scrape()
+    assert before[("inferproxy_start_time_seconds", ())] > 0
+    report = await run_job(DOCS, env.rollout, base_url=env.proxy, rollouts_per_document=2, concurrency=4)
+    assert report.written == 10
+    after = await env.scrape()
+    miss = (("cache", "MISS"), ("route", "/v1/chat/completions"), ("status", "200"))
+    assert after[("inferproxy_requests_total", miss)] == 20
+    assert after[("inferproxy_cache_misses_total", rank())] == 20
+    assert after[("inferproxy_documents_written_total", rank())] == 10
+    assert after[("inferproxy_chunks_published_total", rank())] == 3  # 4 + 4 + the last 2
+    assert after[("inferproxy_last_chunk_index", rank())] == 2
+    assert after[("inferproxy_documents_done", rank())] == 10
+    upstream = {name: value for (name, labels), value in after.items() if name.startswith("inferproxy_upstream_")}
+    assert any(name == "inferproxy_upstream_requests_total" and value >= 20 for name, value in upstream.items())
+    assert any(name == "inferproxy_upstream_latency_seconds_count" and value >= 20 for name, value in upstream.items())
+    assert after[("inferproxy_fsync_seconds_count", ())] > before.get(("inferproxy_fsync_seconds_count", ()), 0)
+
+    # The same request again is a hit: the GPU work it saved is its answer's usage.total_tokens.
+    first = await env.client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers("again"))
+    for _ in range(3):
+        hit = await env.client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers("again"))
+        assert hit.headers["x-cache"] == "HIT"
+    tokens = first.json()["usage"]["total_tokens"]
+    scraped = await env.scrape()
+    assert scraped[("inferproxy_cache_hits_total", rank())] == 3
+    assert scraped[("inferproxy_generations_saved_total", rank())] == 3
+    assert scraped[("inferproxy_tokens_saved_total", rank())] == 3 * tokens
+    hits = (("cache", "HIT"), ("route", "/v1/chat/completions"), ("status", "200"))
+    assert scraped[("inferproxy_requests_total", hits)] == 3
+
+
+async def test_stats_and_metrics_show_the_same_numbers(env: Env) -> None:
+    await run_job(DOCS[:6], env.rollout, base_url=env.proxy, concurrency=2)
+    streamed = chat_request(stream=True, stream_options={"include_usage": True})
+    for _ in range(2):
+        await env.client.post("/v1/chat/completions", json=streamed, headers={**doc_headers("s"), "X-Rank": "3"})
+    scraped = await env.scrape()
+    stats = await env.stats()
+    by_rank = {r["rank"]: r for r in stats["ranks"]}
+    for number, view in by_rank.items():
+        label = rank(rank=str(number))
+        assert scraped[("inferproxy_cache_hits_total", label)] == view["hits"]
+        assert scraped[("inferproxy_cache_misses_total", label)] == view["misses"]
+        assert scraped[("inferproxy_tokens_saved_total", label)] == view["tokens_saved"]
+        assert scraped[("inferproxy_documents_written_total", label)] == view["documents"]
+    assert by_rank[3]["hits"] == 1
+    assert by_rank[3]["tokens_saved"] > 0  # the stream's usage chunk
+    assert by_rank[0]["documents"] == 6
+    assert by_rank[0]["last_chunk_index"] == 1
+    assert by_rank[3]["cache_bytes"] > 0
+    assert stats["totals"]["hits"] == 1
+    assert stats["totals"]["misses"] == 7
+    assert stats["totals"]["hit_ratio"] == pytest.approx(1 / 8, abs=1e-3)
+    assert stats["requests"]["hit"] == 1
+    assert stats["rates"]["window_s"] >= 0
+    assert stats["history"]  # sampled at start
+    assert stats["owned_ranks"] == [3]  # rank 0 finished: released
+    assert stats["upstreams"][0]["requests"] == 7
+    # Entries are counted in the file (committed within flush_interval_ms), again at most once a second.
+    deadline = time.monotonic() + 30
+    while next(r for r in (await env.stats())["ranks"] if r["rank"] == 3)["cache_entries"] != 1:
+        assert time.monotonic() < deadline, "the stored answer was never counted"
+        await asyncio.sleep(0.2)
+
+
+async def test_a_declared_total_gives_progress_and_an_eta(env: Env) -> None:
+    headers = {"X-Rank": "2", "X-Total-Documents": "40"}
+    assert (await env.client.get("/resume", headers=headers)).status_code == 200
+    view = next(r for r in (await env.stats())["ranks"] if r["rank"] == 2)
+    assert view["total_documents"] == 40
+    assert view["progress"] == 0.0
+    docs = [{"id": f"d{i}", "text": "t"} for i in range(4)]
+    written = await env.client.post("/documents", json=docs, headers={"X-Rank": "2", "X-Chunk-Index": "0"})
+    assert written.status_code == 200
+    view = next(r for r in (await env.stats())["ranks"] if r["rank"] == 2)
+    assert view["done_documents"] == 4
+    assert view["progress"] == 0.1
+    assert view["documents_per_s"] > 0
+    assert view["eta_s"] is not None
+    assert view["eta_s"] > 0
+    assert view["chunks_published"] == 1
+
+
+@pytest.mark.parametrize("value", ["-1", "ten", "1e3", ""])
+async def test_a_bad_declared_total_is_refused_and_nothing_is_written(env: Env, value: str) -> None:
+    answer = await env.client.post(
+        "/documents", json={"id": "a", "text": "t"}, headers={"X-Chunk-Index": "0", "X-Total-Documents": value}
+    )
+    assert answer.status_code == 400
+    assert "X-Total-Documents" in answer.json()["error"]["message"]
+    assert (await env.client.get("/resume")).json()["processed_ids"] == []
+
+
+async def test_upstream_retries_and_errors_are_counted_per_replica(env: Env) -> None:
+    flaky = chat_request(fake_upstream={"status": 503, "fail_times": 1})
+    answer = await env.client.post("/v1/chat/completions", json=flaky, headers=doc_headers("flaky"))
+    assert answer.status_code == 200
+    replica = (await env.stats())["upstreams"][0]
+    assert replica["retries"] == 1
+    assert replica["errors"] == 1
+    assert replica["requests"] == 2
+    assert replica["latency_p50_s"] is not None
+
+
+async def test_with_metrics_off_hits_are_not_counted(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, _):
+        settings = Settings(upstream=[url], checkpoints_dir=tmp_path / "ckpt", metrics=False)
+        async with serve_proxy(settings) as proxy, httpx.AsyncClient(base_url=proxy) as client:
+            for _ in range(3):
+                await client.post("/v1/chat/completions", json=chat_request(), headers=doc_headers())
+            stats = (await client.get("/stats")).json()
+    assert stats["totals"]["hits"] == 0
+    assert stats["totals"]["misses"] == 1
+
+
+async def test_one_log_line_per_request_and_one_per_n_hits_never_a_secret(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="inferproxy.access")
+    async with fake_upstream() as (url, _):
+        settings = Settings(upstream=[url], checkpoints_dir=tmp_path / "ckpt", log_hits_every=2, api_key="sekrit")
+        async with serve_proxy(settings) as proxy, httpx.AsyncClient(base_url=proxy) as client:
+            auth = {"Authorization": "Bearer sekrit"}
+            body = chat_request(messages=[{"role": "user", "content": "private prompt"}])
+            for _ in range(5):  # a miss, then 4 hits: 2 of them logged
+                await client.post("/v1/chat/completions", json=body, headers={**auth, **doc_headers("d 1")})
+            await client.get("/v1/models", headers=auth)
+            await client.get("/stats")  # 401: no key
+    lines = [r for r in caplog.records if r.name == "inferproxy.access"]
+    outcomes = [getattr(r, "request")["cache"] for r in lines]  # noqa: B009
+    assert outcomes == ["MISS", "HIT", "HIT", None, None]
+    miss = getattr(lines[0], "request")  # noqa: B009
+    assert miss["method"] == "POST"
+    assert miss["path"] == "/v1/chat/completions"
+    assert miss["status"] == 200
+    assert miss["rank"] is None  # no X-Rank sent
+    assert miss["doc_id"] == "d 1"
+    assert miss["replica"] == url
+    assert miss["duration_ms"] > 0
+    assert lines[0].getMessage().startswith('POST /v1/chat/completions 200 MISS rank=- doc="d 1" replica=')
+    assert [getattr(r, "request")["status"] for r in lines[3:]] == [200, 401]  # noqa: B009
+    assert "sekrit" not in caplog.text
+    assert "private prompt" not in caplog.text
+
+
+@pytest.mark.parametrize("http_server", ["builtin"], indirect=True)  # uvicorn logs any cut as its error
+async def test_an_upstream_cut_mid_stream_is_a_warning_not_an_error(env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    cut = chat_request(stream=True, fake_upstream={"disconnect_after_chunks": 2})
+    with pytest.raises(httpx.HTTPError):
+        await read_stream(env.client, cut)
+    # The fake upstream (under uvicorn) logs its injected cut as an error; the proxy must not.
+    proxy_errors = [r for r in caplog.records if r.levelno >= logging.ERROR and not r.name.startswith("uvicorn")]
+    assert proxy_errors == []
+    assert any("broke off" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
+
+
+async def read_stream(client: httpx.AsyncClient, body: dict[str, Any]) -> None:
+    async with client.stream("POST", "/v1/chat/completions", json=body, headers=doc_headers()) as answer:
+        async for _ in answer.aiter_bytes():
+            pass
+
+
+def test_the_json_log_format_is_one_object_per_line(tmp_path: Path) -> None:
+    from app.logs import JSONFormatter
+
+    record = logging.LogRecord("inferproxy.access", logging.INFO, __file__, 1, "GET / %d", (200,), None)
+    record.request = {"method": "GET", "status": 200}
+    line = json.loads(JSONFormatter().format(record))
+    assert line["message"] == "GET / 200"
+    assert line["status"] == 200
+    assert line["level"] == "INFO"
+    assert line["time"].endswith("Z")
