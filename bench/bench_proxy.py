@@ -118,6 +118,49 @@ def get_json(url: str) -> dict[str, object]:
     return result
 
 
+def measure_metrics_cost(
+    results: dict[str, dict[str, float]],
+    upstream_port: int,
+    up_pid: int,
+    data: Path,
+    *,
+    connections: int,
+    duration: int,
+) -> None:
+    """The hit path's CPU with the counters on and off (`--no-metrics`): two proxies in front of one
+    upstream, at the default log level (hits logged 1 in 100), their hit runs alternated three times."""
+    payload, path = body(ANSWER_SIZES[0]), "/v1/chat/completions"
+    upstream = f"http://127.0.0.1:{upstream_port}{path}"
+    with contextlib.ExitStack() as stack:
+        urls: dict[str, tuple[str, int]] = {}
+        for name, flags in (("on", []), ("off", ["--no-metrics"])):
+            port = free_port()
+            pid = stack.enter_context(
+                inferproxy(
+                    "serve",
+                    f"--port={port}",
+                    f"--upstream=http://127.0.0.1:{upstream_port}",
+                    f"--checkpoints-dir={data}/metrics-{name}",
+                    *flags,
+                )
+            )
+            wait_until_up(f"http://127.0.0.1:{port}/v1/models")
+            urls[name] = (f"http://127.0.0.1:{port}{path}", pid)
+        run = {"connections": connections, "duration": duration}
+        stored = {}
+        for name, (url, pid) in urls.items():
+            miss = wrk(url, miss_script(payload), **run, cpu_of={"server": pid, "upstream": up_pid})
+            results[f"metrics_{name}_miss"] = miss
+            stored[name] = stored_by(miss, connections)
+        for round_ in range(3):
+            for name, (url, pid) in urls.items():
+                generated = upstream_requests(upstream)
+                hit = wrk(url, hit_script(payload, stored[name]), **run, cpu_of={"server": pid})
+                if (forwarded := upstream_requests(upstream) - generated) != 0:
+                    raise RuntimeError(f"metrics {name}: {forwarded} hit-run requests went upstream")
+                results[f"metrics_{name}_hit_{round_}"] = hit
+
+
 def proxy_stats(url: str) -> dict[str, int]:
     counts: dict[str, int] = get_json(url.split("/v1/")[0] + "/stats")["requests"]  # type: ignore[assignment]
     return {"hit": 0, **counts}
@@ -450,6 +493,7 @@ def main() -> None:
                 run = {"connections": conns, "duration": d}
                 results[f"slow_upstream_{conns}"] = wrk(slow_upstream, miss_script(BODY), **run, cpu_of={})
                 results[f"slow_miss_{conns}"] = wrk(slow_proxy, miss_script(BODY, f"slow{conns}"), **run, cpu_of={})
+            measure_metrics_cost(results, ports[2], pids[2], data, connections=c, duration=d)
             first_upstream = f"http://127.0.0.1:{ports[2]}{path}"
             rates = {
                 kind: asyncio.run(client_rate(kind, first_upstream, d / 2))
@@ -521,6 +565,19 @@ def report(
         upstream_ms = f"{u['p50_ms']:.2f} / {u['p99_ms']:.2f} ms"
         proxy_ms = f"{p['p50_ms']:.2f} / {p['p99_ms']:.2f} ms"
         print(f"| concurrency {conns} | {upstream_ms} | {proxy_ms} | {added50:+.2f} / {added99:+.2f} ms | {target} |")
+    print()
+    print(f"Counting on and off ({ANSWER_SIZES[0]} tokens, log level info, three hit runs each, alternated):")
+    print()
+    print("| counters | CPU µs per hit, runs | median | hits req/s, median | CPU µs per miss |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for name in ("on", "off"):
+        runs = [results[f"metrics_{name}_hit_{i}"] for i in range(3)]
+        cpu = sorted(r["cpu_us_server"] for r in runs)
+        rps = sorted(r["rps"] for r in runs)
+        listed = " / ".join(f"{r['cpu_us_server']:.1f}" for r in runs)
+        miss = results[f"metrics_{name}_miss"]["cpu_us_server"]
+        label = "on (default)" if name == "on" else "off (--no-metrics)"
+        print(f"| {label} | {listed} | {cpu[1]:.1f} | {rps[1]:,.0f} | {miss:.1f} |")
     print()
     print("| upstream client alone, 64 concurrent | requests/s | ratio to upstream |")
     print("| --- | ---: | ---: |")

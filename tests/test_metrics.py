@@ -237,6 +237,25 @@ async def test_an_upstream_cut_mid_stream_is_a_warning_not_an_error(env: Env, ca
     assert any("broke off" in r.getMessage() and r.levelno == logging.WARNING for r in caplog.records)
 
 
+async def test_a_client_leaving_mid_stream_is_no_error(env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    slow = chat_request(stream=True, max_tokens=50, fake_upstream={"chunk_delay_ms": 20})
+    async with (
+        httpx.AsyncClient(base_url=env.proxy) as client,
+        client.stream("POST", "/v1/chat/completions", json=slow, headers=doc_headers()) as answer,
+    ):
+        async for _ in answer.aiter_bytes():
+            break  # and leave
+    deadline = time.monotonic() + 30
+    while not any(r.name == "inferproxy.access" for r in caplog.records):
+        assert time.monotonic() < deadline, "the request was never logged"
+        await asyncio.sleep(0.05)
+    assert [r for r in caplog.records if r.levelno >= logging.ERROR and not r.name.startswith("uvicorn")] == []
+    line = next(getattr(r, "request") for r in caplog.records if r.name == "inferproxy.access")  # noqa: B009
+    assert line["status"] == 200
+    assert line["cache"] == "MISS"
+
+
 async def read_stream(client: httpx.AsyncClient, body: dict[str, Any]) -> None:
     async with client.stream("POST", "/v1/chat/completions", json=body, headers=doc_headers()) as answer:
         async for _ in answer.aiter_bytes():
