@@ -94,11 +94,15 @@ ROUTE = "inferproxy.route"
 CLIENT_LEFT = 499
 
 
+#: The proxy's own `X-Cache` values; a forwarded answer may carry another's (a cache upstream), not counted.
+OUTCOMES = {value.encode(): value for value in ("HIT", "MISS", "COALESCED", "BYPASS", "REFRESH")}
+
+
 def cache_outcome(headers: Iterable[tuple[bytes, bytes]]) -> str:
     """The answer's `X-Cache` value (HIT, MISS, ...), "" for a route that does not cache."""
     for name, value in headers:
         if name == b"x-cache":
-            return value.decode("latin-1")
+            return OUTCOMES.get(value, "")
     return ""
 
 
