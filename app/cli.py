@@ -178,21 +178,27 @@ def build_parser() -> argparse.ArgumentParser:
         "inspect",
         help="report what a checkpoints dir holds per rank, and what /resume will answer after a restart",
         description="Read a checkpoints dir (a running proxy's or a dead one's) without writing anything.",
-        formatter_class=shows_defaults,
     )
     inspect_parser.add_argument("checkpoints_dir", metavar="CHECKPOINTS_DIR", help="the proxy's --checkpoints-dir")
-    inspect_parser.add_argument("--rank", type=_non_negative, action="append", help="only this rank; repeatable")
+    inspect_parser.add_argument(
+        "--rank", type=_non_negative, action="append", metavar="N", help="only this rank; repeatable"
+    )
     inspect_parser.add_argument("--json", action="store_true", help="JSON for machines (docs/contract.md)")
     inspect_parser.add_argument(
         "--records-per-chunk",
         type=_positive,
+        metavar="N",
         help="the value the proxy will be restarted with: needed only where checkpoint_meta.json does not record it",
     )
     inspect_parser.add_argument(
-        "--output", help="the proxy's --output: looked at for ranks without checkpoints, as a restarted proxy does"
+        "--output",
+        metavar="URL",
+        help="the proxy's --output: looked at for ranks without checkpoints, as a restarted proxy does",
     )
     inspect_parser.add_argument(
-        "--output-filename", help="the proxy's --output-filename, with --output (default: the proxy's default)"
+        "--output-filename",
+        metavar="TEMPLATE",
+        help="the proxy's --output-filename, with --output (default: the proxy's default)",
     )
 
     job_parser = commands.add_parser(
@@ -306,6 +312,9 @@ def inspect(args: argparse.Namespace) -> int:
 
     from app.inspect import inspect_dir, render, to_json
 
+    if args.output_filename and not args.output:
+        print("inferproxy inspect: --output-filename names files in --output: give --output too", file=sys.stderr)
+        return 2
     try:
         report = inspect_dir(
             args.checkpoints_dir,

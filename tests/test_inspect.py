@@ -352,3 +352,29 @@ def test_json_has_every_key_and_rank_restricts(tmp_path: Path, capsys: pytest.Ca
     assert "1 rank\n" in table
     assert "\n2 " in table
     assert "\n0 " not in table
+
+
+def test_an_output_filename_without_an_output_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = checkpoints(tmp_path / "checkpoints", "0")
+    assert main(["inspect", str(root), "--output-filename", "${rank}_${chunk_index}.jsonl"]) == 2
+    assert (
+        capsys.readouterr().err == "inferproxy inspect: --output-filename names files in --output: give --output too\n"
+    )
+    assert main(["inspect", str(root), "--output", str(tmp_path), "--output-filename", "chunk.jsonl"]) == 2
+    assert "inferproxy inspect: output_filename must use ${rank} and ${chunk_index}" in capsys.readouterr().err
+
+
+def test_a_rank_without_checkpoints_resumes_after_the_chunks_the_output_lists(tmp_path: Path) -> None:
+    root = checkpoints(tmp_path / "checkpoints")
+    owner = RankOwnership(CheckpointsLayout(str(root)))
+    owner.claim(5)  # claimed, nothing written yet; or its checkpoints were lost with a node's disk
+    owner.release_all()
+    output = tmp_path / "output"
+    output.mkdir()
+    for chunk_index in (0, 1, 3):
+        (output / f"00005_chunk_{chunk_index}.jsonl").write_text("{}\n")
+    (rank,) = to_json(inspect_dir(str(root), output=str(output)))["ranks"]
+    assert rank["resume"] == {"last_chunk_index": 1, "docs_to_skip": 6, "processed_id_count": 0, "source": "output"}
+    (unchecked,) = to_json(inspect_dir(str(root)))["ranks"]
+    assert unchecked["resume"]["source"] == "unchecked_output"
+    assert unchecked["resume"]["last_chunk_index"] == -1
