@@ -26,8 +26,11 @@ import asyncio
 import contextlib
 import logging
 import os
+import shutil
 import sqlite3
+import tempfile
 import time
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import orjson
@@ -407,6 +410,41 @@ def _open(db_path: str) -> tuple[sqlite3.Connection, sqlite3.Connection, set[str
         writer.close()
         raise
     return writer, reader, doc_ids
+
+
+def count_entries(db_path: str) -> int:
+    """The entries of a cache file, read without writing a byte beside it (for `inferproxy inspect`).
+
+    SQLite's read-only mode still writes: it creates the WAL index (`-shm`)
+    and an empty `-wal` where they are missing, and updates the index. So a
+    file with both (a live proxy's, or a killed one's) is read with the index
+    read-only (SQLite reads the WAL itself where the index is stale); a file
+    without a WAL to read, as the main file alone; and a WAL without its
+    index (a dir copied without it), from a private copy. Call it from another
+    process than the file's writer: within one, SQLite shares a file's index
+    among connections, and this one would update it.
+    """
+    wal, index = db_path + "-wal", db_path + "-shm"
+    wal_size = os.path.getsize(wal) if os.path.exists(wal) else None
+    if wal_size is not None and os.path.exists(index):
+        return _count_entries(db_path, "mode=ro&readonly_shm=1")
+    if not wal_size:
+        return _count_entries(db_path, "mode=ro&immutable=1")
+    with tempfile.TemporaryDirectory(prefix="inferproxy-") as private:
+        copy = os.path.join(private, DB_FILENAME)
+        shutil.copyfile(db_path, copy)
+        shutil.copyfile(wal, copy + "-wal")
+        return _count_entries(copy, "mode=ro")
+
+
+def _count_entries(db_path: str, options: str) -> int:
+    conn = sqlite3.connect(f"{Path(db_path).absolute().as_uri()}?{options}", uri=True)
+    try:
+        if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'request_cache'").fetchone():
+            return int(conn.execute("SELECT COUNT(*) FROM request_cache").fetchone()[0])
+        return 0  # a file created but not yet migrated
+    finally:
+        conn.close()
 
 
 #: Rows per INSERT statement, largest first: a batch is written in as few statements as these make.

@@ -51,6 +51,7 @@ from app.resume import (
     RecordsPerChunkMismatch,
     check_records_per_chunk,
     docs_to_skip,
+    processed_ids,
     read_chunk_file,
     read_last_chunk,
 )
@@ -258,11 +259,9 @@ class CheckpointManager:
 
     def resume_state(self) -> tuple[int, set[str]]:
         """`(docs_to_skip, processed_ids)` as `parse_existing_checkpoints` would return them now."""
-        skip = docs_to_skip(self.last_chunk_index, self.records_per_chunk)
-        processed = {
-            doc_id for chunk, ids in self._chunk_ids.items() if chunk > self.last_chunk_index for doc_id in ids
-        }
-        return skip, processed
+        return docs_to_skip(self.last_chunk_index, self.records_per_chunk), processed_ids(
+            self.last_chunk_index, self._chunk_ids
+        )
 
     def _warn_duplicate(self, doc_id: str, chunk_index: int) -> None:
         if chunk_index in self._warned_duplicates or chunk_index in self._ready:

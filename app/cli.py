@@ -3,6 +3,7 @@
     inferproxy serve [--config FILE] [--upstream URL]... [--port 8080] ...   the caching proxy
     inferproxy fake-upstream [--port 8000] [--latency-ms 0]                  a vLLM-shaped simulator
     inferproxy demo [--documents N] [--rollouts R] [--kills K] ...           the quickstart
+    inferproxy inspect CHECKPOINTS_DIR [--rank N] [--json]                   a checkpoints dir, read-only
 
 Every `serve` flag is a field of `app.settings.Settings`, also read from
 `INFERPROXY_<NAME>` and from the TOML file given with `--config`.
@@ -175,6 +176,33 @@ def build_parser() -> argparse.ArgumentParser:
     demo_parser.add_argument("--upstream", default=None, help="a real vLLM/SGLang server instead of the fake one")
     demo_parser.add_argument("--seed", type=_int, default=None, help="fixes the kill moments (default: random)")
 
+    inspect_parser = commands.add_parser(
+        "inspect",
+        help="report what a checkpoints dir holds per rank, and what /resume will answer after a restart",
+        description="Read a checkpoints dir (a running proxy's or a dead one's) without writing anything.",
+    )
+    inspect_parser.add_argument("checkpoints_dir", metavar="CHECKPOINTS_DIR", help="the proxy's --checkpoints-dir")
+    inspect_parser.add_argument(
+        "--rank", type=_non_negative, action="append", metavar="N", help="only this rank; repeatable"
+    )
+    inspect_parser.add_argument("--json", action="store_true", help="JSON for machines (docs/contract.md)")
+    inspect_parser.add_argument(
+        "--records-per-chunk",
+        type=_positive,
+        metavar="N",
+        help="the value the proxy will be restarted with: needed only where checkpoint_meta.json does not record it",
+    )
+    inspect_parser.add_argument(
+        "--output",
+        metavar="URL",
+        help="the proxy's --output: looked at for ranks without checkpoints, as a restarted proxy does",
+    )
+    inspect_parser.add_argument(
+        "--output-filename",
+        metavar="TEMPLATE",
+        help="the proxy's --output-filename, with --output (default: the proxy's default)",
+    )
+
     job_parser = commands.add_parser(
         "demo-job", help="the job `demo` runs (one run of it)", formatter_class=shows_defaults
     )
@@ -281,6 +309,29 @@ def check_checkpoints_dir(settings: Settings) -> None:
     check_records_per_chunk(CheckpointsLayout(str(settings.checkpoints_dir)), settings.records_per_chunk, record=False)
 
 
+def inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from app.inspect import inspect_dir, render, to_json
+
+    if args.output_filename and not args.output:
+        print("inferproxy inspect: --output-filename names files in --output: give --output too", file=sys.stderr)
+        return 2
+    try:
+        report = inspect_dir(
+            args.checkpoints_dir,
+            ranks=args.rank,
+            records_per_chunk=args.records_per_chunk,
+            output=args.output,
+            output_filename=args.output_filename,
+        )
+    except ValueError as exc:  # not a checkpoints dir, or an output that cannot be looked at
+        print(f"inferproxy inspect: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(to_json(report), indent=2) if args.json else render(report))
+    return 0
+
+
 def fake_upstream(args: argparse.Namespace) -> int:
     import socket
 
@@ -322,6 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return serve(args)
     if args.command == "fake-upstream":
         return fake_upstream(args)
+    if args.command == "inspect":
+        return inspect(args)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     common = {
         "documents": args.documents,

@@ -20,6 +20,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -245,14 +246,23 @@ def read_jsonl_whole_lines(path: str) -> list[Any]:
     return [orjson.loads(line) for line in data[:end].split(b"\n") if line.strip(b" \t\r\0")]
 
 
-def read_jsonl_repairing_tail(path: str) -> list[Any]:
-    """Decode every line of an append-only JSONL file, repairing a torn tail.
+@dataclass(frozen=True, slots=True)
+class JsonlScan:
+    """An append-only JSONL file as read: its whole lines decoded, and where a torn tail starts."""
+
+    records: list[Any]
+    size: int
+    torn_at: int | None  # the offset of a torn last line, which a repair cuts the file back to
+    torn_line: int = 0
+
+
+def scan_jsonl(path: str) -> JsonlScan:
+    """Decode every line of an append-only JSONL file and find a torn tail, changing nothing.
 
     A crash mid-append leaves a last line without its newline, or garbage (a
-    power cut can leave NUL bytes). Such a tail is dropped and the file cut
-    back to its last whole line, so that later appends never glue onto it.
-    A bad line followed by good ones is not a torn append: that raises
-    `CorruptFileError` naming the file and line, and changes nothing.
+    power cut can leave NUL bytes): that tail is left out of `records` and
+    its offset is `torn_at`. A bad line followed by good ones is not a torn
+    append: that raises `CorruptFileError` naming the file and line.
     """
     with open(path, "rb") as f:
         data = f.read()
@@ -281,15 +291,22 @@ def read_jsonl_repairing_tail(path: str) -> list[Any]:
                 f"append from a crash. Move the file aside or repair that line, then restart."
             )
         records.append(record)
-    if torn_at is not None:
+    return JsonlScan(records, len(data), torn_at, torn_line)
+
+
+def read_jsonl_repairing_tail(path: str) -> list[Any]:
+    """Decode every line of an append-only JSONL file (`scan_jsonl`), cutting a torn tail off the file,
+    so that later appends never glue onto it."""
+    scan = scan_jsonl(path)
+    if scan.torn_at is not None:
         logger.warning(
             "%s: dropping a torn last line (%d bytes from line %d), left by a crash mid-append",
             path,
-            len(data) - torn_at,
-            torn_line,
+            scan.size - scan.torn_at,
+            scan.torn_line,
         )
         with open(path, "r+b") as f:
-            f.truncate(torn_at)
+            f.truncate(scan.torn_at)
             f.flush()
             os.fsync(f.fileno())
-    return records
+    return scan.records

@@ -100,22 +100,26 @@ class CheckpointsLayout:
         return os.path.join(self.root, META_FILENAME)
 
     def known_ranks(self) -> list[int]:
-        """Ranks with anything in the checkpoints dir: a rank folder or a last_chunk file."""
-        ranks: set[int] = set()
-        try:
+        """Ranks with anything in the checkpoints dir: a rank folder, a last_chunk file or an owner lock file."""
+        ranks = {
+            int(name)
+            for name in _names(self.root)
+            if _RANK_NAME.match(name) and os.path.isdir(os.path.join(self.root, name))
+        }
+        for folder, suffix in (("last_chunk", ".txt"), ("owners", ".lock")):
             ranks.update(
-                int(name)
-                for name in os.listdir(self.root)
-                if _RANK_NAME.match(name) and os.path.isdir(os.path.join(self.root, name))
+                int(name.removesuffix(suffix))
+                for name in _names(os.path.join(self.root, folder))
+                if name.endswith(suffix) and _RANK_NAME.match(name.removesuffix(suffix))
             )
-            ranks.update(
-                int(name[:-4])
-                for name in os.listdir(os.path.join(self.root, "last_chunk"))
-                if name.endswith(".txt") and name[:-4].isdigit()
-            )
-        except FileNotFoundError:
-            pass
         return sorted(ranks)
+
+
+def _names(directory: str) -> list[str]:
+    try:
+        return os.listdir(directory)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
 
 
 class OutputNames:

@@ -10,7 +10,8 @@ at once and restore it from what the disk holds. A rank owned by a live
 proxy is refused elsewhere with `RankOwned` (409), which names the owner.
 
 The lock is what makes SQLite's WAL safe on a shared filesystem too: only
-one host ever has a rank's cache file open.
+one host ever has a rank's cache file open. `probe_owner` tells, changing
+nothing, whether a live proxy holds a rank's lock and whom the file names.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import os
 import socket
 import time
+from dataclasses import dataclass
 
 import orjson
 
@@ -62,8 +64,8 @@ class RankOwnership:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                raise RankOwned(_owned_message(rank, _read_owner(fd))) from None
-            previous = _read_owner(fd)
+                raise RankOwned(_owned_message(rank, read_owner(fd))) from None
+            previous = read_owner(fd)
             record = orjson.dumps({**self.identity, "since": round(time.time(), 3)})
             os.ftruncate(fd, 0)
             os.pwrite(fd, record + b"\n", 0)
@@ -99,7 +101,37 @@ class RankOwnership:
             self.release(rank)
 
 
-def _read_owner(fd: int) -> dict[str, object]:
+@dataclass(frozen=True, slots=True)
+class OwnerLock:
+    """A rank's owner lock file as a probe found it."""
+
+    held: bool  # by a live process
+    owner: dict[str, object]  # what the file says (host, pid, port, since); empty once a proxy released it
+
+
+def probe_owner(path: str) -> OwnerLock | None:
+    """Whether a live proxy holds the owner lock at `path`, and whom it names; None without the file.
+
+    Changes nothing: the file is opened read-only (never created), and a
+    shared lock is tried without waiting and dropped at once. A proxy that
+    claims the rank in that instant answers 409, which job clients retry.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return OwnerLock(True, read_owner(fd))
+        return OwnerLock(False, read_owner(fd))
+    finally:
+        os.close(fd)  # drops the probe's lock
+
+
+def read_owner(fd: int) -> dict[str, object]:
+    """The owner an owner lock file names: `{}` if it is empty."""
     raw = os.pread(fd, 4096, 0)
     try:
         owner = orjson.loads(raw)

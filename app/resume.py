@@ -5,6 +5,9 @@
   the checkpoint manager both call it);
 - `read_last_chunk` and `read_chunk_file`: a rank's checkpoints as they are
   on disk, repaired where a crash left a torn line or an empty file;
+- `resume_after_restore`: where a rank restored from its checkpoints
+  resumes, what `GET /resume` answers after a restart (`inferproxy inspect`
+  computes it from the checkpoints as they are, changing nothing);
 - `last_published_chunk`: a rank whose checkpoints were lost with its node
   resumes after the last chunk of an unbroken run of published chunks
   `0..i`, as the output's listing shows them.
@@ -15,8 +18,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -40,11 +44,8 @@ def check_records_per_chunk(layout: CheckpointsLayout, records_per_chunk: int, *
     another value and `CorruptFileError` for an unreadable record.
     """
     path = layout.meta_file
-    try:
-        with open(path, "rb") as f:
-            meta = orjson.loads(f.read())
-        recorded = meta["records_per_chunk"]
-    except (FileNotFoundError, NotADirectoryError):
+    recorded = recorded_records_per_chunk(layout)
+    if recorded is None:
         if not record:
             return
         if os.path.isdir(os.path.join(layout.root, "last_chunk")):
@@ -63,11 +64,6 @@ def check_records_per_chunk(layout: CheckpointsLayout, records_per_chunk: int, *
         except FileExistsError:
             check_records_per_chunk(layout, records_per_chunk, record=False)
         return
-    except (ValueError, TypeError, KeyError) as exc:
-        raise CorruptFileError(
-            f"{path} is not a JSON object with records_per_chunk ({exc}); write "
-            f'{{"records_per_chunk": N}} with the value the checkpoints were written with'
-        ) from exc
     if recorded != records_per_chunk:
         raise RecordsPerChunkMismatch(
             f"the checkpoints in {layout.root} were written with records_per_chunk={recorded}, "
@@ -77,13 +73,41 @@ def check_records_per_chunk(layout: CheckpointsLayout, records_per_chunk: int, *
         )
 
 
-def read_last_chunk(path: str) -> int:
-    """The value of a `last_chunk/<rank>.txt` file: -1 if absent, and -1 (logged) if unreadable."""
+def recorded_records_per_chunk(layout: CheckpointsLayout) -> int | None:
+    """The `records_per_chunk` recorded beside the checkpoints, None if none is.
+
+    Raises `CorruptFileError` for a record that is not a JSON object with a positive integer.
+    """
+    path = layout.meta_file
+    try:
+        with open(path, "rb") as f:
+            recorded = orjson.loads(f.read())["records_per_chunk"]
+        if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded <= 0:
+            raise ValueError(f"records_per_chunk is {recorded!r}")
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (ValueError, TypeError, KeyError) as exc:
+        raise CorruptFileError(
+            f"{path} is not a JSON object with records_per_chunk, a positive integer ({exc}); write "
+            f'{{"records_per_chunk": N}} with the value the checkpoints were written with'
+        ) from exc
+    return recorded
+
+
+class LastChunkFile(NamedTuple):
+    """A `last_chunk/<rank>.txt` file as read."""
+
+    value: int  # what a resume uses: -1 when the file is absent or unreadable
+    problem: str | None  # why its value could not be read, if it could not
+
+
+def read_last_chunk_file(path: str) -> LastChunkFile:
+    """Read a `last_chunk/<rank>.txt` file, saying what is wrong with it rather than logging it."""
     try:
         with open(path) as f:
             text = f.read()
     except FileNotFoundError:
-        return -1
+        return LastChunkFile(-1, None)
     except OSError as exc:
         text = f"<unreadable: {exc}>"
     try:
@@ -95,15 +119,21 @@ def read_last_chunk(path: str) -> int:
         # it again (datatrove rewrites it in place). The true value is lost;
         # the only safe lower bound is "no chunk complete": finished chunks
         # are generated again and their outputs rewritten, none is lost.
-        logger.warning(
-            "%s is empty or unreadable (%r), probably left by a crash while it was rewritten in place; "
-            "resuming as if no chunk were complete: chunks already published will be generated again "
-            "and their output files rewritten",
-            path,
-            text[:80],
+        return LastChunkFile(
+            -1,
+            f"{path} is empty or unreadable ({text[:80]!r}), probably left by a crash while it was rewritten "
+            f"in place; resuming as if no chunk were complete: chunks already published will be generated "
+            f"again and their output files rewritten",
         )
-        return -1
-    return value
+    return LastChunkFile(value, None)
+
+
+def read_last_chunk(path: str) -> int:
+    """The value of a `last_chunk/<rank>.txt` file: -1 if absent, and -1 (logged) if unreadable."""
+    last = read_last_chunk_file(path)
+    if last.problem is not None:
+        logger.warning("%s", last.problem)
+    return last.value
 
 
 def docs_to_skip(last_chunk_index: int, records_per_chunk: int) -> int:
@@ -114,9 +144,23 @@ def docs_to_skip(last_chunk_index: int, records_per_chunk: int) -> int:
 def read_chunk_file(
     path: str, records_per_chunk: int, document_factory: Callable[[dict[str, Any]], DocumentLike]
 ) -> list[DocumentLike]:
-    """Decode one unfinished chunk file, every line validated before anything is used."""
+    """Decode one unfinished chunk file, cutting off a torn last line, every line validated before anything is used."""
+    return decode_chunk(path, read_jsonl_repairing_tail(path), records_per_chunk, document_factory)
+
+
+def decode_chunk(
+    path: str,
+    records: Iterable[Any],
+    records_per_chunk: int | None,
+    document_factory: Callable[[dict[str, Any]], DocumentLike],
+) -> list[DocumentLike]:
+    """The documents of a chunk file's records (as `scan_jsonl` reads them), each validated.
+
+    Raises `CorruptFileError` for a record that is not a document, `RecordsPerChunkMismatch`
+    for more distinct documents than a chunk holds (unchecked where `records_per_chunk` is unknown).
+    """
     documents = []
-    for number, record in enumerate(read_jsonl_repairing_tail(path), start=1):
+    for number, record in enumerate(records, start=1):
         if not isinstance(record, dict) or not isinstance(record.get("id"), str):
             raise CorruptFileError(
                 f"{path}: record {number} is not a document (a JSON object with a string id): "
@@ -124,7 +168,7 @@ def read_chunk_file(
             )
         documents.append(document_factory(record))
     distinct = len({document.id for document in documents})
-    if distinct > records_per_chunk:
+    if records_per_chunk is not None and distinct > records_per_chunk:
         raise RecordsPerChunkMismatch(
             f"{path} holds {distinct} distinct documents but records_per_chunk is "
             f"{records_per_chunk}: these checkpoints were written with a larger "
@@ -144,8 +188,42 @@ def last_published_chunk(names: Iterable[str], pattern: re.Pattern[str]) -> int:
     generated again and their files replaced with the same documents, so
     the output still holds each document once.
     """
-    published = {int(match.group(1)) for name in names if (match := pattern.match(name))}
-    last = -1
-    while last + 1 in published:
+    return end_of_run(-1, {int(match.group(1)) for name in names if (match := pattern.match(name))})
+
+
+def end_of_run(last_chunk_index: int, chunks: Collection[int]) -> int:
+    """The last `i` such that chunks `last_chunk_index + 1 .. i` are all in `chunks` (`last_chunk_index` if
+    the next one is not): how far `last_chunk_index` moves, one chunk at a time, over complete chunks."""
+    last = last_chunk_index
+    while last + 1 in chunks:
         last += 1
     return last
+
+
+def processed_ids(last_chunk_index: int, chunk_ids: Mapping[int, Collection[str]]) -> set[str]:
+    """The ids a resumed job skips beyond `docs_to_skip`: the documents of the chunks after the last complete one."""
+    return {doc_id for chunk, ids in chunk_ids.items() if chunk > last_chunk_index for doc_id in ids}
+
+
+@dataclass(frozen=True, slots=True)
+class ResumePoint:
+    """Where a rank resumes: the numbers of `GET /resume`."""
+
+    last_chunk_index: int
+    docs_to_skip: int
+    processed_ids: frozenset[str]
+
+
+def resume_after_restore(
+    last_chunk_index: int, chunk_ids: Mapping[int, Collection[str]], records_per_chunk: int
+) -> ResumePoint:
+    """Where a rank resumes once restored from its checkpoints: what `GET /resume` answers after a restart.
+
+    `last_chunk_index` is the rank's `last_chunk` file, `chunk_ids` the
+    distinct document ids of each of its chunk files. Restoring
+    (`CheckpointManager.parse_existing_checkpoints`) publishes every full
+    chunk, and `last_chunk_index` moves over the full ones that follow it.
+    """
+    full = {chunk for chunk, ids in chunk_ids.items() if len(ids) == records_per_chunk}
+    last = end_of_run(last_chunk_index, full)
+    return ResumePoint(last, docs_to_skip(last, records_per_chunk), frozenset(processed_ids(last, chunk_ids)))

@@ -97,3 +97,16 @@ def completion_request(**overrides: Any) -> dict[str, Any]:
 
 def doc_headers(doc_id: str = "doc-1", rollout_idx: int = 0, **extra: str) -> dict[str, str]:
     return {"X-Doc-Id": doc_id, "X-Rollout-Idx": str(rollout_idx), **extra}
+
+
+def dir_snapshot(root: str | os.PathLike[str]) -> dict[str, tuple[int, int, bytes | None]]:
+    """Every entry under `root`: `(size, mtime_ns, bytes)` of each file, `(0, mtime_ns, None)` of each folder
+    (whose mtime moves when a name is created in it, even if it is removed again)."""
+    entries: dict[str, tuple[int, int, bytes | None]] = {}
+    for folder, _, files in os.walk(root):
+        entries[folder] = (0, os.stat(folder).st_mtime_ns, None)
+        for name in files:
+            path = os.path.join(folder, name)
+            with open(path, "rb") as f:
+                entries[path] = (os.stat(path).st_size, os.stat(path).st_mtime_ns, f.read())
+    return entries

@@ -15,7 +15,7 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
     return dict(action.choices)
 
 
-@pytest.mark.parametrize("command", ["serve", "fake-upstream", "demo", "demo-job"])
+@pytest.mark.parametrize("command", ["serve", "fake-upstream", "demo", "demo-job", "inspect"])
 def test_every_option_of_every_subcommand_has_a_help_text_and_no_none_default(command: str) -> None:
     parser = subcommands()[command]
     for action in parser._actions:

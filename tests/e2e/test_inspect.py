@@ -1,0 +1,168 @@
+"""`inferproxy inspect` on the checkpoints dir of a real `inferproxy serve`, killed with SIGKILL, then restarted:
+it writes nothing, and the restarted proxy's `GET /resume` answers what it said it would."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import Upstream, start_proxy
+from tests.factories import chat_request, dir_snapshot
+from tests.servers import process, wait_for_http
+
+pytestmark = pytest.mark.e2e
+
+RECORDS_PER_CHUNK = 4
+
+
+def inspect(checkpoints: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", "inspect", str(checkpoints), *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def inspect_json(checkpoints: Path, *args: str) -> dict[str, Any]:
+    done = inspect(checkpoints, "--json", *args)
+    assert done.returncode == 0, done.stderr
+    report: dict[str, Any] = json.loads(done.stdout)
+    return report
+
+
+def by_rank(report: dict[str, Any]) -> dict[int, dict[str, Any]]:
+    return {rank["rank"]: rank for rank in report["ranks"]}
+
+
+def generate(client: httpx.Client, rank: int, doc_id: str, chunk_index: int) -> None:
+    headers = {"X-Rank": str(rank), "X-Doc-Id": doc_id, "X-Chunk-Index": str(chunk_index)}
+    answer = client.post("/v1/chat/completions", json=chat_request(), headers=headers)
+    assert answer.status_code == 200, answer.text
+
+
+def write(client: httpx.Client, rank: int, chunk_index: int, ids: list[str]) -> None:
+    documents = [{"id": doc_id, "text": f"text of {doc_id}"} for doc_id in ids]
+    answer = client.post("/documents", json=documents, headers={"X-Rank": str(rank), "X-Chunk-Index": str(chunk_index)})
+    assert answer.status_code == 200, answer.text
+
+
+def entries_of_a_copy(rank_dir: Path, into: Path) -> int:
+    """The cache's entries as SQLite reads them from a copy of its files (read-write there: WAL replayed)."""
+    into.mkdir()
+    for name in ("replay.sqlite3", "replay.sqlite3-wal", "replay.sqlite3-shm"):
+        if (rank_dir / name).exists():
+            shutil.copyfile(rank_dir / name, into / name)
+    conn = sqlite3.connect(into / "replay.sqlite3")
+    try:
+        return int(conn.execute("SELECT COUNT(*) FROM request_cache").fetchone()[0])
+    finally:
+        conn.close()
+
+
+def entries_of_the_main_file(rank_dir: Path) -> int:
+    """The entries the cache's main file holds alone, its WAL ignored."""
+    conn = sqlite3.connect(f"{(rank_dir / 'replay.sqlite3').as_uri()}?immutable=1", uri=True)
+    try:
+        tables = conn.execute("SELECT COUNT(*) FROM sqlite_master WHERE name = 'request_cache'").fetchone()[0]
+        return int(conn.execute("SELECT COUNT(*) FROM request_cache").fetchone()[0]) if tables else 0
+    finally:
+        conn.close()
+
+
+def test_inspect_of_a_killed_proxys_dir_writes_nothing_and_predicts_resume_after_a_restart(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    args, port = start_proxy(upstream.url, tmp_path, f"--records-per-chunk={RECORDS_PER_CHUNK}")
+    url = f"http://127.0.0.1:{port}"
+    checkpoints, output = tmp_path / "checkpoints", tmp_path / "output"
+    with process(*args) as killed, httpx.Client(base_url=url, timeout=30) as client:
+        wait_for_http(url + "/healthz")
+        for i in range(14):  # rank 0: chunks 0 and 1 complete, 2 and 3 open
+            generate(client, 0, f"d{i}", i // RECORDS_PER_CHUNK)
+        write(client, 0, 0, ["d0", "d1", "d2", "d3"])
+        write(client, 0, 1, ["d4", "d5", "d6", "d7"])
+        write(client, 0, 2, ["d8", "d9", "d10"])
+        write(client, 0, 3, ["d12", "d13"])
+        generate(client, 1, "e0", 0)
+        generate(client, 1, "e1", 0)
+        write(client, 1, 0, ["e0"])
+        generate(client, 2, "f0", 0)  # rank 2: a cache, no checkpoint yet
+        # Entries of completed chunks are dropped: d8..d13, e0 and e1, f0. Inspecting the live proxy
+        # (read-only too) until its group commits have landed, so that the kill leaves them in the WAL.
+        deadline = time.monotonic() + 30
+        while [by_rank(inspect_json(checkpoints))[rank]["cache"]["entries"] for rank in (0, 1, 2)] != [6, 2, 1]:
+            assert time.monotonic() < deadline, "the proxy's cache commits never showed"
+        killed.kill()
+        killed.wait(timeout=10)
+    chunk_2 = checkpoints / "00000" / "chunk_00002.jsonl"
+    whole = chunk_2.stat().st_size
+    with open(chunk_2, "ab") as f:
+        f.write(b'{"text":"text of d11","id":"d1')  # a crash mid-append
+    assert (checkpoints / "00000" / "replay.sqlite3-wal").stat().st_size > 0
+    assert entries_of_the_main_file(checkpoints / "00000") < 6  # the rest is only in the WAL
+
+    before = dir_snapshot(checkpoints)
+    report = inspect_json(checkpoints)
+    with_output = inspect_json(checkpoints, "--output", str(output))
+    table = inspect(checkpoints)
+    assert dir_snapshot(checkpoints) == before
+
+    assert (table.returncode, table.stderr) == (0, "")
+    assert "rank 0: chunk 2 ends in a torn line (30 bytes): a restart cuts the file back to" in table.stdout
+    assert (report["records_per_chunk"], report["problems"]) == (RECORDS_PER_CHUNK, [])
+    ranks = by_rank(report)
+    assert sorted(ranks) == [0, 1, 2]
+    zero = ranks[0]
+    assert zero["last_chunk_index"] == 1
+    assert [(c["chunk_index"], c["documents"], c["state"]) for c in zero["chunks"]] == [(2, 3, "open"), (3, 2, "open")]
+    assert zero["chunks"][0]["torn"] == {"offset": whole, "bytes": 30}
+    assert zero["torn_lines"] == 1
+    assert {key: zero["owner"][key] for key in ("held", "host", "pid", "port")} == {
+        "held": False,
+        "host": socket.gethostname(),
+        "pid": killed.pid,
+        "port": port,
+    }
+    for rank, entries in ((0, 6), (1, 2), (2, 1)):
+        rank_dir = checkpoints / f"{rank:05d}"
+        assert ranks[rank]["cache"]["entries"] == entries == entries_of_a_copy(rank_dir, tmp_path / f"copy{rank}")
+        assert ranks[rank]["cache"]["bytes"] == sum(
+            (rank_dir / name).stat().st_size for name in ("replay.sqlite3", "replay.sqlite3-wal")
+        )
+    assert ranks[2]["resume"]["source"] == "unchecked_output"
+    assert by_rank(with_output)[2]["resume"]["source"] == "output"
+    assert by_rank(with_output)[0]["resume"] == ranks[0]["resume"]
+
+    with process(*args) as restarted, httpx.Client(base_url=url, timeout=30) as client:
+        wait_for_http(url + "/healthz")
+        for rank, predicted in ranks.items():
+            answer = client.get("/resume", headers={"X-Rank": str(rank)}).json()
+            assert predicted["resume"] == {
+                "last_chunk_index": answer["last_chunk_index"],
+                "docs_to_skip": answer["docs_to_skip"],
+                "processed_id_count": len(answer["processed_ids"]),
+                "source": predicted["resume"]["source"],
+            }, rank
+        assert ranks[0]["resume"] == {
+            "last_chunk_index": 1,
+            "docs_to_skip": 8,
+            "processed_id_count": 5,
+            "source": "checkpoints",
+        }
+        assert chunk_2.stat().st_size == whole  # cut back where inspect said
+        live = by_rank(inspect_json(checkpoints, "--rank", "0", "--rank", "1"))
+        assert sorted(live) == [0, 1]
+        for owner in (live[0]["owner"], live[1]["owner"]):
+            assert (owner["held"], owner["pid"], owner["port"]) == (True, restarted.pid, port)
+        assert "held by pid" in inspect(checkpoints, "--rank", "0").stdout

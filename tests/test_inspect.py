@@ -1,0 +1,380 @@
+"""`inferproxy inspect`: a checkpoints dir read without writing, and /resume predicted as a restore computes it."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import pytest
+
+from app.checkpointing import META_FILENAME
+from app.cli import main
+from app.errors import RankOwned
+from app.inspect import inspect_dir, render, to_json
+from app.layout import CheckpointsLayout
+from app.ownership import RankOwnership
+from tests.factories import (
+    RecordingWriter,
+    chunk_path,
+    dir_snapshot,
+    last_chunk_path,
+    manager,
+    open_cache,
+    write_chunk_file,
+)
+
+RPC = 3
+TORN = b'{"text":"text of z","id":"z'
+
+
+def checkpoints(root: Path, last_chunk: str | None = None, chunks: dict[int, list[str]] | None = None) -> Path:
+    """A checkpoints dir of rank 0 recorded with records_per_chunk=3."""
+    root.mkdir(exist_ok=True)
+    (root / META_FILENAME).write_bytes(orjson.dumps({"records_per_chunk": RPC}))
+    if last_chunk is not None:
+        Path(last_chunk_path(root)).parent.mkdir(exist_ok=True)
+        Path(last_chunk_path(root)).write_text(last_chunk)
+    for chunk_index, ids in (chunks or {}).items():
+        write_chunk_file(root, chunk_index, ids)
+    return root
+
+
+def torn(root: Path, chunk_index: int) -> None:
+    with open(chunk_path(root, chunk_index), "ab") as f:
+        f.write(TORN)
+
+
+def torn_line(root: Path) -> None:
+    checkpoints(root, chunks={0: ["a", "b"]})
+    torn(root, 0)
+
+
+def full_chunk_not_yet_published(root: Path) -> None:
+    checkpoints(root, "0", {1: ["d", "e", "f"], 2: ["g"]})
+
+
+def full_chunk_past_a_gap(root: Path) -> None:
+    checkpoints(root, chunks={0: ["a", "b"], 1: ["d", "e", "f"]})
+
+
+def published_chunk_left_by_a_crash(root: Path) -> None:
+    checkpoints(root, "1", {1: ["d", "e", "f"], 2: ["g", "h"]})
+    torn(root, 2)
+
+
+def a_document_written_twice(root: Path) -> None:
+    checkpoints(root, chunks={0: ["a", "a", "b"]})
+
+
+def an_empty_last_chunk_file(root: Path) -> None:
+    checkpoints(root, "", {0: ["a"]})
+
+
+def only_a_last_chunk_file(root: Path) -> None:
+    checkpoints(root, "4")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        torn_line,
+        full_chunk_not_yet_published,
+        full_chunk_past_a_gap,
+        published_chunk_left_by_a_crash,
+        a_document_written_twice,
+        an_empty_last_chunk_file,
+        only_a_last_chunk_file,
+    ],
+)
+async def test_inspect_writes_nothing_and_predicts_what_a_restore_resumes_from(
+    tmp_path: Path, make: Callable[[Path], None]
+) -> None:
+    root = tmp_path / "checkpoints"
+    make(root)
+    before = dir_snapshot(root)
+    report = inspect_dir(str(root))
+    render(report)
+    assert dir_snapshot(root) == before
+    (rank,) = report.ranks
+    assert rank.resume is not None
+
+    restored = manager(root, RPC)
+    await restored.parse_existing_checkpoints(0, RecordingWriter())
+    skip, processed = restored.resume_state()
+    assert (rank.resume.last_chunk_index, rank.resume.docs_to_skip, rank.resume.processed_ids) == (
+        restored.last_chunk_index,
+        skip,
+        processed,
+    )
+    for chunk in rank.chunks:
+        path = chunk_path(root, chunk.chunk_index)
+        if chunk.chunk_index <= rank.resume.last_chunk_index:  # published: its file is deleted
+            assert not os.path.exists(path)
+        else:  # a torn line is cut off where inspect said
+            assert os.path.getsize(path) == (chunk.bytes if chunk.torn_at is None else chunk.torn_at)
+    await restored.close()
+
+
+def test_a_torn_line_is_reported_with_the_offset_a_restart_cuts_back_to(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    torn_line(root)
+    whole = os.path.getsize(chunk_path(root, 0)) - len(TORN)
+    report = inspect_dir(str(root))
+    (rank,) = to_json(report)["ranks"]
+    assert rank["chunks"] == [
+        {
+            "chunk_index": 0,
+            "documents": 2,
+            "bytes": whole + len(TORN),
+            "state": "open",
+            "torn": {"offset": whole, "bytes": len(TORN)},
+        }
+    ]
+    assert rank["torn_lines"] == 1
+    assert rank["resume"] == {
+        "last_chunk_index": -1,
+        "docs_to_skip": 0,
+        "processed_id_count": 2,
+        "source": "checkpoints",
+    }
+    assert (
+        f"rank 0: chunk 0 ends in a torn line ({len(TORN)} bytes): a restart cuts the file back to {whole} bytes"
+        in render(report)
+    )
+
+
+def test_full_and_published_chunk_files_are_told_apart_from_open_ones(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    checkpoints(root, "1", {1: ["a", "b", "c"], 2: ["d", "e", "f"], 3: ["g"]})
+    report = inspect_dir(str(root))
+    (rank,) = report.ranks
+    assert [(c.chunk_index, c.documents, c.state) for c in rank.chunks] == [
+        (1, 3, "published"),
+        (2, 3, "full"),
+        (3, 1, "open"),
+    ]
+    assert rank.resume is not None
+    assert (rank.resume.last_chunk_index, rank.resume.docs_to_skip) == (2, 9)
+    text = render(report)
+    assert "rank 0: chunk 2 is full: a restart publishes it" in text
+    assert "rank 0: chunk 1 is published already (left by a crash): a restart deletes its file" in text
+    assert "1: 3 (published), 2: 3 (full), 3: 1" in text
+
+
+def test_an_empty_last_chunk_file_is_a_problem_and_resume_starts_from_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "checkpoints"
+    an_empty_last_chunk_file(root)
+    report = inspect_dir(str(root))
+    (rank,) = report.ranks
+    assert rank.last_chunk_index == -1
+    assert rank.resume is not None
+    assert rank.resume.last_chunk_index == -1
+    assert len(rank.problems) == 1
+    assert "last_chunk/00000.txt is empty or unreadable ('')" in rank.problems[0]
+    assert "problem: rank 0: " in render(report)
+
+
+def test_a_dir_without_records_per_chunk_says_so_and_takes_it_from_the_flag(tmp_path: Path) -> None:
+    root = checkpoints(tmp_path / "checkpoints", "0", {1: ["a", "b"]})
+    (root / META_FILENAME).unlink()  # as datatrove writes it
+    report = inspect_dir(str(root))
+    assert report.records_per_chunk is None
+    (problem,) = report.problems
+    assert "checkpoint_meta.json is missing, so records_per_chunk is unknown" in problem
+    assert "pass --records-per-chunk N" in problem
+    assert report.ranks[0].resume is None
+    assert "records_per_chunk not recorded" in render(report)
+
+    given = inspect_dir(str(root), records_per_chunk=2)
+    assert "the numbers below use --records-per-chunk 2" in given.problems[0]
+    resume = given.ranks[0].resume
+    assert resume is not None
+    assert (resume.last_chunk_index, resume.docs_to_skip) == (1, 4)
+
+
+def test_a_records_per_chunk_other_than_the_recorded_one_is_reported_and_not_used(tmp_path: Path) -> None:
+    root = checkpoints(tmp_path / "checkpoints", "0")
+    report = inspect_dir(str(root), records_per_chunk=5)
+    (problem,) = report.problems
+    assert "--records-per-chunk 5: a proxy started with it refuses to" in problem
+    assert "written with records_per_chunk=3" in problem
+    resume = report.ranks[0].resume
+    assert resume is not None
+    assert resume.docs_to_skip == 3
+
+
+def test_a_corrupt_chunk_line_means_no_restore_and_no_prediction(tmp_path: Path) -> None:
+    root = checkpoints(tmp_path / "checkpoints", chunks={0: ["a"]})
+    with open(chunk_path(root, 0), "ab") as f:
+        f.write(b"{not json\n")
+    write_chunk_file(root, 0, ["b"])
+    before = dir_snapshot(root)
+    report = inspect_dir(str(root))
+    assert dir_snapshot(root) == before
+    (rank,) = report.ranks
+    assert (rank.resume, rank.chunks[0].documents) == (None, None)
+    assert "a restarted proxy cannot restore this rank" in rank.problems[0]
+    assert "line 2 is not valid JSON" in rank.problems[0]
+
+
+def test_a_live_owner_lock_is_reported_held_and_the_probe_leaves_it_held(tmp_path: Path) -> None:
+    root = checkpoints(tmp_path / "checkpoints")
+    layout = CheckpointsLayout(str(root))
+    owner = RankOwnership(layout, port=8123)
+    owner.claim(4)
+    try:
+        before = dir_snapshot(root)
+        report = inspect_dir(str(root))
+        assert dir_snapshot(root) == before
+        (rank,) = to_json(report)["ranks"]
+        assert rank["rank"] == 4
+        assert {key: rank["owner"][key] for key in ("held", "pid", "port")} == {
+            "held": True,
+            "pid": os.getpid(),
+            "port": 8123,
+        }
+        assert f"held by pid {os.getpid()} on " in render(report)
+        with pytest.raises(RankOwned):  # still held by its owner: the probe let go of nothing but its own
+            RankOwnership(layout).claim(4)
+    finally:
+        owner.release_all()
+    (released,) = to_json(inspect_dir(str(root)))["ranks"]
+    assert released["owner"] == {"held": False, "host": None, "pid": None, "port": None, "since": None}
+    assert "free (released)" in render(inspect_dir(str(root)))
+
+
+async def test_cache_entries_are_read_from_the_wal_with_or_without_its_index_writing_nothing(tmp_path: Path) -> None:
+    root = checkpoints(tmp_path / "checkpoints", chunks={0: ["a"]})
+    rank_dir = root / "00000"
+    cache = await open_cache(root)
+    for i in range(5):
+        await cache.store_result(0, f"doc-{i}", 0, {"answer": i}, payload_hash="h")
+    await cache.flush()
+
+    def entries() -> int | None:
+        # In another process, as the command runs: SQLite shares one WAL index per file within a process.
+        before = dir_snapshot(root)
+        done = subprocess.run(
+            [sys.executable, "-m", "app.cli", "inspect", str(root), "--json"], capture_output=True, timeout=60
+        )
+        assert dir_snapshot(root) == before
+        entries: int | None = orjson.loads(done.stdout)["ranks"][0]["cache"]["entries"]
+        return entries
+
+    assert (rank_dir / "replay.sqlite3-wal").stat().st_size > 0
+    assert entries() == 5  # open: WAL and index in use
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)  # the WAL without its index, as a copy taken without it leaves them
+    (copy / "00000" / "replay.sqlite3-shm").unlink()
+    before = dir_snapshot(copy)
+    assert inspect_dir(str(copy)).ranks[0].cache_entries == 5
+    assert dir_snapshot(copy) == before
+    await cache.close()
+    assert not (rank_dir / "replay.sqlite3-wal").exists()
+    assert entries() == 5  # closed: all in the main file
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda root: None, "does not exist: give the --checkpoints-dir of the proxy to inspect"),
+        (lambda root: root.write_text("x"), "is a file, not a checkpoints dir"),
+        (lambda root: root.mkdir(), "is empty: not a checkpoints dir"),
+        (lambda root: (root / "sub").mkdir(parents=True), "is not a checkpoints dir: it holds none of"),
+    ],
+    ids=["missing", "file", "empty", "unrelated"],
+)
+def test_a_path_that_is_not_a_checkpoints_dir_gets_one_line_and_exit_2(
+    tmp_path: Path, make: Callable[[Path], object], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "dir"
+    make(root)
+    assert main(["inspect", str(root)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == f"inferproxy inspect: {root} {message}" + err.split(message, 1)[1]
+    assert err.count("\n") == 1
+
+
+def test_an_unreadable_dir_gets_one_line_and_exit_2() -> None:
+    # Root reads any dir: the command then runs as nobody, as a user without the right would.
+    as_user = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] if os.geteuid() == 0 else []
+    parent = tempfile.mkdtemp()
+    try:
+        os.chmod(parent, 0o755)
+        root = Path(parent) / "checkpoints"
+        checkpoints(root)
+        os.chmod(root, 0)
+        done = subprocess.run(
+            [*as_user, sys.executable, "-m", "app.cli", "inspect", str(root)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=parent,
+        )
+        assert done.returncode == 2
+        assert done.stdout == ""
+        assert done.stderr == f"inferproxy inspect: cannot read {root}: Permission denied\n"
+    finally:
+        os.chmod(Path(parent) / "checkpoints", stat.S_IRWXU)
+        shutil.rmtree(parent)
+
+
+def test_json_has_every_key_and_rank_restricts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = checkpoints(tmp_path / "checkpoints", "0", {1: ["a"]})
+    Path(last_chunk_path(root, 2)).write_text("3")
+    assert main(["inspect", str(root), "--json"]) == 0
+    report = orjson.loads(capsys.readouterr().out)
+    assert set(report) == {"checkpoints_dir", "records_per_chunk", "problems", "ranks"}
+    assert [rank["rank"] for rank in report["ranks"]] == [0, 2]
+    assert set(report["ranks"][0]) == {
+        "rank",
+        "last_chunk_index",
+        "chunks",
+        "torn_lines",
+        "cache",
+        "owner",
+        "resume",
+        "problems",
+    }
+    assert main(["inspect", str(root), "--json", "--rank", "2"]) == 0
+    (only,) = orjson.loads(capsys.readouterr().out)["ranks"]
+    assert (only["rank"], only["resume"]["docs_to_skip"]) == (2, 12)
+    assert main(["inspect", str(root), "--rank", "2"]) == 0
+    table = capsys.readouterr().out
+    assert "1 rank\n" in table
+    assert "\n2 " in table
+    assert "\n0 " not in table
+
+
+def test_an_output_filename_without_an_output_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = checkpoints(tmp_path / "checkpoints", "0")
+    assert main(["inspect", str(root), "--output-filename", "${rank}_${chunk_index}.jsonl"]) == 2
+    assert (
+        capsys.readouterr().err == "inferproxy inspect: --output-filename names files in --output: give --output too\n"
+    )
+    assert main(["inspect", str(root), "--output", str(tmp_path), "--output-filename", "chunk.jsonl"]) == 2
+    assert "inferproxy inspect: output_filename must use ${rank} and ${chunk_index}" in capsys.readouterr().err
+
+
+def test_a_rank_without_checkpoints_resumes_after_the_chunks_the_output_lists(tmp_path: Path) -> None:
+    root = checkpoints(tmp_path / "checkpoints")
+    owner = RankOwnership(CheckpointsLayout(str(root)))
+    owner.claim(5)  # claimed, nothing written yet; or its checkpoints were lost with a node's disk
+    owner.release_all()
+    output = tmp_path / "output"
+    output.mkdir()
+    for chunk_index in (0, 1, 3):
+        (output / f"00005_chunk_{chunk_index}.jsonl").write_text("{}\n")
+    (rank,) = to_json(inspect_dir(str(root), output=str(output)))["ranks"]
+    assert rank["resume"] == {"last_chunk_index": 1, "docs_to_skip": 6, "processed_id_count": 0, "source": "output"}
+    (unchecked,) = to_json(inspect_dir(str(root)))["ranks"]
+    assert unchecked["resume"]["source"] == "unchecked_output"
+    assert unchecked["resume"]["last_chunk_index"] == -1
