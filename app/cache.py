@@ -427,17 +427,19 @@ def count_entries(db_path: str) -> int:
     wal, index = db_path + "-wal", db_path + "-shm"
     wal_size = os.path.getsize(wal) if os.path.exists(wal) else None
     if wal_size is not None and os.path.exists(index):
-        return _count_entries(db_path, "mode=ro&readonly_shm=1")
+        return count_rows(db_path, "mode=ro&readonly_shm=1")
     if not wal_size:
-        return _count_entries(db_path, "mode=ro&immutable=1")
+        return count_rows(db_path, "mode=ro&immutable=1")
     with tempfile.TemporaryDirectory(prefix="inferproxy-") as private:
         copy = os.path.join(private, DB_FILENAME)
         shutil.copyfile(db_path, copy)
         shutil.copyfile(wal, copy + "-wal")
-        return _count_entries(copy, "mode=ro")
+        return count_rows(copy, "mode=ro")
 
 
-def _count_entries(db_path: str, options: str) -> int:
+def count_rows(db_path: str, options: str = "mode=ro") -> int:
+    """The entries of a cache file, on a connection of its own. With the default options, for the process
+    that writes the file (the proxy's `/stats`): SQLite may update the WAL index, as the writer does."""
     conn = sqlite3.connect(f"{Path(db_path).absolute().as_uri()}?{options}", uri=True)
     try:
         if conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'request_cache'").fetchone():

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from app import __version__
 from app.asgi import JSON_HEADERS, Receive, Scope, Send, send_bytes, send_error
+from app.cache import count_rows
 from app.errors import ServiceUnavailable
 from app.metrics import FSYNC_SECONDS, Histogram, Metrics, RankCounters
 from app.services import Services
@@ -196,18 +197,11 @@ def _size(path: str) -> int:
 
 
 def _count_entries(path: str) -> int | None:
-    """The rows of a cache file, read on a connection of its own (read-only: it writes nothing)."""
+    """The rows of a rank's cache file, None if it cannot be read now (it is being closed, or gone)."""
     try:
-        connection = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=1.0)
-    except sqlite3.Error:
+        return count_rows(path)
+    except (sqlite3.Error, OSError):
         return None
-    try:
-        row = connection.execute("SELECT count(*) FROM request_cache").fetchone()
-        return int(row[0])
-    except sqlite3.Error:
-        return None
-    finally:
-        connection.close()
 
 
 # -- Prometheus -------------------------------------------------------------------------
