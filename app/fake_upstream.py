@@ -15,6 +15,9 @@ Faults are asked for per request, in the body, under the key `fake_upstream`
     {"latency_ms": 200}              before the first byte (also `--latency-ms`)
     {"chunk_delay_ms": 50}           between streamed chunks (a slow stream)
     {"disconnect_after_chunks": 3}   drop the connection mid-stream
+    {"error_event_after_chunks": 3}  end the stream with an error event, then `data: [DONE]`, as vLLM does
+                                     when its engine fails mid-generation
+    {"error_with_status": 200}       answer the error envelope with this (2xx) status, as a broken server may
 
 `GET /_fake/stats` counts requests and generations and shows the last
 request's headers, the proxy's health probes (`PROBE_USER_AGENT`) left out;
@@ -179,7 +182,10 @@ class FakeUpstream:
             await send_bytes(send, error[0], JSON, error[1])
             return
         self.generations += 1
-        if path == "/v1/embeddings":
+        if "error_with_status" in fault:
+            message = vllm_error("injected error in a 2xx", "InternalServerError", 500)
+            await send_bytes(send, int(fault["error_with_status"]), JSON, message)
+        elif path == "/v1/embeddings":
             await send_bytes(send, 200, JSON, self.embeddings(body))
         elif body.get("stream"):
             await self.stream(path, body, fault, send)
@@ -255,6 +261,7 @@ class FakeUpstream:
         obj = "chat.completion.chunk" if chat else "text_completion"
         delay = float(fault.get("chunk_delay_ms", 0)) / 1000.0
         cut_after = fault.get("disconnect_after_chunks")
+        error_after = fault.get("error_event_after_chunks")
         words = self.words(body)
 
         def event(choice: dict[str, Any], **extra: Any) -> bytes:
@@ -274,6 +281,9 @@ class FakeUpstream:
             usage = {"id": answer_id, "object": obj, "created": created, "model": self.model, "choices": []}
             events.append(b"data: " + orjson.dumps({**usage, "usage": self.usage(body, len(words))}) + b"\n\n")
         events.append(b"data: [DONE]\n\n")
+        if error_after is not None:
+            error = vllm_error("injected engine failure mid-stream", "InternalServerError", 500)
+            events[int(error_after) :] = [b"data: " + error + b"\n\n", b"data: [DONE]\n\n"]
         for sent, data in enumerate(events):
             if cut_after is not None and sent >= int(cut_after):
                 raise ConnectionAbortedError("injected mid-stream disconnect")  # the server drops the connection

@@ -12,8 +12,9 @@ import httpx
 import orjson
 import pytest
 
+from app.cache import StoredResponse
 from app.hashing import payload_hash
-from app.routes.proxy import StreamBrokeOff
+from app.routes.proxy import StreamBrokeOff, error_in_disguise
 from app.settings import Settings
 from tests.factories import chat_request, completion_request, doc_headers
 from tests.servers import fake_upstream, free_port, proxy_client, serve_proxy
@@ -195,6 +196,48 @@ async def test_a_stream_cut_short_by_the_upstream_is_not_stored(env: Env) -> Non
         await env.client.post("/v1/completions", json=body, headers=doc_headers())
     second = await env.client.post("/v1/completions", json=completion_request(stream=True), headers=doc_headers())
     assert second.headers["x-cache"] == "MISS"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_stream_ending_in_an_error_event_is_passed_on_but_never_stored(env: Env, path: str) -> None:
+    """vLLM ends a stream with `data: {"error": ...}` then `data: [DONE]` when its engine fails mid-generation."""
+    request = chat_request if path.endswith("chat/completions") else completion_request
+    body = request(stream=True, fake_upstream={"error_event_after_chunks": 2})
+    for expected in ("MISS", "MISS"):  # the second is generated again: nothing was stored
+        answer = await env.client.post(path, json=body, headers=doc_headers())
+        assert answer.status_code == 200
+        assert answer.headers["x-cache"] == expected
+        events = [line for line in answer.text.split("\n") if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        assert orjson.loads(events[-2].removeprefix("data: "))["error"]["code"] == 500
+    assert (await env.upstream_stats())["generations"] == 2
+
+
+async def test_a_2xx_whose_body_is_an_error_envelope_is_passed_on_but_never_stored(env: Env) -> None:
+    body = chat_request(fake_upstream={"error_with_status": 200})
+    first, second = [await env.chat(body, **doc_headers()) for _ in range(2)]
+    assert first.status_code == second.status_code == 200
+    assert first.json()["error"]["type"] == "InternalServerError"
+    assert (first.headers["x-cache"], second.headers["x-cache"]) == ("MISS", "MISS")
+
+
+@pytest.mark.parametrize(
+    ("body", "streamed", "disguised"),
+    [
+        (b'data: {"choices":[{"delta":{"content":"an \\"error\\": here"}}]}\n\ndata: [DONE]\n\n', True, False),
+        (b'data: {"choices":[],"error":null}\n\ndata: [DONE]\n\n', True, True),
+        (b'data: {"choices":[{"text":"x"}]}\n\ndata: {"error": {"code": 500}}\n\ndata: [DONE]\n\n', True, True),
+        (b'{"choices":[{"message":{"content":"{\\"error\\": 1}"}}],"meta":{"error":1}}', False, False),
+        (b'{"object":"error","message":"engine dead","code":500}', False, True),
+        (b'{"error":{"message":"x"}}', False, True),
+        (b'not json with "error" in it', False, False),
+    ],
+)
+def test_what_is_an_error_in_disguise(body: bytes, streamed: bool, disguised: bool) -> None:
+    """Only a top-level `error` (or vLLM's `"object": "error"`) is one: the word in generated text is not."""
+    content_type = "text/event-stream" if streamed else "application/json"
+    found = error_in_disguise(StoredResponse(200, body, content_type, streamed=streamed))
+    assert (found is not None) == disguised
 
 
 async def test_identical_requests_in_flight_share_one_upstream_call(tmp_path: Path) -> None:

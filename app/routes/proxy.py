@@ -220,16 +220,49 @@ async def forward(
     except ProxyError as error:
         await send_error(send, error, ours)
         return None
+    disguised = error_in_disguise(answer) if whole and 200 <= answer.status < 300 else None
+    if disguised is not None:
+        logger.warning(
+            "the upstream answered %s for doc %r (rank %d): passed on, not stored, so that it is generated "
+            "again when asked again",
+            disguised,
+            key.doc_id,
+            key.rank,
+        )
     if (
         cache is not None
         and key.doc_id is not None
         and whole
+        and disguised is None
         and not key.no_store
         and cacheable_status(answer.status, services.settings.cache_error_statuses)
     ):
         chunk_index = NO_CHUNK if key.chunk_index is None else key.chunk_index
         cache.store_response(chunk_index, key.doc_id, key.rollout_idx, digest, answer)
     return answer if whole else None
+
+
+def error_in_disguise(answer: StoredResponse) -> str | None:
+    """What makes a 2xx answer an error all the same, or None: a stream with an error event (vLLM ends a
+    stream so when its engine fails mid-generation, then sends `[DONE]`), or a body that is an error
+    envelope (`{"error": ...}`, or vLLM's older `{"object": "error", ...}`). Such answers are never stored."""
+    body = answer.body
+    if b'"error"' not in body:  # the common case: one scan, no parse
+        return None
+    if answer.streamed:
+        for line in body.split(b"\n"):
+            if line.startswith(b"data:") and b'"error"' in line and _is_error(line[5:]):
+                return "a stream with an error event"
+        return None
+    return "a 2xx whose body is an error" if _is_error(body) else None
+
+
+def _is_error(data: bytes) -> bool:
+    try:
+        payload = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(payload, dict) and ("error" in payload or payload.get("object") == "error")
 
 
 async def stream_through(
