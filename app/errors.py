@@ -91,6 +91,13 @@ class UpstreamUnreachable(ProxyError):
     type = "upstream_error"
 
 
+class UpstreamBusy(ProxyError):
+    """Every upstream slot is taken and the queue for them is full (`max_inflight_per_upstream`)."""
+
+    status = 429
+    type = "rate_limit_error"
+
+
 class ServiceUnavailable(ProxyError):
     status = 503
     type = "service_unavailable"

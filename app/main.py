@@ -288,6 +288,8 @@ class InferProxy:
                 api_key=settings.upstream_api_key,
                 health_interval_s=settings.health_interval_s,
                 max_response_bytes=settings.max_response_bytes,
+                max_inflight=settings.max_inflight_per_upstream,
+                max_queued=settings.max_queued_requests,
             )
             await pool.start()
             stack.push_async_callback(pool.close)

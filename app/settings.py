@@ -109,6 +109,16 @@ class Settings(BaseSettings):
         description="client connections open at once; past it a new one gets 503 "
         "(default: what the open files limit leaves, see the README)",
     )
+    max_inflight_per_upstream: int = Field(
+        512,
+        ge=0,
+        description="requests in flight per upstream replica (0: no limit); more wait in a queue",
+    )
+    max_queued_requests: int = Field(
+        4096,
+        ge=0,
+        description="requests waiting for an upstream slot; past it, 429 with Retry-After at once",
+    )
     rank_idle_s: float = Field(
         60.0, ge=0, description="a rank unused this long is released for another proxy to take over (0: never)"
     )

@@ -8,6 +8,10 @@
   of a 429 or 503 honoured; a read timeout is not retried (the GPU may still
   be working on it). After the last try the caller gets `UpstreamUnreachable`
   (502) or `UpstreamTimeout` (504), or the upstream's own last answer;
+- backpressure: at most `max_inflight` requests in flight per replica (on
+  average over the replicas; 0: no limit); up to `max_queued` more wait for a
+  slot in arrival order; past that, `UpstreamBusy` (429 with `Retry-After`) at
+  once, so that a flood costs neither memory nor the upstream's time;
 - timeouts: explicit connect and read (silence) timeouts, no total timeout,
   since generations can take many minutes;
 - answers that are not HTTP as the client takes it (a `101`, a status outside
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import collections
 import contextlib
 import email.utils
 import logging
@@ -36,7 +41,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-from app.errors import UpstreamTimeout, UpstreamUnreachable
+from app.errors import UpstreamBusy, UpstreamTimeout, UpstreamUnreachable
 from app.http.client import (
     MAX_RESPONSE_BYTES,
     ConnectError,
@@ -166,6 +171,50 @@ class UpstreamResponse:
         self.raw.abort()
 
 
+class Slots:
+    """At most `capacity` holders at once (0: no limit); up to `queue` more wait, first come first served;
+    past that, `acquire` refuses at once. A released slot passes straight to the first waiter."""
+
+    def __init__(self, capacity: int, queue: int) -> None:
+        self.capacity = capacity
+        self.queue = queue
+        self.held = 0
+        self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+
+    async def acquire(self) -> None:
+        if self.capacity == 0:
+            return
+        if self.held < self.capacity and not self.waiters:
+            self.held += 1
+            return
+        if len(self.waiters) >= self.queue:
+            raise UpstreamBusy(
+                f"the upstream is busy: {self.held} requests in flight (max_inflight_per_upstream) and "
+                f"{len(self.waiters)} waiting (max_queued_requests); retry after the Retry-After seconds",
+                headers=[(b"retry-after", b"1")],
+            )
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # handed over just as the waiter was cancelled: pass it on
+            else:
+                self.waiters.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        if self.capacity == 0:
+            return
+        while self.waiters:
+            waiter = self.waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot changes hands: `held` stays
+                return
+        self.held -= 1
+
+
 class UpstreamPool:
     def __init__(
         self,
@@ -178,10 +227,13 @@ class UpstreamPool:
         api_key: str | None = None,
         health_interval_s: float = 5.0,
         max_response_bytes: int = MAX_RESPONSE_BYTES,
+        max_inflight: int = 0,
+        max_queued: int = 0,
         client: HTTPClient | None = None,
     ) -> None:
         self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
         self.replicas = [Replica.at(root, self._auth) for root in roots]
+        self.slots = Slots(max_inflight * len(self.replicas), max_queued)
         self.retries = retries
         self.backoff_s = backoff_s
         self.connect_timeout_s = connect_timeout_s
@@ -229,7 +281,18 @@ class UpstreamPool:
         self, method: str, path: str, *, headers: list[tuple[bytes, bytes]], body: bytes
     ) -> AsyncIterator[UpstreamResponse]:
         """Send with retries; yield the final answer; leaving the block releases its connection
-        (kept if the body was read to its end, closed otherwise)."""
+        (kept if the body was read to its end, closed otherwise) and its slot."""
+        await self.slots.acquire()  # `UpstreamBusy` (429) when the queue for a slot is full
+        try:
+            async with self._attempts(method, path, headers=headers, body=body) as answer:
+                yield answer
+        finally:
+            self.slots.release()
+
+    @contextlib.asynccontextmanager
+    async def _attempts(
+        self, method: str, path: str, *, headers: list[tuple[bytes, bytes]], body: bytes
+    ) -> AsyncIterator[UpstreamResponse]:
         attempt = 0
         while True:
             replica = self.pick()

@@ -142,6 +142,7 @@ def measure_metrics_cost(
                     f"--upstream=http://127.0.0.1:{upstream_port}",
                     f"--checkpoints-dir={data}/metrics-{name}",
                     *flags,
+                    log=data / f"metrics-{name}.log",  # a request line per miss, as a user's log file gets
                 )
             )
             wait_until_up(f"http://127.0.0.1:{port}/v1/models")
@@ -218,13 +219,17 @@ def cpu_seconds(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def inferproxy(*args: str) -> Iterator[int]:
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], stdout=subprocess.DEVNULL)
+def inferproxy(*args: str, log: Path | None = None) -> Iterator[int]:
+    """A server process; its log (stderr) goes to `log` if given."""
+    stderr = open(log, "wb") if log is not None else None  # noqa: SIM115 (closed below, with the process)
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         yield proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+        if stderr is not None:
+            stderr.close()
 
 
 def wrk(url: str, script: str, *, connections: int, duration: int, cpu_of: Mapping[str, int]) -> dict[str, float]:

@@ -102,6 +102,7 @@ async def snapshot(services: Services) -> dict[str, Any]:
         "totals": {**totals, "hit_ratio": round(replayed / answered, 4) if answered else None},
         "rates": rates,
         "in_flight": len(services.flights),
+        "queued": len(services.pool.slots.waiters),
         "upstreams": [
             {
                 "url": r.url,
@@ -281,6 +282,9 @@ class _Collector(Collector):
 
         yield _histogram("inferproxy_fsync_seconds", "checkpoint fsync rounds", FSYNC_SECONDS)
         yield GaugeMetricFamily("inferproxy_in_flight", "upstream generations in flight", value=self.view["in_flight"])
+        yield GaugeMetricFamily(
+            "inferproxy_upstream_queued", "requests waiting for an upstream slot", value=self.view["queued"]
+        )
         yield GaugeMetricFamily("inferproxy_start_time_seconds", "when the proxy started", value=self.metrics.started)
         yield CounterMetricFamily(
             "inferproxy_lookup_misses", "/lookup keys without a stored answer", value=self.metrics.lookup_misses
