@@ -4,6 +4,7 @@
     inferproxy fake-upstream [--port 8000] [--latency-ms 0]                  a vLLM-shaped simulator
     inferproxy demo [--documents N] [--rollouts R] [--kills K] ...           the quickstart
     inferproxy inspect CHECKPOINTS_DIR [--rank N] [--json]                   a checkpoints dir, read-only
+    inferproxy status [URL] [--once] [--json] [--api-key KEY]                a running proxy's numbers
 
 Every `serve` flag is a field of `app.settings.Settings`, also read from
 `INFERPROXY_<NAME>` and from the TOML file given with `--config`.
@@ -23,7 +24,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from app import __version__, demo, logs
+from app import __version__, demo, logs, status
 from app.settings import CONFIG_ENV, Settings, config_file_keys, config_file_path
 
 
@@ -208,6 +209,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _demo_arguments(job_parser)
     job_parser.add_argument("--proxy", required=True, help="the proxy's URL")
+
+    status_parser = commands.add_parser(
+        "status", help="a running proxy's numbers in the terminal, every 2 s", formatter_class=shows_defaults
+    )
+    status_parser.add_argument("url", nargs="?", default=status.DEFAULT_URL, help="the proxy's URL")
+    status_parser.add_argument(
+        "--once", action="store_true", help="print one snapshot and exit (as when stdout is not a terminal)"
+    )
+    status_parser.add_argument("--json", action="store_true", help="print /stats' JSON as it comes, once")
+    status_parser.add_argument(
+        "--api-key", default=None, help="the key the proxy was started with (default: $INFERPROXY_API_KEY)"
+    )
+    status_parser.add_argument(
+        "--sort",
+        choices=list(status.SORTS),
+        default="rank",
+        help="order of the ranks: by number, least done first, longest ETA first, slowest first",
+    )
     return parser
 
 
@@ -375,6 +394,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return fake_upstream(args)
     if args.command == "inspect":
         return inspect(args)
+    if args.command == "status":
+        api_key = args.api_key or os.environ.get("INFERPROXY_API_KEY") or None
+        return status.main(args.url, api_key=api_key, once=args.once, raw=args.json, sort=args.sort)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     common = {
         "documents": args.documents,
