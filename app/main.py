@@ -79,7 +79,7 @@ ROUTES = [
     Route("/readyz", {"GET": ops.readyz}),
     Route("/stats", {"GET": ops.stats}),
     Route("/metrics", {"GET": ops.metrics}),
-    Route("/", {"GET": ops.page}),
+    Route("/", {"GET": ops.page}, auth=False),  # the page holds no numbers: it asks for the key itself
     Route(FORWARDED, {OTHER: forward_uncached}, error_headers=_BYPASS),
 ]
 #: The first path segments of the proxy's own routes: a path under one of them that no route has is the

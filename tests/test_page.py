@@ -1,0 +1,217 @@
+"""The live page at `GET /`, in headless Chromium, against a real proxy and the fake upstream on loopback ports:
+it shows a running job's numbers (the same as `/stats`), asks for the API key, survives the proxy going away,
+and stays usable with hundreds of ranks; never a console error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app import status
+from app.main import create_server
+from tests.browser import Browser, CannotInstall, Page, browser, chromium_path
+from tests.jobs import run_rank, settings
+from tests.servers import fake_upstream, serve_proxy
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    try:
+        return chromium_path()
+    except CannotInstall as exc:
+        pytest.skip(str(exc))
+
+
+@pytest.fixture
+async def chrome(chromium: str, tmp_path: Path) -> AsyncIterator[Browser]:
+    async with browser(chromium, tmp_path) as started:
+        yield started
+
+
+ROWS = """[...document.querySelectorAll('#ranks tbody tr')].map(row => ({
+    rank: Number(row.dataset.rank), done: row.querySelector('.done')?.textContent ?? row.cells[1].textContent,
+    eta: row.cells[3].textContent, chunks: row.cells[4].textContent}))"""
+
+
+def text_of(element_id: str) -> str:
+    return f"document.getElementById({element_id!r}).textContent"
+
+
+async def wait_text(page: Page, element_id: str, expected: str) -> None:
+    await page.wait_for(f"{text_of(element_id)} === {json.dumps(expected)}")
+
+
+async def test_the_page_shows_a_running_jobs_numbers_as_stats_does(
+    chrome: Browser, tmp_path: Path, http_server: str
+) -> None:
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url)) as proxy:
+        page = await chrome.open(proxy + "/")
+        await wait_text(page, "documents-done-sub", "no job yet")
+        assert (await page.evaluate(text_of("connection"))).startswith("live")
+
+        # The page was opened before the job: what it shows next comes from its polling.
+        finished = await run_rank(proxy, 0, 12, total=12, cached=4)
+        partial = await run_rank(proxy, 1, 8, total=20)
+        assert (finished.written, partial.written) == (12, 8)
+        async with httpx.AsyncClient(base_url=proxy) as client:
+            stats = (await client.get("/stats")).json()
+        totals = stats["totals"]
+        assert totals["hits"] == 4
+        await wait_text(page, "hit-ratio", status.percent(totals["hit_ratio"]))
+        assert float(await page.evaluate("document.getElementById('hit-ratio').dataset.value")) == totals["hit_ratio"]
+        assert await page.evaluate(text_of("tokens-saved")) == status.count(totals["tokens_saved"])
+        assert await page.evaluate(text_of("generations-saved")) == "4"
+        assert await page.evaluate(text_of("documents-done")) == "20 / 32"
+        assert await page.evaluate(text_of("version")) == stats["version"]
+
+        rows = await page.evaluate(ROWS)
+        assert [(r["rank"], r["done"]) for r in rows] == [(0, "12 / 12 · 100.0%"), (1, "8 / 20 · 40.0%")]
+        assert rows[0]["eta"] == "done"
+        assert rows[0]["chunks"] == "3"  # 4 + 4 + 4
+        rank1 = next(r for r in stats["ranks"] if r["rank"] == 1)
+        assert rows[1]["chunks"] == str(rank1["chunks_published"])
+
+        # Least done first: rank 1 (40%) before rank 0 (finished).
+        await page.evaluate(
+            "const s = document.getElementById('sort'); s.value = 'progress'; s.dispatchEvent(new Event('change'))"
+        )
+        assert [r["rank"] for r in await page.evaluate(ROWS)] == [1, 0]
+
+        replica = await page.evaluate("[...document.querySelector('#replicas tbody tr').cells].map(c => c.textContent)")
+        assert replica[:2] == [url, "healthy"]
+        assert replica[3] == status.count(stats["upstreams"][0]["requests"])
+
+        # Both charts draw a line once two polls have answered (history's first sample, then the page's own).
+        await page.wait_for("document.querySelectorAll('#chart-ratio polyline, #chart-tokens polyline').length === 2")
+        await page.screenshot(tmp_path / "page.png")
+        assert (tmp_path / "page.png").read_bytes().startswith(b"\x89PNG")
+        assert page.errors == []
+        # Nothing but the page and its polls of /stats: no other resource, from anywhere.
+        assert set(page.requests) == {proxy + "/", proxy + "/stats"}
+
+
+async def test_a_proxy_with_an_api_key_serves_the_page_which_asks_for_the_key_once(
+    chrome: Browser, tmp_path: Path
+) -> None:
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url, api_key="sekrit")) as proxy:
+        async with httpx.AsyncClient(base_url=proxy) as client:
+            served = await client.get("/")  # the page holds no numbers: served without the key
+            assert served.status_code == 200
+            assert served.headers["content-type"].startswith("text/html")
+            assert (await client.get("/stats")).status_code == 401
+        await run_rank(proxy, 0, 4, total=4, api_key="sekrit")
+
+        page = await chrome.open(proxy + "/")
+        await wait_text(page, "connection", "needs the API key")
+        assert not await page.evaluate("document.getElementById('auth').hidden")
+
+        async def enter(key: str) -> None:
+            await page.evaluate(
+                f"document.getElementById('api-key').value = {json.dumps(key)};"
+                "document.getElementById('auth-form').requestSubmit()"
+            )
+
+        await enter("wrong")
+        await wait_text(page, "auth-message", "The proxy refused this key (401): enter it again.")
+        assert await page.evaluate("sessionStorage.getItem('inferproxy.apiKey')") is None
+
+        await enter("sekrit")
+        await page.wait_for("document.querySelectorAll('#ranks tbody tr').length === 1")
+        assert await page.evaluate("document.getElementById('auth').hidden")
+        assert await page.evaluate("sessionStorage.getItem('inferproxy.apiKey')") == "sekrit"
+
+        # A reload in the same tab asks for nothing.
+        page.errors.clear()
+        await page.goto(proxy + "/")
+        await page.wait_for(f"{text_of('connection')}.startsWith('live')")
+        assert page.errors == []
+
+
+async def test_the_page_keeps_its_numbers_while_the_proxy_is_away_and_picks_up_again(
+    chrome: Browser, tmp_path: Path
+) -> None:
+    async with fake_upstream() as (url, _):
+        first = settings(tmp_path, url)
+        async with serve_proxy(first) as proxy:
+            await run_rank(proxy, 0, 8, total=10)
+            page = await chrome.open(proxy + "/")
+            await page.wait_for("document.querySelectorAll('#ranks tbody tr').length === 1")
+        # The proxy has shut down: the page says so, and still shows the last numbers.
+        await page.wait_for(f"{text_of('connection')}.startsWith('disconnected, retrying')")
+        assert await page.evaluate("document.body.classList.contains('stale')")
+        rows = await page.evaluate(ROWS)
+        assert [(r["rank"], r["done"]) for r in rows] == [(0, "8 / 10 · 80.0%")]
+        assert page.errors  # Chromium logs each refused connection
+        assert all("ERR_CONNECTION_REFUSED" in error for error in page.errors), page.errors
+
+        # A new proxy on the same port, over the same checkpoints: the page carries on by itself.
+        port = int(proxy.rsplit(":", 1)[1])
+        server = create_server(first.model_copy(update={"host": "127.0.0.1", "port": port, "http": "builtin"}))
+        await server.start()
+        try:
+            await page.wait_for(f"{text_of('connection')}.startsWith('live')")
+            assert not await page.evaluate("document.body.classList.contains('stale')")
+            # Done documents come from the checkpoints; the new process has no counters for rank 0 yet.
+            await wait_text(page, "documents-done", "0")
+        finally:
+            await server.shutdown()
+
+
+async def test_hundreds_of_ranks_stay_one_sortable_scrolling_table(chrome: Browser, tmp_path: Path) -> None:
+    ranks = 300
+    async with (
+        fake_upstream() as (url, _),
+        serve_proxy(settings(tmp_path, url, max_open_ranks=ranks + 10)) as proxy,
+        httpx.AsyncClient(base_url=proxy) as client,
+    ):
+        declared = [
+            client.get("/resume", headers={"X-Rank": str(r), "X-Total-Documents": str(r + 1)}) for r in range(ranks)
+        ]
+        assert {a.status_code for a in await asyncio.gather(*declared)} == {200}
+        # One document on each of ranks 0..29: rank r is 1/(r+1) done, the others not started.
+        for rank in range(30):
+            doc = {"id": f"r{rank}", "text": "t"}
+            written = await client.post("/documents", json=doc, headers={"X-Rank": str(rank), "X-Chunk-Index": "0"})
+            assert written.status_code == 200
+        page = await chrome.open(proxy + "/", height=900)
+        await page.wait_for(f"document.querySelectorAll('#ranks tbody tr').length === {ranks}")
+        rows = await page.evaluate(ROWS)
+        assert [r["rank"] for r in rows] == list(range(ranks))
+        assert rows[0]["done"] == "1 / 1 · 100.0%"
+        assert rows[299]["done"] == "0 / 300 · 0.0%"
+
+        await page.evaluate(
+            "const s = document.getElementById('sort'); s.value = 'progress'; s.dispatchEvent(new Event('change'))"
+        )
+        order = [r["rank"] for r in await page.evaluate(ROWS)]
+        assert order[:3] == [30, 31, 32]  # not started, by rank
+        assert order[-3:] == [2, 1, 0]  # 33%, 50%, 100%
+        # The table scrolls inside its box under a header that stays; the choice of sort survives a reload.
+        assert await page.evaluate(
+            "(() => { const s = document.getElementById('ranks-scroll'); return s.scrollHeight > s.clientHeight })()"
+        )
+        assert await page.evaluate("getComputedStyle(document.querySelector('#ranks th')).position") == "sticky"
+        await page.goto(proxy + "/")
+        await page.wait_for(f"document.querySelectorAll('#ranks tbody tr').length === {ranks}")
+        assert (await page.evaluate(ROWS))[0]["rank"] == 30
+        assert page.errors == []
+
+
+NUMBERS = [None, 0, 0.004, 0.5, 0.9996, 1, 1.25, 9.995, 12.35, 99.95, 999, 999.5, 1000, 1250, 99_949, 99_960, 59.5]
+NUMBERS += [999_400, 999_950, 3_456_789, 12_345_678_901, 3599.4, 7380, 86_399.6, 90_000, 1e15, 5e18]
+RATIOS = [None, 0, 0.00049, 0.1235, 0.6667, 0.99951, 1]
+
+
+async def test_the_page_formats_numbers_as_inferproxy_status_does(chrome: Browser, tmp_path: Path) -> None:
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url)) as proxy:
+        page = await chrome.open(proxy + "/")
+        cases = {name: NUMBERS for name in ("count", "duration", "rate", "latency", "size")} | {"percent": RATIOS}
+        for name, values in cases.items():
+            shown = await page.evaluate(f"{json.dumps(values)}.map(v => {name}(v))")
+            assert shown == [getattr(status, name)(v) for v in values], name
+        assert page.errors == []
