@@ -67,6 +67,14 @@ async def test_once_shows_each_ranks_progress_and_the_hit_ratio_of_stats(tmp_pat
         assert code == 0
         assert json.loads(out)["totals"]["hits"] == stats["totals"]["hits"] == 4
 
+    # Hundreds of ranks on a terminal of 30 lines: as many as fit, and a line saying how many more.
+    many = {**stats, "ranks": [{**stats["ranks"][1], "rank": r} for r in range(300)]}
+    lines = status.render(many, proxy, height=30)
+    assert len(lines) == 30
+    assert [line.split()[0] for line in lines if line[:1].isdigit()] == [str(r) for r in range(20)]
+    assert "… 280 more ranks (--sort progress: least done first; --once: all)" in lines
+    assert lines[-1].startswith(url)  # the replicas stay in view
+
 
 async def test_a_proxy_with_an_api_key_takes_it_from_the_flag_or_the_environment(tmp_path: Path) -> None:
     async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url, api_key="sekrit")) as proxy:
