@@ -100,14 +100,17 @@ async def test_an_unreachable_proxy_is_one_line_and_exit_code_1() -> None:
 
 
 def read_until(master: int, wanted: bytes, output: bytearray, times: int = 1) -> None:
-    """Read the pty until `wanted` has appeared `times` times in all that was read."""
+    """Read the pty until `wanted` has appeared `times` times in all that was read, or the terminal is closed."""
     deadline = time.monotonic() + 30
     while output.count(wanted) < times:
         assert time.monotonic() < deadline, f"never saw {wanted!r} {times} times in {bytes(output)[-2000:]!r}"
         try:
-            output += os.read(master, 65536)
-        except OSError:  # the process closed the terminal
-            break
+            read = os.read(master, 65536)
+        except OSError:  # EIO: the process has ended and closed the terminal
+            return
+        if not read:
+            return
+        output += read
 
 
 def test_on_a_terminal_it_redraws_says_when_the_proxy_is_gone_and_stops_quietly_on_ctrl_c(tmp_path: Path) -> None:
@@ -128,12 +131,14 @@ def test_on_a_terminal_it_redraws_says_when_the_proxy_is_gone_and_stops_quietly_
             try:
                 read_until(master, status.CLEAR.encode(), output, times=2)
                 frames = bytes(output).decode().split(status.CLEAR)[1:]
+                assert len(frames) >= 2
                 assert all(frame.startswith(f"inferproxy 0.1.0 at {proxy} · up ") for frame in frames)
                 served.terminate()
                 served.wait(timeout=30)
                 read_until(master, b"disconnected, retrying every 2 s: cannot reach", output)
                 watcher.send_signal(signal.SIGINT)
                 assert watcher.wait(timeout=30) == 0
+                read_until(master, b"never printed", output)  # the rest, up to the closed terminal
                 assert watcher.stderr is not None
                 assert watcher.stderr.read() == b""
             finally:
