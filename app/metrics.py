@@ -56,15 +56,17 @@ class Histogram:
             yield ("+Inf" if bound == float("inf") else repr(bound)), running
 
     def quantile(self, q: float) -> float | None:
-        """The upper bound of the bucket holding the `q` quantile (None without observations)."""
+        """The `q` quantile, interpolated within its bucket as Prometheus' `histogram_quantile` does
+        (None without observations; the last bound if it is past it)."""
         total = self.count
         if total == 0:
             return None
-        wanted, running = q * total, 0
+        wanted, running, lower = q * total, 0, 0.0
         for bound, count in zip(self.bounds, self.counts, strict=False):
+            if count and running + count >= wanted:
+                return lower + (bound - lower) * (wanted - running) / count
             running += count
-            if running >= wanted:
-                return bound
+            lower = bound
         return self.bounds[-1]
 
 

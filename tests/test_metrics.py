@@ -272,3 +272,16 @@ def test_the_json_log_format_is_one_object_per_line(tmp_path: Path) -> None:
     assert line["status"] == 200
     assert line["level"] == "INFO"
     assert line["time"].endswith("Z")
+
+
+def test_a_quantile_is_interpolated_within_its_bucket() -> None:
+    from app.metrics import Histogram
+
+    histogram = Histogram((0.1, 0.5, 1.0))
+    assert histogram.quantile(0.5) is None
+    for seconds in (0.3, 0.3, 0.3, 0.3):  # all in (0.1, 0.5]
+        histogram.observe(seconds)
+    assert histogram.quantile(0.5) == pytest.approx(0.3)  # halfway through the bucket
+    assert histogram.quantile(1.0) == pytest.approx(0.5)
+    histogram.observe(5.0)  # past the last bound
+    assert histogram.quantile(1.0) == 1.0
