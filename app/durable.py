@@ -53,9 +53,15 @@ def make_dirs_durable(path: str) -> None:
 
 
 def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Replace `path` with `data`: readers see the old content or the new, never a mix."""
+    """Replace `path` with `data`: readers see the old content or the new, never a mix.
+
+    Temporary files of earlier writes of `path` that a crash left beside it (a published chunk's, a
+    proxy killed while writing it) are removed first: a reader of the folder must not find them. A
+    file has one writer at a time (its rank's owner), so they are nobody's now.
+    """
     directory = os.path.dirname(os.path.abspath(path))
     make_dirs_durable(directory)
+    remove_stale_temps(path)
     tmp_path = _durable_temp(path, data)
     try:
         os.replace(tmp_path, path)
@@ -64,6 +70,18 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
             os.unlink(tmp_path)
         raise
     fsync_dir(directory)
+
+
+def remove_stale_temps(path: str) -> None:
+    """Remove the `_durable_temp` files of `path` left beside it."""
+    directory, name = os.path.split(os.path.abspath(path))
+    prefix = f".{name}."
+    with os.scandir(directory) as entries:
+        stale = [e.path for e in entries if e.name.startswith(prefix) and e.name.endswith(".tmp")]
+    for temp in stale:
+        logger.info("removing %s, left by a write that did not finish (a crash)", temp)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
 
 
 def create_exclusive_bytes(path: str, data: bytes) -> None:
