@@ -71,6 +71,10 @@ def test_the_datatrove_snippet_is_the_example_that_the_e2e_tests_run() -> None:
         assert flag in example or flag in ("--upstream", "--port", "--output-filename", "--checkpoints-dir"), flag
 
 
+#: Blocks that are shown, never run: output, layouts, configuration files.
+SHOWN = ("text", "toml", "yaml", "json")
+
+
 @dataclass(frozen=True)
 class Block:
     language: str
@@ -103,10 +107,10 @@ def readme_blocks() -> Iterator[Block]:
 def test_every_code_block_says_its_language_and_every_block_not_run_says_why() -> None:
     for block in readme_blocks():
         where = f"README.md:{block.line}"
-        assert block.language in ("sh", "python", "text"), f"{where}: a block is sh, python or text (output, layouts)"
+        assert block.language in ("sh", "python", *SHOWN), f"{where}: a block is sh, python, or one of {SHOWN}"
         if block.not_run is None:
             continue
-        assert block.language != "text", f"{where}: a text block is never run: it needs no marker"
+        assert block.language not in SHOWN, f"{where}: a {block.language} block is never run: it needs no marker"
         command = block.skipped_command()
         assert command is None or block.language == "sh", f"{where}: only an sh block has commands to leave out"
         assert command is None or command in block.commands(), f"{where}: {command!r} is not one of its commands"
