@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -122,32 +123,38 @@ async def test_the_total_is_declared_to_the_proxy_when_the_input_has_a_length_or
     assert env.sent("GET /resume", b"x-total-documents") == [b"10"]
 
 
-def _read_all(fd: int) -> bytes:
-    """What is left to read from a pipe or a pty's master once the other end is closed."""
-    data = b""
-    while True:
-        try:
-            chunk = os.read(fd, 65536)
-        except OSError:  # a pty's master reads EIO once its slave is closed
-            break
-        if not chunk:
-            break
-        data += chunk
-    os.close(fd)
-    return data
+def _reading(fd: int) -> concurrent.futures.Future[bytes]:
+    """Everything read from a pipe or a pty's master until its other end closes, read meanwhile (a
+    terminal's buffer is small: a writer nobody reads from would block)."""
+
+    def read() -> bytes:
+        data = b""
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # a pty's master reads EIO once its slave is closed
+                break
+            if not chunk:
+                break
+            data += chunk
+        os.close(fd)
+        return data
+
+    return concurrent.futures.ThreadPoolExecutor(1).submit(read)
 
 
 async def test_on_a_terminal_the_job_redraws_one_progress_line_on_stderr(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     master, slave = os.openpty()
+    shown = _reading(master)
     with os.fdopen(slave, "w") as terminal:
         monkeypatch.setattr(sys, "stderr", terminal)
         await run_job(DOCS, env.rollout, base_url=env.proxy, concurrency=2)
-    shown = _read_all(master).decode()
-    assert shown.startswith("\r")
-    assert shown.endswith("\r\n")  # the line ends with the job (the terminal adds the \r)
-    last = shown.rstrip().rsplit("\r", 1)[-1]
+    drawn = shown.result(timeout=30).decode()
+    assert drawn.startswith("\r")
+    assert drawn.endswith("\r\n")  # the line ends with the job (the terminal adds the \r)
+    last = drawn.rstrip().rsplit("\r", 1)[-1]
     assert re.fullmatch(r"rank 0 \[#{24}\] 10/10 documents 100% [\d.,]+ docs/s in \d+s", last.rstrip()), last
 
 
@@ -155,12 +162,14 @@ async def test_off_a_terminal_the_job_draws_nothing_and_logs_its_progress(
     env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     read, write = os.pipe()
+    shown = _reading(read)
     with os.fdopen(write, "w") as pipe:
         monkeypatch.setattr(sys, "stderr", pipe)
         with caplog.at_level(logging.INFO, logger="app.progress"):
             await run_job(DOCS, env.rollout, base_url=env.proxy, concurrency=2)
-    assert _read_all(read) == b""
-    assert re.fullmatch(r"rank 0 10/10 documents 100% [\d.,]+ docs/s in \d+s", caplog.messages[-1])
+    assert shown.result(timeout=30) == b""
+    logged = [r.getMessage() for r in caplog.records if r.name == "app.progress"]
+    assert re.fullmatch(r"rank 0 10/10 documents 100% [\d.,]+ docs/s in \d+s", logged[-1])
 
 
 async def test_a_job_interrupted_mid_way_resumes_and_replays_what_it_had_generated(env: Env) -> None:
