@@ -209,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _demo_arguments(job_parser)
     job_parser.add_argument("--proxy", required=True, help="the proxy's URL")
+    job_parser.add_argument(
+        "--pause-at", type=_positive, default=None, help="documents done at which the job stops to be killed"
+    )
 
     status_parser = commands.add_parser(
         "status", help="a running proxy's numbers in the terminal, every 2 s", formatter_class=shows_defaults
@@ -416,7 +419,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             **common,
         )
         return demo.main(options)
-    return demo.job_main(demo.DemoOptions(proxy=args.proxy, **common))
+    return demo.job_main(demo.DemoOptions(proxy=args.proxy, pause_at=args.pause_at, **common))
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import asyncio
 import logging
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence, Sized
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ import orjson
 
 from app.documents import Document, DocumentLike
 from app.http.client import ConnectError, ConnectionLost, HTTPClient
+from app.progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +71,9 @@ class ProxyJob:
 
     `client` shares an `HTTPClient` (and its kept-alive connections) with the
     caller, who then closes it; by default the job has its own.
+    `total_documents`, the rank's input size if known, is declared to the proxy
+    (`X-Total-Documents` on `GET /resume` and `POST /documents`) for its
+    progress and ETA.
     """
 
     def __init__(
@@ -81,12 +85,14 @@ class ProxyJob:
         retries: int = 5,
         client: HTTPClient | None = None,
         owned_wait_s: float = 180.0,
+        total_documents: int | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.rank = rank
         self.retries = retries
         self.owned_wait_s = owned_wait_s
         self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
+        self._total = [(b"x-total-documents", str(total_documents).encode())] if total_documents is not None else []
         self._owns_client = client is None
         self._client = client or HTTPClient(read_timeout=600.0)
         # write_document's batches: documents waiting per chunk, and the task sending them
@@ -105,7 +111,7 @@ class ProxyJob:
         return headers
 
     async def resume(self) -> Resume:
-        answer = await self._call("GET", "/resume")
+        answer = await self._call("GET", "/resume", extra=self._total)
         return Resume(
             records_per_chunk=answer["records_per_chunk"],
             last_chunk_index=answer["last_chunk_index"],
@@ -165,7 +171,7 @@ class ProxyJob:
             _settle(batch, None)
 
     async def _post_documents(self, body: bytes, count: int, chunk_index: int) -> Any:
-        extra = [(b"x-chunk-index", str(chunk_index).encode())]
+        extra = [(b"x-chunk-index", str(chunk_index).encode()), *self._total]
         try:
             return await self._call("POST", "/documents", body, extra)
         except _RetriedConflict:
@@ -308,15 +314,25 @@ async def run_job(
     api_key: str | None = None,
     on_written: Callable[[str], None] | None = None,
     progress: bool | None = None,
+    total_documents: int | None = None,
 ) -> JobReport:
     """datatrove's inference loop against the checkpoint service; see the module docstring.
 
     A rollout that returns None is dropped; a document left with no rollout
     results is checkpointed with `__no_rollouts_remove` (counted, not published).
+    `progress`: a line on stderr redrawn with documents done, rate and ETA
+    (default: when stderr is a terminal; otherwise a log line at INFO now and
+    then). `total_documents` is the input's length if it has one; the proxy is
+    told it, for its own progress and ETA.
     """
     start = time.monotonic()
-    job = ProxyJob(base_url, rank, api_key)
+    if total_documents is None and isinstance(documents, Sized):
+        total_documents = len(documents)
+    job = ProxyJob(base_url, rank, api_key, total_documents=total_documents)
     report = JobReport()
+    shown = Progress(
+        f"rank {rank}", total_documents, sys.stderr, interactive=sys.stderr.isatty() if progress is None else progress
+    )
     try:
         state = await job.resume()
         if records_per_chunk is not None and records_per_chunk != state.records_per_chunk:
@@ -330,7 +346,6 @@ async def run_job(
         # datatrove's skip: by position, then by id, each id consumed by its first later occurrence
         processed = set(state.processed_ids)
         slots = asyncio.Semaphore(concurrency)
-        show = sys.stderr.isatty() if progress is None else progress
 
         async def process(document: Document, chunk_index: int) -> None:
             try:
@@ -350,9 +365,7 @@ async def run_job(
             report.written += 1
             if on_written is not None:
                 on_written(document.id)
-            if show:
-                sys.stderr.write(f"\rrank {rank}: {report.skipped + report.written} documents done")
-                sys.stderr.flush()
+            shown.update(report.skipped + report.written, report.written)
 
         try:
             # A TaskGroup: the input is read as it goes (at most `concurrency` documents in flight),
@@ -370,9 +383,10 @@ async def run_job(
                     else:
                         await slots.acquire()
                         tasks.create_task(process(document, position // rpc))
+                    shown.update(report.skipped + report.written, report.written)
         except* Exception as failures:
             raise failures.exceptions[0] from None
-        if report.documents and report.written == 0 and state.docs_to_skip >= report.documents:
+        if state.last_chunk_index > report.last_chunk_index:
             logger.warning(
                 "rank %d: the proxy's checkpoints say the first %d documents are done, more than this input has "
                 "(%d): nothing was processed. If this is a new job, give it its own --checkpoints-dir",
@@ -380,12 +394,13 @@ async def run_job(
                 state.docs_to_skip,
                 report.documents,
             )
+        elif report.documents and report.skipped == report.documents:
+            logger.info("rank %d: all %d documents were already done: nothing to do", rank, report.documents)
         if report.documents:
             done = await job.complete_chunk(report.last_chunk_index)
             report.chunks = done["last_chunk_index"] + 1
-        if show:
-            sys.stderr.write("\n")
     finally:
+        shown.close()
         await job.close()
     report.seconds = time.monotonic() - start
     return report

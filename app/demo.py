@@ -8,6 +8,11 @@ the job finish; then checks the output and reports what happened: every
 document published exactly once with all its rollouts, generations computed
 by the upstream, generations replayed from the proxy's cache.
 
+Each kill lands at a moment drawn in advance (`--seed` fixes them): a
+number of documents done, far enough apart that every kill happens before
+the job could finish. The job stops there, frozen with its other requests
+in flight at the proxy, until the parent's SIGKILL.
+
 The job is `app.client.run_job`: it asks the proxy where to resume, sends
 each rollout as an OpenAI-compatible chat request through the proxy with
 the document's headers, and sends each finished document to the
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import random
 import shutil
 import signal
@@ -57,6 +63,7 @@ class DemoOptions:
     model: str = "fake-model"
     kill_proxy: str = "alternate"  # with the job: "never", "alternate" (every second kill) or "always"
     proxy: str | None = None  # the job's: the proxy it talks to
+    pause_at: int | None = None  # the job's: documents done at which it waits to be killed
 
 
 @dataclass
@@ -88,14 +95,27 @@ def demo_documents(n: int) -> list[Document]:
 
 
 async def run_demo_job(options: DemoOptions) -> None:
-    """One run of the job; prints RESUME/HIT/MISS/COALESCED/ACK/DONE events for the parent."""
+    """One run of the job; prints RESUME/HIT/MISS/COALESCED/ACK/PAUSED/DONE events for the parent."""
     assert options.proxy is not None
     proxy = options.proxy
     job = ProxyJob(proxy)
     state = await job.resume()
     await job.close()
     say("RESUME", state.docs_to_skip, len(state.processed_ids))
+    done = state.docs_to_skip + len(state.processed_ids)
+    pause_at = None if options.pause_at is None else max(options.pause_at, done + 1)
     http = HTTPClient(read_timeout=600.0)
+
+    def written(doc_id: str) -> None:
+        nonlocal done
+        done += 1
+        say("ACK", doc_id)
+        if done == pause_at:
+            say("PAUSED")
+            # Frozen here, event loop and all, with the other documents' requests in flight at the proxy,
+            # until the parent's SIGKILL: the kill lands before the job could finish.
+            sys.stdin.read()
+            os._exit(1)  # stdin closed: the demo is gone
 
     async def rollout(document: DocumentLike, rollout_idx: int, headers: dict[str, str]) -> dict[str, Any]:
         body = {
@@ -126,7 +146,7 @@ async def run_demo_job(options: DemoOptions) -> None:
             rollouts_per_document=options.rollouts,
             concurrency=options.concurrency,
             records_per_chunk=options.records_per_chunk,
-            on_written=lambda doc_id: say("ACK", doc_id),
+            on_written=written,
             progress=False,
         )
     finally:
@@ -208,7 +228,7 @@ class Proxy:
             self.proc.wait(timeout=60)
 
 
-def job_command(options: DemoOptions, proxy_url: str) -> list[str]:
+def job_command(options: DemoOptions, proxy_url: str, pause_at: int | None) -> list[str]:
     return [
         sys.executable,
         "-m",
@@ -220,13 +240,36 @@ def job_command(options: DemoOptions, proxy_url: str) -> list[str]:
         f"--rollouts={options.rollouts}",
         f"--records-per-chunk={options.records_per_chunk}",
         f"--concurrency={options.concurrency}",
+        *([f"--pause-at={pause_at}"] if pause_at is not None else []),
     ]
 
 
-def run_once(options: DemoOptions, proxy: Proxy, kill_after_acks: int | None, kill_proxy: bool) -> RunReport:
+def kill_moments(options: DemoOptions, rng: random.Random) -> list[int]:
+    """Documents done at each kill: increasing, `concurrency` apart, the last before the final document.
+
+    A killed job may leave up to `concurrency - 1` more documents done (in flight
+    at the proxy when it stopped), so a next kill that far on still finds the
+    restarted job short of it, and short of the end. Each kill is drawn from its
+    own share of the documents, so that they spread over the job.
+    """
+    kills, spacing = options.kills, options.concurrency
+    slack = options.documents - 2 - (kills - 1) * spacing
+    if kills and slack < 0:
+        raise SystemExit(
+            f"inferproxy demo: {options.documents} documents are too few to kill the job {kills} times at "
+            f"--concurrency {spacing} (a killed job may leave up to that many documents done with it): give at "
+            f"least --documents {options.documents - slack}, or fewer --kills, or a lower --concurrency"
+        )
+    return [1 + int(slack * (i + rng.random()) / kills) + i * spacing for i in range(kills)]
+
+
+def run_once(options: DemoOptions, proxy: Proxy, pause_at: int | None, kill_proxy: bool) -> RunReport:
     report = RunReport()
-    job = subprocess.Popen(job_command(options, proxy.url), stdout=subprocess.PIPE, text=True, bufsize=1)
+    job = subprocess.Popen(
+        job_command(options, proxy.url, pause_at), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1
+    )
     assert job.stdout is not None
+    assert job.stdin is not None
     done = False
     for line in job.stdout:
         event, *args = line.split()
@@ -238,16 +281,17 @@ def run_once(options: DemoOptions, proxy: Proxy, kill_after_acks: int | None, ki
             report.replayed += 1
         elif event == "ACK":
             report.written += 1
-            if kill_after_acks is not None and report.written >= kill_after_acks:
-                job.send_signal(signal.SIGKILL)
-                report.killed = "job"
-                if kill_proxy:
-                    proxy.kill()
-                    report.killed = "job and proxy"
-                break
+        elif event == "PAUSED":
+            job.send_signal(signal.SIGKILL)
+            report.killed = "job"
+            if kill_proxy:
+                proxy.kill()
+                report.killed = "job and proxy"
+            break
         elif event == "DONE":
             done = True
     job.stdout.close()
+    job.stdin.close()
     code = job.wait()
     if not report.killed and (code != 0 or not done):
         raise SystemExit(f"the demo job failed (exit code {code}); see its error above")
@@ -310,8 +354,7 @@ def upstream_server(options: DemoOptions) -> Iterator[str]:
         proc.wait(timeout=30)
 
 
-def run_demo(options: DemoOptions) -> DemoReport:
-    rng = random.Random(options.seed)
+def run_demo(options: DemoOptions, moments: list[int]) -> DemoReport:
     prepare_workdir(options.workdir)
     report = DemoReport()
     start = time.monotonic()
@@ -319,16 +362,12 @@ def run_demo(options: DemoOptions) -> DemoReport:
         proxy = Proxy(options, upstream)
         proxy.start()
         try:
-            remaining = options.documents
             for run in range(options.kills + 1):
-                kill_after = None
-                if run < options.kills and remaining > 10:
-                    kill_after = rng.randint(max(1, remaining * 15 // 100), max(2, remaining * 45 // 100))
+                pause_at = moments[run] if run < options.kills else None
                 kill_proxy = options.kill_proxy == "always" or (options.kill_proxy == "alternate" and run % 2 == 1)
-                result = run_once(options, proxy, kill_after, kill_proxy)
+                result = run_once(options, proxy, pause_at, kill_proxy)
                 report.runs.append(result)
                 print(describe_run(run + 1, result), flush=True)
-                remaining -= result.written
                 if not result.killed:
                     break
                 if proxy.proc is not None and proxy.proc.poll() is not None:
@@ -352,6 +391,7 @@ def describe_run(number: int, run: RunReport) -> str:
 
 
 def main(options: DemoOptions) -> int:
+    moments = kill_moments(options, random.Random(options.seed))
     where = options.upstream or "the built-in fake upstream"
     print(
         f"inferproxy demo: {options.documents} documents x {options.rollouts} rollouts through inferproxy serve "
@@ -359,22 +399,36 @@ def main(options: DemoOptions) -> int:
         f"SIGKILL ({PROXY_KILLS[options.kill_proxy]}) and restarted",
         flush=True,
     )
-    report = run_demo(options)
+    report = run_demo(options, moments)
     documents, files = verify_output(options)
-    needed = options.documents * options.rollouts
-    generated = report.upstream_generations
-    if generated is None:
-        generated = sum(run.generated for run in report.runs)
     replayed = sum(run.replayed for run in report.runs)
     print(f"documents published:   {documents}, each exactly once with its {options.rollouts} rollouts (checked)")
     print(f"chunks published:      {files} output files")
-    print(
-        f"generations computed:  {generated} by the upstream for {needed} needed ({generated - needed} lost at kills)"
-    )
+    print(f"generations computed:  {describe_generations(options, report)}")
     print(f"generations replayed:  {replayed} answered from the proxy's cache instead of recomputed")
     print(f"time:                  {report.seconds:.1f} s")
     print(f"output:                {options.workdir / 'output'}")
     return 0
+
+
+def describe_generations(options: DemoOptions, report: DemoReport) -> str:
+    """What the upstream computed, as far as it can be known.
+
+    The built-in fake upstream counts its generations. Another upstream does
+    not say: the job's fresh answers undercount them (what was in flight at a
+    kill is computed all the same, and comes back later from the cache), so
+    only a lower bound is known: each needed generation was computed once,
+    and each fresh answer the job got was one.
+    """
+    needed = options.documents * options.rollouts
+    generated = report.upstream_generations
+    if generated is not None:
+        return f"{generated} by the upstream for {needed} needed ({generated - needed} lost at kills)"
+    seen = sum(run.generated for run in report.runs)
+    return (
+        f"at least {max(needed, seen)} by the upstream for {needed} needed (it does not count them for the demo, "
+        f"so what the kills cost is not known)"
+    )
 
 
 def job_main(options: DemoOptions) -> int:

@@ -8,6 +8,7 @@ same, but there is no fast path, so a cache hit costs more CPU
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 from typing import TYPE_CHECKING
@@ -22,6 +23,12 @@ if TYPE_CHECKING:
     from app.main import InferProxy
 
 logger = logging.getLogger(__name__)
+
+
+def _not_a_cut_request(record: logging.LogRecord) -> bool:
+    """uvicorn logs a request task cancelled at a forced exit as an "Exception in ASGI application"
+    traceback; a request cut by a second Ctrl-C is what was asked for (and said once, as a warning)."""
+    return not (record.exc_info and isinstance(record.exc_info[1], asyncio.CancelledError))
 
 
 class UvicornServer:
@@ -46,6 +53,7 @@ class UvicornServer:
         )
         self.server = uvicorn.Server(self.config)
         self.exit = ExitSignal(force=self._force)
+        logging.getLogger("uvicorn.error").addFilter(_not_a_cut_request)  # the same function: added once
 
     async def start(self) -> None:
         """Lifespan startup, then listen; the app's own exception if its startup failed."""
@@ -64,7 +72,15 @@ class UvicornServer:
         """Stop accepting, let requests in flight finish within `shutdown_grace_s`, then the lifespan."""
         self.server.should_exit = True
         await self.server.shutdown()
-        if self.server.force_exit:  # uvicorn then skips the lifespan: the caches are flushed all the same
+        if self.server.force_exit:
+            # uvicorn leaves the requests in flight to be cancelled when the loop ends, after the
+            # lifespan: cut them now, then close the caches, which uvicorn would skip.
+            cut = list(self.server.server_state.tasks)
+            if cut:
+                logger.warning("%d requests still in flight: cut off", len(cut))
+            for task in cut:
+                task.cancel()
+            await asyncio.gather(*cut, return_exceptions=True)
             await self.server.lifespan.shutdown()
 
     def request_exit(self) -> None:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
+import logging
+import os
+import re
+import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -23,11 +28,16 @@ from tests.servers import fake_upstream, serve_in_loop
 
 
 class Env:
-    def __init__(self, proxy: str, upstream: FakeUpstream, tmp_path: Path) -> None:
+    def __init__(self, proxy: str, upstream: FakeUpstream, tmp_path: Path, heads: list[tuple[str, Any]]) -> None:
         self.proxy = proxy
         self.upstream = upstream
         self.out = tmp_path / "out"
         self.states: list[str] = []
+        self.heads = heads  # each request the proxy got: "METHOD /path" and its headers
+
+    def sent(self, route: str, header: bytes) -> list[bytes | None]:
+        """The values of `header` in the requests `route` ("GET /resume") got, None where it was absent."""
+        return [dict(headers).get(header) for head, headers in self.heads if head == route]
 
     async def rollout(self, document: DocumentLike, rollout_idx: int, headers: dict[str, str]) -> str:
         async with openai.AsyncOpenAI(base_url=self.proxy + "/v1", api_key="unused", max_retries=0) as client:
@@ -50,8 +60,16 @@ async def env(tmp_path: Path) -> AsyncIterator[Env]:
         settings = Settings(
             upstream=[url], checkpoints_dir=tmp_path / "ckpt", output=str(tmp_path / "out"), records_per_chunk=4
         )
-        async with serve_in_loop(create_app(settings)) as proxy:
-            yield Env(proxy, upstream, tmp_path)
+        app = create_app(settings)
+        heads: list[tuple[str, Any]] = []
+
+        async def recording(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http":
+                heads.append((f"{scope['method']} {scope['path']}", scope["headers"]))
+            await app(scope, receive, send)
+
+        async with serve_in_loop(recording) as proxy:
+            yield Env(proxy, upstream, tmp_path, heads)
 
 
 DOCS = [{"id": f"doc-{i}", "text": f"question {i}"} for i in range(10)]
@@ -68,6 +86,90 @@ async def test_run_job_publishes_every_document_once_and_a_rerun_does_nothing(en
     again = await run_job(DOCS, env.rollout, base_url=env.proxy, rollouts_per_document=2)
     assert (again.written, again.skipped) == (0, 10)
     assert env.upstream.generations == 20
+
+
+async def test_a_finished_job_run_again_says_at_info_that_it_is_done_and_warns_of_nothing(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    await run_job(DOCS, env.rollout, base_url=env.proxy, progress=False)  # 10 documents: chunks 0-1 full, 2 half
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="app.client"):
+        again = await run_job(DOCS, env.rollout, base_url=env.proxy, progress=False)
+    assert (again.written, again.skipped) == (0, 10)
+    messages = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "app.client"]
+    assert messages == [("INFO", "rank 0: all 10 documents were already done: nothing to do")]
+
+
+async def test_an_input_shorter_than_what_the_checkpoints_hold_is_warned_about(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    await run_job(DOCS, env.rollout, base_url=env.proxy, progress=False)
+    with caplog.at_level(logging.WARNING, logger="app.client"):
+        report = await run_job(DOCS[:6], env.rollout, base_url=env.proxy, progress=False)
+    assert (report.written, report.skipped) == (0, 6)
+    assert "the first 12 documents are done, more than this input has (6)" in caplog.text
+
+
+async def test_the_total_is_declared_to_the_proxy_when_the_input_has_a_length_or_is_given(env: Env) -> None:
+    await run_job(DOCS[:6], env.rollout, base_url=env.proxy, progress=False)
+    assert env.sent("GET /resume", b"x-total-documents") == [b"6"]
+    assert set(env.sent("POST /documents", b"x-total-documents")) == {b"6"}
+    env.heads.clear()
+    await run_job(iter(DOCS), env.rollout, base_url=env.proxy, progress=False)  # no length: not declared
+    assert env.sent("GET /resume", b"x-total-documents") == [None]
+    assert set(env.sent("POST /documents", b"x-total-documents")) == {None}
+    env.heads.clear()
+    await run_job(iter(DOCS), env.rollout, base_url=env.proxy, progress=False, total_documents=10)
+    assert env.sent("GET /resume", b"x-total-documents") == [b"10"]
+
+
+def _reading(fd: int) -> concurrent.futures.Future[bytes]:
+    """Everything read from a pipe or a pty's master until its other end closes, read meanwhile (a
+    terminal's buffer is small: a writer nobody reads from would block)."""
+
+    def read() -> bytes:
+        data = b""
+        while True:
+            try:
+                chunk = os.read(fd, 65536)
+            except OSError:  # a pty's master reads EIO once its slave is closed
+                break
+            if not chunk:
+                break
+            data += chunk
+        os.close(fd)
+        return data
+
+    return concurrent.futures.ThreadPoolExecutor(1).submit(read)
+
+
+async def test_on_a_terminal_the_job_redraws_one_progress_line_on_stderr(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    master, slave = os.openpty()
+    shown = _reading(master)
+    with os.fdopen(slave, "w") as terminal:
+        monkeypatch.setattr(sys, "stderr", terminal)
+        await run_job(DOCS, env.rollout, base_url=env.proxy, concurrency=2)
+    drawn = shown.result(timeout=30).decode()
+    assert drawn.startswith("\r")
+    assert drawn.endswith("\r\n")  # the line ends with the job (the terminal adds the \r)
+    last = drawn.rstrip().rsplit("\r", 1)[-1]
+    assert re.fullmatch(r"rank 0 \[#{24}\] 10/10 documents 100% [\d.,]+ docs/s in \d+s", last.rstrip()), last
+
+
+async def test_off_a_terminal_the_job_draws_nothing_and_logs_its_progress(
+    env: Env, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    read, write = os.pipe()
+    shown = _reading(read)
+    with os.fdopen(write, "w") as pipe:
+        monkeypatch.setattr(sys, "stderr", pipe)
+        with caplog.at_level(logging.INFO, logger="app.progress"):
+            await run_job(DOCS, env.rollout, base_url=env.proxy, concurrency=2)
+    assert shown.result(timeout=30) == b""
+    logged = [r.getMessage() for r in caplog.records if r.name == "app.progress"]
+    assert re.fullmatch(r"rank 0 10/10 documents 100% [\d.,]+ docs/s in \d+s", logged[-1])
 
 
 async def test_a_job_interrupted_mid_way_resumes_and_replays_what_it_had_generated(env: Env) -> None:

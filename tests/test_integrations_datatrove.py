@@ -22,8 +22,9 @@ from datatrove.utils.logging import logger
 
 from app.fake_upstream import FakeUpstream
 from app.integrations.datatrove import ProxyInferenceRunner, with_inferproxy_checkpointing
+from app.main import create_app
 from app.settings import Settings
-from tests.servers import fake_upstream, free_port, serve_proxy
+from tests.servers import fake_upstream, free_port, serve_in_loop, serve_proxy
 
 # Under both servers: the app must behave the same under the built-in one and under uvicorn.
 pytestmark = pytest.mark.usefixtures("http_server")
@@ -148,6 +149,28 @@ async def test_headers_carry_the_document_rollout_chunk_rank_and_api_key(tmp_pat
             )
             with pytest.raises(ServerError, match=r"api_key"):
                 await env.runner(config=wrong).run_async(documents(1), rank=0)
+
+
+async def test_a_ranks_total_when_given_is_declared_to_the_proxy_with_its_checkpoint_calls(tmp_path: Path) -> None:
+    declared: list[bytes | None] = []  # X-Total-Documents of each GET /resume and POST /documents
+    async with fake_upstream() as (url, upstream):
+        app = create_app(Settings(upstream=[url], checkpoints_dir=tmp_path / "ckpt", output=str(tmp_path / "out")))
+
+        async def recording(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http" and scope["path"] in ("/resume", "/documents"):
+                declared.append(dict(scope["headers"]).get(b"x-total-documents"))
+            await app(scope, receive, send)
+
+        async with serve_in_loop(recording) as proxy:
+            env = Env(proxy, upstream, tmp_path)
+            await env.runner(total_documents={1: 3}).run_async(documents(3), rank=1)
+            assert set(declared) == {b"3"}
+            declared.clear()
+            await env.runner(total_documents={1: 3}).run_async(documents(2, "other"), rank=2)  # not known: not sent
+            assert set(declared) == {None}
+            declared.clear()
+            await env.runner(total_documents=2).run_async(documents(2, "more"), rank=4)
+            assert set(declared) == {b"2"}
 
 
 async def test_a_400_is_a_bad_request_that_skip_bad_requests_skips_fresh_or_cached(env: Env) -> None:

@@ -101,6 +101,23 @@ def test_serve_refuses_an_output_that_takes_no_file_in_one_line_and_creates_noth
     assert not (tmp_path / "ckpt").exists()
 
 
+def test_the_replicas_example_config_without_s3fs_ends_in_one_line_naming_what_to_install() -> None:
+    # configs/replicas.toml publishes to s3://; s3fs is hidden from the process as if it were not installed.
+    without_s3fs = "import sys; sys.modules['s3fs'] = None; from app.cli import main; sys.exit(main(sys.argv[1:]))"
+    done = subprocess.run(
+        [sys.executable, "-c", without_s3fs, "serve", "--config", "configs/replicas.toml"],
+        cwd=Path(__file__).parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == (
+        "inferproxy serve: --output s3://my-bucket/synthetic-data: the S3 filesystem is not installed: "
+        "pip install 'inferproxy[s3]' (from a clone: pip install -e '.[s3]')\n"
+    )
+
+
 def test_an_unknown_protocol_is_refused_naming_it() -> None:
     with pytest.raises(OutputError, match=r"--output foo://bar: unknown protocol 'foo'"):
         check_output("foo://bar")

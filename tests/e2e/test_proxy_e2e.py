@@ -176,6 +176,34 @@ def test_sigterm_finishes_in_flight_requests_flushes_and_exits_0(upstream: Upstr
     assert upstream.stats()["generations"] == 2
 
 
+@pytest.mark.parametrize("http", ["builtin", "uvicorn"])
+def test_a_second_sigint_cuts_the_requests_in_flight_and_exits_without_a_traceback(
+    upstream: Upstream, tmp_path: Path, http: str
+) -> None:
+    args, port = start_proxy(upstream.url, tmp_path, f"--http={http}", "--log-level=info")
+    with process(*args) as proc, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert proc.stderr is not None
+        proxy = Proxy(f"http://127.0.0.1:{port}", args, proc)
+        wait_for_http(proxy.url + "/healthz")
+        stuck = pool.submit(chat, client(proxy), "stuck-doc", extra_body={"fake_upstream": {"latency_ms": 600_000}})
+        while not upstream.stats()["by_path"].get("POST /v1/chat/completions"):  # until it is in flight upstream
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGINT)
+        log = []
+        while not log or "finishing requests in flight" not in log[-1]:
+            log.append(proc.stderr.readline().decode())
+            assert log[-1], "".join(log)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(timeout=30)
+        log.append(proc.stderr.read().decode())
+        assert code == 0, "".join(log)
+        with pytest.raises((openai.APIStatusError, openai.APIConnectionError)):
+            stuck.result(timeout=30)
+    assert "SIGINT again" in log[-1]
+    assert "Traceback" not in "".join(log)
+    assert "Error" not in "".join(log)
+
+
 def test_upstream_down_gives_502_within_bounded_time(tmp_path: Path) -> None:
     args, port = start_proxy(f"http://127.0.0.1:{free_port()}", tmp_path)
     with process(*args):

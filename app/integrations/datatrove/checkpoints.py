@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -49,6 +49,9 @@ class ProxyCheckpointManager:
     error otherwise); left out, the proxy's is taken by
     `parse_existing_checkpoints`, which must come first, as in datatrove.
     The output writer given to the methods is checked, never written to.
+    `total_documents`, the documents in each rank's input if known (one
+    number for every rank, or one per rank), is declared to the proxy for its
+    progress and ETA.
     """
 
     def __init__(
@@ -58,6 +61,7 @@ class ProxyCheckpointManager:
         *,
         api_key: str | None = None,
         retries: int = 5,
+        total_documents: int | Mapping[int, int] | None = None,
     ) -> None:
         if records_per_chunk is not None and records_per_chunk <= 0:
             raise ValueError(
@@ -68,6 +72,7 @@ class ProxyCheckpointManager:
         self.records_per_chunk = records_per_chunk
         self.api_key = api_key
         self.retries = retries
+        self.total_documents = total_documents
         # datatrove's attributes: the checkpoints and the request cache are the proxy's.
         self.checkpoints_local_dir = None
         self.request_cache = None
@@ -92,7 +97,15 @@ class ProxyCheckpointManager:
 
     def _job_for(self, rank: int) -> ProxyJob:
         if self._job is None or self._job.rank != rank:
-            self._job = ProxyJob(self.proxy_url, rank, self.api_key, retries=self.retries, client=self._client)
+            total = self.total_documents
+            self._job = ProxyJob(
+                self.proxy_url,
+                rank,
+                self.api_key,
+                retries=self.retries,
+                client=self._client,
+                total_documents=total.get(rank) if isinstance(total, Mapping) else total,
+            )
         return self._job
 
     async def parse_existing_checkpoints(self, rank: int, output_writer_context: Any) -> tuple[int, set[str]]:

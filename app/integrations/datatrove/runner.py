@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -105,6 +105,8 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
     (the proxy keeps the checkpoints); `records_per_chunk` defaults to the
     proxy's. `retries` and `retry_backoff_s` (first delay, doubling) bound
     the wait for a proxy or upstream in trouble before the task fails.
+    `total_documents`: the documents in each rank's input, if known (one
+    number, or one per rank), declared to the proxy for its progress and ETA.
     """
 
     name = "Inference through inferproxy 🔍"
@@ -122,6 +124,7 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
         *,
         retries: int = 5,
         retry_backoff_s: float = 5.0,
+        total_documents: int | Mapping[int, int] | None = None,
     ) -> None:
         if config.server_type != "endpoint" or not config.endpoint_url:
             raise ValueError(
@@ -137,7 +140,11 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
         if retries < 0 or retry_backoff_s <= 0:
             raise ValueError(f"retries must be >= 0 and retry_backoff_s > 0, got {retries} and {retry_backoff_s}")
         manager = ProxyCheckpointManager(
-            config.endpoint_url, records_per_chunk, api_key=config.api_key, retries=retries
+            config.endpoint_url,
+            records_per_chunk,
+            api_key=config.api_key,
+            retries=retries,
+            total_documents=total_documents,
         )
         # datatrove's constructor, without checkpoints: its RequestCache(None) is disabled and writes no file.
         super().__init__(
