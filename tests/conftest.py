@@ -14,7 +14,7 @@ collect_ignore = [] if VLLM_SUITE else ["vllm"]
 
 
 def pytest_report_header() -> str | None:
-    return None if VLLM_SUITE else "tests/vllm/: not collected here (it needs a real vLLM: make test-vllm)"
+    return None if VLLM_SUITE else "tests/vllm/: left out (it needs a real vLLM: make test-vllm)"
 
 
 @pytest.fixture(params=["builtin", "uvicorn"])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,7 +19,13 @@ from tests.vllm.server import VLLM
 
 
 @pytest.fixture(scope="session")
-def model_dir() -> Path:
+def vllm_installed() -> None:
+    if importlib.util.find_spec("vllm") is None:
+        pytest.fail(f"vLLM is not installed in {sys.prefix}: `make test-vllm` runs this suite in its own venv")
+
+
+@pytest.fixture(scope="session")
+def model_dir(vllm_installed: None) -> Path:
     """The tiny model, built once per version of its builder and kept in the venv (`make test-vllm`'s
     `.venv-vllm`), so that a rerun does not build it again."""
     builder = Path(tiny_model.__file__)
