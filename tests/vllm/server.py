@@ -104,14 +104,14 @@ class VLLM:
                     return int(entry.name)
         raise LookupError(f"no VLLM::EngineCore process in vLLM's process group {self.proc.pid}")
 
-    def generations(self) -> float:
-        """Requests the engine has finished (vLLM's own `vllm:request_success_total`, every reason)."""
+    def metric(self, name: str) -> float:
+        """One of vLLM's own Prometheus series (`vllm:...`), summed over its labels."""
         text = httpx.get(self.url + "/metrics", timeout=10).text
-        return sum(
-            float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines()
-            if line.startswith("vllm:request_success_total{")
-        )
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    def generations(self) -> float:
+        """Requests the engine has finished (not counting those aborted when their client left)."""
+        return self.metric("vllm:request_success_total")
 
     def log_tail(self, lines: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])

@@ -200,6 +200,18 @@ def test_a_prompt_over_the_context_gets_vllms_400_stored_and_replayed(proxy: Pro
     assert f"maximum context length is {MAX_MODEL_LEN} tokens" in error["message"]
 
 
+def test_an_unknown_model_gets_vllms_404_passed_on_and_never_stored(proxy: Proxy) -> None:
+    client = openai_client(proxy.url)
+    for _ in range(2):
+        with pytest.raises(openai.NotFoundError) as caught:
+            client.chat.completions.create(
+                model="no-such-model", messages=[{"role": "user", "content": "the"}], extra_headers=keyed("404")
+            )
+        assert caught.value.response.headers["X-Cache"] == "MISS"
+    error = orjson.loads(caught.value.response.content)["error"]
+    assert (error["code"], error["type"]) == (404, "NotFoundError")
+
+
 async def test_identical_concurrent_requests_cost_one_generation(proxy: Proxy, vllm: VLLM) -> None:
     before = vllm.generations()
 

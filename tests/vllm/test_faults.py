@@ -8,13 +8,22 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.vllm.helpers import IGNORE_EOS, Proxy, chat_body, events, generations_at_least, keyed, stream_bytes
+from tests.vllm.helpers import (
+    IGNORE_EOS,
+    Proxy,
+    chat_body,
+    events,
+    generations_at_least,
+    keyed,
+    stream_bytes,
+)
 from tests.vllm.server import VLLM
 from tests.vllm.tiny_model import MAX_MODEL_LEN
 
@@ -23,7 +32,8 @@ pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[2]
 #: Long enough for a kill after the first chunk to land mid-stream: the engine runs ahead of the
 #: stream (1-2 ms a token here), and the first chunk may take a while to come through on a busy machine.
-LONG_STREAM = {"max_tokens": MAX_MODEL_LEN - 100, "stream": True, **IGNORE_EOS}
+LONG_TOKENS = MAX_MODEL_LEN - 100
+LONG_STREAM = {"max_tokens": LONG_TOKENS, "stream": True, **IGNORE_EOS}
 
 
 def stream_killing_after_first_chunk(
@@ -81,6 +91,24 @@ def test_an_engine_dying_mid_stream_is_passed_on_as_vllms_error_event_and_never_
     assert events(stream)[-1] == "[DONE]"
     assert b'"error"' not in stream
     assert stream_bytes(proxy.url, "/v1/chat/completions", body, keyed("engine")) == ("HIT", stream)
+
+
+def test_a_client_leaving_mid_stream_stops_vllms_generation_and_nothing_is_stored(proxy: Proxy, vllm: VLLM) -> None:
+    body = chat_body("left behind", **LONG_STREAM)
+    tokens = vllm.metric("vllm:generation_tokens_total")
+    with httpx.stream(
+        "POST", proxy.url + "/v1/chat/completions", json=body, headers=keyed("left"), timeout=120
+    ) as answer:
+        assert answer.headers["X-Cache"] == "MISS"
+        next(answer.iter_raw())
+    deadline = time.monotonic() + 60
+    while vllm.metric("vllm:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert vllm.metric("vllm:num_requests_running") == 0
+    # vLLM's own count: the proxy aborted the generation (which vLLM counts in no finished request)
+    assert vllm.metric("vllm:generation_tokens_total") - tokens < LONG_TOKENS
+    lookup = httpx.post(proxy.url + "/lookup", json=[{"doc_id": "left", "body": body}], headers={"X-Rank": "0"})
+    assert lookup.json() == [None]
 
 
 N_DOCS, ROLLOUTS, CONCURRENCY = 60, 2, 8
