@@ -19,7 +19,7 @@ import httpx
 
 #: What the model is served as: the `model` of every request.
 MODEL = "tiny"
-#: On 2 busy cores a cold start takes 40-100 s (imports, then the engine's warm-up); a margin over that.
+#: On 2 busy cores a start takes 30-100 s (imports, then the engine's warm-up); a margin over that.
 START_TIMEOUT_S = 600.0
 
 ENVIRONMENT = {
