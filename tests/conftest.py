@@ -1,11 +1,20 @@
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 
 from tests.factories import RecordingWriter
 from tests.servers import HTTP_SERVER
+
+#: tests/vllm/ runs against a real vLLM, from its own venv: `make test-vllm` runs it and sets this variable.
+VLLM_SUITE = bool(os.environ.get("INFERPROXY_TEST_VLLM"))
+collect_ignore = [] if VLLM_SUITE else ["vllm"]
+
+
+def pytest_report_header() -> str | None:
+    return None if VLLM_SUITE else "tests/vllm/: left out (it needs a real vLLM: make test-vllm)"
 
 
 @pytest.fixture(params=["builtin", "uvicorn"])
