@@ -1,4 +1,5 @@
-"""`/v1/*` routes forwarded without caching (`forward_uncached`): a client that leaves stops the upstream's work."""
+"""Answers nobody keeps (routes forwarded without caching, `forward_uncached`; a cacheable request without
+`X-Doc-Id` or with `no-store`): a client that leaves stops the upstream's work."""
 
 from __future__ import annotations
 
@@ -19,7 +20,8 @@ pytestmark = pytest.mark.usefixtures("http_server")
 
 class SlowUpstream:
     """An upstream that generates slowly on `/v1/slow` (events every 50 ms for 20 s, or silence first with
-    `?silent`) and records when it hears that the proxy let its connection go."""
+    `?silent` or on `/v1/chat/completions`, as a non-streamed generation) and records when it hears that
+    the proxy let its connection go."""
 
     def __init__(self) -> None:
         self.started = asyncio.Event()
@@ -40,7 +42,7 @@ class SlowUpstream:
         watcher = asyncio.create_task(self._watch(receive))
         self.started.set()
         try:
-            if scope["query_string"] == b"silent":
+            if scope["query_string"] == b"silent" or scope["path"] == "/v1/chat/completions":
                 with contextlib.suppress(TimeoutError):  # thinking, before any byte of the answer
                     await asyncio.wait_for(self.let_go.wait(), 20)
             headers = [(b"content-type", b"text/event-stream")]
@@ -69,12 +71,13 @@ async def proxy(tmp_path: Path) -> AsyncIterator[tuple[str, SlowUpstream]]:
             yield proxy_url, upstream
 
 
-async def open_request(proxy_url: str, target: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+async def open_request(
+    proxy_url: str, target: str, body: bytes = b'{"model": "m", "input": "hi", "stream": true}', headers: str = ""
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     host, port = proxy_url.removeprefix("http://").split(":")
     reader, writer = await asyncio.open_connection(host, int(port))
-    body = b'{"model": "m", "input": "hi", "stream": true}'
     head = f"POST {target} HTTP/1.1\r\nHost: t\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-    writer.write(head.encode() + b"\r\n" + body)
+    writer.write(head.encode() + headers.encode() + b"\r\n" + body)
     await writer.drain()
     return reader, writer
 
@@ -97,6 +100,23 @@ async def test_a_client_that_leaves_before_the_upstream_answers_stops_the_upstre
 ) -> None:
     proxy_url, upstream = proxy
     _, writer = await open_request(proxy_url, "/v1/slow?silent")
+    async with asyncio.timeout(5):
+        await upstream.started.wait()
+    writer.close()
+    async with asyncio.timeout(3):
+        await upstream.let_go.wait()
+
+
+@pytest.mark.parametrize(
+    "headers", ["", "X-Doc-Id: d\r\nCache-Control: no-store\r\n"], ids=["without-doc-id", "no-store"]
+)
+async def test_a_client_that_leaves_a_non_streamed_answer_nobody_keeps_stops_the_upstream(
+    proxy: tuple[str, SlowUpstream], headers: str
+) -> None:
+    """Sent straight to vLLM, such a request is cancelled when its client leaves: through the proxy too."""
+    proxy_url, upstream = proxy
+    body = b'{"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": false}'
+    _, writer = await open_request(proxy_url, "/v1/chat/completions", body, headers)
     async with asyncio.timeout(5):
         await upstream.started.wait()
     writer.close()

@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, NamedTuple
+from collections.abc import Coroutine
+from typing import Any, NamedTuple, TypeVar
 
 import orjson
 
@@ -36,6 +37,7 @@ from app.services import Services
 from app.upstream import UpstreamResponse, response_headers
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: The scope key under which a forwarding handler leaves the replica that answered, for the request's log line.
 REPLICA = "inferproxy.replica"
@@ -188,6 +190,33 @@ async def forward(
     *,
     cache: RequestCache | None,
 ) -> StoredResponse | None:
+    """`forward_answer`, stopped when the client leaves if nobody else would have the answer: a
+    non-streamed one that is not stored (no `X-Doc-Id`, or `no-store`). A stream stops by itself
+    (`stream_through`); a stored answer is awaited for the client's retry and for followers."""
+    if (cache is None or key.no_store) and not _streamed(body):
+        args = (services, scope, receive, send, key, digest, body, state)
+        return await until_client_leaves(receive, forward_answer(*args, cache=cache))
+    return await forward_answer(services, scope, receive, send, key, digest, body, state, cache=cache)
+
+
+def _streamed(body: bytes) -> bool:
+    """Whether the request may ask for a stream (`stream` set and not false, 0 or null: a value the
+    upstream may take for true counts); its JSON is valid, `lookup` checked."""
+    return b'"stream"' in body and orjson.loads(body).get("stream") not in (None, False)
+
+
+async def forward_answer(
+    services: Services,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    key: RequestKey,
+    digest: str,
+    body: bytes,
+    state: bytes,
+    *,
+    cache: RequestCache | None,
+) -> StoredResponse | None:
     """Forward to the upstream and pass the answer back as it arrives.
 
     Returns the whole answer when one was received (whatever its status),
@@ -320,19 +349,23 @@ async def forward_uncached(services: Services, scope: Scope, receive: Receive, s
     its connection is closed, so that the upstream stops generating for nobody.
     """
     body = await read_body(scope, receive, services.settings.max_body_bytes)
-    passing = asyncio.ensure_future(_pass_on(services, scope, send, body))
+    await until_client_leaves(receive, _pass_on(services, scope, send, body))
+
+
+async def until_client_leaves(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
+    """`work`'s result, or None if the client leaves first: `work` is then cancelled, and an upstream
+    answer it left unread (inside `pool.request`) closes its connection, so the upstream stops."""
+    passing = asyncio.ensure_future(work)
     gone = asyncio.ensure_future(_disconnected(receive))
     try:
         await asyncio.wait((passing, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
         gone.cancel()
         if not passing.done():
-            # Cancelled inside `pool.request`: an answer left unread closes its upstream connection.
             passing.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await passing
-    if not passing.cancelled():
-        passing.result()
+    return None if passing.cancelled() else passing.result()
 
 
 async def _pass_on(services: Services, scope: Scope, send: Send, body: bytes) -> None:
