@@ -4,6 +4,10 @@ A request's line is at INFO on the `inferproxy.access` logger: method, route, st
 rank, doc id, replica and duration. Cache hits get one line per `log_hits_every` (a replay storm
 answers tens of thousands a second); every other request gets its own. Never `Authorization`, never
 a body. With `log_format = "json"` every line, these and the rest, is one JSON object.
+
+What a client sends (a path, a doc id) may hold anything: control characters, ANSI escapes, U+2028
+or U+0085 (which `str.splitlines()` and some log shippers split on). No line is ever cut or forged
+by them: text lines show them as escapes (`\x0a`), JSON lines as JSON escapes.
 """
 
 from __future__ import annotations
@@ -17,6 +21,19 @@ import orjson
 
 ACCESS = logging.getLogger("inferproxy.access")
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+_LINE_BREAKERS = [*range(0x7F, 0xA0), 0x2028, 0x2029]  # C1 controls, line and paragraph separators
+#: In a JSON line: what orjson leaves as it is (it escapes only what JSON requires, below 0x20).
+_JSON_ESCAPES = {c: f"\\u{c:04x}" for c in _LINE_BREAKERS}
+#: In a text line: every control character and separator.
+_TEXT_ESCAPES = {c: f"\\x{c:02x}" for c in range(0x20)} | {c: f"\\u{c:04x}" for c in _LINE_BREAKERS}
+
+
+class TextFormatter(logging.Formatter):
+    """The text line, with what could break or forge it escaped (a traceback after it keeps its lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        return super().formatMessage(record).translate(_TEXT_ESCAPES)
 
 
 class JSONFormatter(logging.Formatter):
@@ -34,7 +51,7 @@ class JSONFormatter(logging.Formatter):
             line.update(request)
         if record.exc_info:
             line["traceback"] = self.formatException(record.exc_info)
-        return orjson.dumps(line).decode()
+        return orjson.dumps(line).decode().translate(_JSON_ESCAPES)
 
 
 def configure(level: str, log_format: str) -> None:
@@ -43,7 +60,7 @@ def configure(level: str, log_format: str) -> None:
     logging._srcfile = None
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JSONFormatter() if log_format == "json" else logging.Formatter(TEXT_FORMAT))
+    handler.setFormatter(JSONFormatter() if log_format == "json" else TextFormatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
@@ -84,11 +101,11 @@ class RequestLog:
     ) -> None:
         """The line of one request (`status` 499: the client left before an answer was started)."""
         rank = doc_id = None
-        for name, value in headers:
+        for name, value in headers:  # UTF-8 as the cache keys them; anything else shown as escapes
             if name == b"x-rank":
-                rank = value.decode("latin-1")
+                rank = value.decode("utf-8", "backslashreplace")
             elif name == b"x-doc-id":
-                doc_id = value.decode("latin-1")
+                doc_id = value.decode("utf-8", "backslashreplace")
         fields = {
             "method": method,
             "path": path,
@@ -102,7 +119,7 @@ class RequestLog:
         ACCESS.info(
             "%s %s %d %s rank=%s doc=%s replica=%s %.1f ms",
             method,
-            path,
+            _quoted(path),
             status,
             outcome or "-",
             rank if rank is not None else "-",
@@ -113,8 +130,8 @@ class RequestLog:
         )
 
 
-def _quoted(doc_id: str | None) -> str:
-    """A doc id as written in a text line: quoted where it could be taken for more than one field."""
-    if doc_id is None:
+def _quoted(value: str | None) -> str:
+    """A path or doc id as written in a text line: quoted where it could be taken for more than one field."""
+    if value is None:
         return "-"
-    return doc_id if doc_id.isprintable() and " " not in doc_id and doc_id else orjson.dumps(doc_id).decode()
+    return value if value.isprintable() and " " not in value and value else orjson.dumps(value).decode()

@@ -158,7 +158,7 @@ class Metrics:
 
     def totals(self) -> dict[str, int]:
         sums = dict.fromkeys(("hits", "coalesced", "misses", "refreshed", "tokens_saved", "documents"), 0)
-        for counters in self.ranks.values():
+        for counters in list(self.ranks.values()):  # a copy: `/stats` reads from another thread
             sums["hits"] += counters.hits
             sums["coalesced"] += counters.coalesced
             sums["misses"] += counters.misses
@@ -192,8 +192,9 @@ class Metrics:
         """The oldest sample of the last minute and now's totals (None before the first sample)."""
         if not self.recent:
             return None
-        now = Sample(time.time(), self.totals(), {r: c.done_documents for r, c in self.ranks.items()})
-        oldest = next((s for s in self.recent if now.at - s.at <= RATE_WINDOW_S + 1), self.recent[-1])
+        now = Sample(time.time(), self.totals(), {r: c.done_documents for r, c in list(self.ranks.items())})
+        recent = list(self.recent)  # a copy: `/stats` reads from another thread
+        oldest = next((s for s in recent if now.at - s.at <= RATE_WINDOW_S + 1), recent[-1])
         return oldest, now
 
 

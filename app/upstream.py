@@ -88,6 +88,7 @@ _NOT_FORWARDED = frozenset(
         b"x-rollout-idx",
         b"x-chunk-index",
         b"x-rank",
+        b"x-total-documents",
         b"cache-control",
         b"accept-encoding",
         b"expect",  # the proxy's own server answered it already; upstream it would only add a 100 Continue
@@ -201,7 +202,9 @@ class Slots:
             if waiter.done() and not waiter.cancelled():
                 self.release()  # handed over just as the waiter was cancelled: pass it on
             else:
-                self.waiters.remove(waiter)
+                # `release` may have dropped it already, as a waiter that was done (cancelled)
+                with contextlib.suppress(ValueError):
+                    self.waiters.remove(waiter)
             raise
 
     def release(self) -> None:

@@ -61,6 +61,21 @@ async def test_a_cancelled_waiter_leaves_the_queue_and_loses_no_slot() -> None:
     assert slots.held == 0
 
 
+async def test_waiters_cancelled_together_leave_no_error_and_no_slot_behind() -> None:
+    """The tester's case: clients queued for a slot leave at once, while the holder releases."""
+    slots = Slots(capacity=1, queue=4)
+    await slots.acquire()
+    waiters = [asyncio.create_task(slots.acquire()) for _ in range(3)]
+    await asyncio.sleep(0)
+    for waiter in waiters:
+        waiter.cancel()
+    slots.release()  # drops the cancelled waiters from the queue before their tasks run
+    outcomes = await asyncio.gather(*waiters, return_exceptions=True)
+    assert all(isinstance(outcome, asyncio.CancelledError) for outcome in outcomes), outcomes
+    assert slots.held == 0
+    assert not slots.waiters
+
+
 async def test_no_limit_means_no_waiting_and_no_refusal() -> None:
     slots = Slots(capacity=0, queue=0)
     for _ in range(1000):

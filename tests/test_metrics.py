@@ -285,3 +285,28 @@ def test_a_quantile_is_interpolated_within_its_bucket() -> None:
     assert histogram.quantile(1.0) == pytest.approx(0.5)
     histogram.observe(5.0)  # past the last bound
     assert histogram.quantile(1.0) == 1.0
+
+
+@pytest.mark.parametrize("log_format", ["text", "json"])
+def test_nothing_a_client_sends_cuts_or_forges_a_log_line(log_format: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A path or doc id with CR/LF, ANSI escapes, U+0085 or U+2028 stays on its one line (text: escapes;
+    JSON: JSON escapes that read back as sent); a UTF-8 doc id reads as itself."""
+    from app.logs import RequestLog, configure
+
+    path = "/x\n2026-12-01 15:00:00,000 ERROR app.main: forged\x1b[2J\u2028\x85 y"
+    doc_id = "doc-é-日本\u2028"
+    configure("info", log_format)
+    try:
+        RequestLog(1).write("GET", path, 404, "", [(b"x-doc-id", doc_id.encode())], None, 0.001)
+    finally:
+        logging.getLogger().handlers.clear()
+    written = capsys.readouterr().err
+    assert len(written.splitlines()) == 1, written
+    assert "\x1b" not in written
+    if log_format == "json":
+        line = json.loads(written)
+        assert line["path"] == path
+        assert line["doc_id"] == doc_id
+    else:
+        assert "doc-é-日本" in written
+        assert "forged" in written  # shown, escaped, on the request's own line

@@ -72,11 +72,16 @@ async def manager_of(services: Services, rank: int) -> CheckpointManager:
         raise ChunkConflict(str(exc)) from exc
 
 
-def declared_total(services: Services, scope: Scope, rank: int) -> None:
-    """`X-Total-Documents`: how many documents the job has for this rank, for progress and ETA."""
+def declared_total(scope: Scope) -> int | None:
+    """`X-Total-Documents`: how many documents the job has for this rank, for progress and ETA; kept once
+    the request succeeds (a refused request leaves nothing behind, not even a rank in `/stats`)."""
     raw = single_header(scope["headers"], b"x-total-documents", "X-Total-Documents")
-    if raw is not None:
-        services.metrics.rank(rank).total_documents = parse_int(raw, "X-Total-Documents")
+    return None if raw is None else parse_int(raw, "X-Total-Documents")
+
+
+def keep_total(services: Services, rank: int, total: int | None) -> None:
+    if total is not None:
+        services.metrics.rank(rank).total_documents = total
 
 
 def note_progress(services: Services, rank: int, manager: CheckpointManager) -> None:
@@ -96,7 +101,7 @@ def note_progress(services: Services, rank: int, manager: CheckpointManager) -> 
 
 async def post_documents(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
     rank = rank_of(scope)
-    declared_total(services, scope, rank)
+    total = declared_total(scope)
     raw_chunk = single_header(scope["headers"], b"x-chunk-index", "X-Chunk-Index")
     if raw_chunk is None:
         raise BadRequest("X-Chunk-Index is required: the chunk the documents belong to", param="X-Chunk-Index")
@@ -123,6 +128,7 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
     counters.done_documents += outcome.written
     counters.duplicates += outcome.duplicates
     note_progress(services, rank, manager)
+    keep_total(services, rank, total)
     cache = services.caches.opened_cache(rank)
     if cache is not None:
         for document in documents:
@@ -203,7 +209,7 @@ async def complete_chunk(services: Services, scope: Scope, receive: Receive) -> 
 
 async def get_resume(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
     rank = rank_of(scope)
-    declared_total(services, scope, rank)
+    total = declared_total(scope)
     registry = services.checkpoints
     if registry.is_open(rank) or registry.has_working_files(rank):
         manager = await manager_of(services, rank)
@@ -218,6 +224,7 @@ async def get_resume(services: Services, scope: Scope, receive: Receive) -> dict
         if not counters.known:
             counters.known, counters.known_at, counters.known_done = True, time.time(), skip
         counters.last_chunk_index, counters.done_documents = last, skip
+    keep_total(services, rank, total)
     return {
         "rank": rank,
         "records_per_chunk": records_per_chunk,

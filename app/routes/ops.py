@@ -2,7 +2,9 @@
 (Prometheus text) and the page at `/`.
 
 `/stats`, `/metrics`, the page and `inferproxy status` show the same numbers: `snapshot` reads them once
-from `app.metrics` and the services, and each route renders it.
+from `app.metrics` and the services, and each route renders it. Both are built in a thread: with tens of
+thousands of ranks a snapshot takes a while, and the event loop answers hits meanwhile (the thread only
+reads, from copies of the dicts the loop changes).
 """
 
 from __future__ import annotations
@@ -51,15 +53,22 @@ async def readyz(services: Services, scope: Scope, receive: Receive, send: Send)
 
 async def stats(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
     """Everything in one JSON object (docs/contract.md, "Operations")."""
-    await send_bytes(send, 200, JSON_HEADERS, orjson.dumps(await snapshot(services)))
+    sizes = await cache_sizes(services)
+    body = await asyncio.to_thread(lambda: orjson.dumps(snapshot(services, sizes)))
+    await send_bytes(send, 200, JSON_HEADERS, body)
 
 
 async def metrics(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
     """The same numbers in Prometheus' text format."""
-    registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(await snapshot(services), services.metrics, services))
-    body = generate_latest(registry)
+    sizes = await cache_sizes(services)
+    body = await asyncio.to_thread(render_metrics, services, sizes)
     await send_bytes(send, 200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], body)
+
+
+def render_metrics(services: Services, sizes: dict[int, tuple[int | None, int]]) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Collector(snapshot(services, sizes), services.metrics, services))
+    return generate_latest(registry)
 
 
 async def page(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
@@ -71,7 +80,9 @@ async def page(services: Services, scope: Scope, receive: Receive, send: Send) -
 # -- the snapshot -----------------------------------------------------------------------
 
 
-async def snapshot(services: Services) -> dict[str, Any]:
+def snapshot(services: Services, sizes: dict[int, tuple[int | None, int]]) -> dict[str, Any]:
+    """The numbers now; `sizes` from `cache_sizes`. Safe in a thread beside the event loop: it changes
+    nothing and iterates only over copies."""
     metrics = services.metrics
     now = time.time()
     totals = metrics.totals()
@@ -84,14 +95,14 @@ async def snapshot(services: Services) -> dict[str, Any]:
         for name in ("requests", "hits", "misses", "documents", "tokens_saved"):
             rates[f"{name}_per_s"] = round((latest.totals[name] - oldest.totals[name]) / span, 3)
         rates["window_s"] = round(span, 1)
-        rank_rates = {r: rate for r in metrics.ranks if (rate := metrics.documents_per_s(r, window)) is not None}
+        rank_rates = {r: rate for r in list(metrics.ranks) if (rate := metrics.documents_per_s(r, window)) is not None}
     replayed = totals["hits"] + totals["coalesced"]
     answered = replayed + totals["misses"] + totals["refreshed"]
     owned = services.caches.ownership.owned()
-    sizes = await cache_sizes(services)
+    counted = dict(metrics.ranks)
     ranks = [
-        rank_view(rank, metrics.rank(rank), rank in owned, rank_rates.get(rank), sizes.get(rank))
-        for rank in sorted(set(metrics.ranks) | set(owned))
+        rank_view(rank, counted.get(rank) or RankCounters(), rank in owned, rank_rates.get(rank), sizes.get(rank))
+        for rank in sorted(set(counted) | set(owned))
     ]
     return {
         "version": __version__,
@@ -119,7 +130,7 @@ async def snapshot(services: Services) -> dict[str, Any]:
         "fsync": {"count": FSYNC_SECONDS.count, "p99_s": FSYNC_SECONDS.quantile(0.99)},
         "owned_ranks": owned,
         "ranks": ranks,
-        "history": [{"t": round(s.at, 1), **s.totals} for s in metrics.history],
+        "history": [{"t": round(s.at, 1), **s.totals} for s in list(metrics.history)],
     }
 
 
@@ -132,7 +143,7 @@ def request_counts(metrics: Metrics) -> dict[str, int]:
             counts[name] = totals[total]
     if metrics.lookup_misses:
         counts["lookup_miss"] = metrics.lookup_misses
-    for (_, outcome, status), count in metrics.requests.items():
+    for (_, outcome, status), count in list(metrics.requests.items()):
         if outcome == "BYPASS":
             counts["bypass"] = counts.get("bypass", 0) + count
         if status >= 400:
