@@ -52,11 +52,16 @@ def make_dirs_durable(path: str) -> None:
         fsync_dir(os.path.dirname(directory))
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
-    """Replace `path` with `data`: readers see the old content or the new, never a mix."""
+def atomic_write_bytes(path: str, data: bytes, *, sole_writer: bool = False) -> None:
+    """Replace `path` with `data`: readers see the old content or the new, never a mix.
+
+    `sole_writer`: only one writer ever replaces `path` (a rank's published chunk: its owner alone
+    publishes it). The temporary name is then always the same, so that one a crash left behind is
+    overwritten and renamed away by the next write instead of staying in the folder for good.
+    """
     directory = os.path.dirname(os.path.abspath(path))
     make_dirs_durable(directory)
-    tmp_path = _durable_temp(path, data)
+    tmp_path = _durable_temp(path, data, fixed_name=sole_writer)
     try:
         os.replace(tmp_path, path)
     except BaseException:
@@ -82,21 +87,26 @@ def create_exclusive_bytes(path: str, data: bytes) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _durable_temp(path: str, data: bytes) -> str:
+def _durable_temp(path: str, data: bytes, *, fixed_name: bool = False) -> str:
     """A new file `.<name>.<random>.tmp` beside `path` holding `data`, fsynced; its path.
+    With `fixed_name`, `.<name>.tmp`, replacing any file of that name.
 
     Created with mode 0666 less the umask, as `open()` would make it (the
     file is published for other users and jobs; `mkstemp` makes 0600, and
     reading the umask means setting it, which races with other threads).
     """
     directory, name = os.path.split(os.path.abspath(path))
-    while True:
-        tmp_path = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
-        try:
-            fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-            break
-        except FileExistsError:
-            continue
+    if fixed_name:
+        tmp_path = os.path.join(directory, f".{name}.tmp")
+        fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    else:
+        while True:
+            tmp_path = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+            try:
+                fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                break
+            except FileExistsError:
+                continue
     try:
         with os.fdopen(fd, "wb") as tmp:
             tmp.write(data)
