@@ -29,7 +29,6 @@ from tests.chaos.invariants import (
     Ledger,
     assert_invariants,
     check_at_rest,
-    check_finished,
     read_last_chunk,
 )
 from tests.e2e.conftest import start_proxy
@@ -443,7 +442,7 @@ class Run:
                 await resume_of(proxy_job, self.ledger, job.rank)
         assert replayed, "nothing was left to replay: the last chunks should have stayed open"
         assert self.proxy.stop() == 0, f"SIGTERM did not exit 0:\n{self.proxy.log_tail()}"
-        self.problems += check_finished(self.ledger, self.proxy.checkpoints, self.proxy.output)
+        self.problems += check_at_rest(self.ledger, self.proxy.checkpoints, self.proxy.output, finished=True)
         assert_invariants(self.ledger, self.problems)
 
     async def close(self) -> None:

@@ -186,15 +186,24 @@ def whole_lines(path: Path, *, torn_tail_allowed: bool) -> tuple[list[dict[str, 
     return records, None
 
 
-def read_output(output: Path, ledger: Ledger, problems: list[str]) -> dict[int, dict[str, int]]:
-    """Every published document: `{rank: {doc_id: chunk_index}}`; what is wrong goes to `problems`."""
+def read_output(
+    output: Path, ledger: Ledger, problems: list[str], *, temporaries_allowed: bool
+) -> dict[int, dict[str, int]]:
+    """Every published document: `{rank: {doc_id: chunk_index}}`; what is wrong goes to `problems`.
+
+    `temporaries_allowed`: a chunk's `.<name>.tmp`, which a crash mid-publication leaves until the
+    chunk is published after the restart, is no fault yet.
+    """
     published: dict[int, dict[str, int]] = defaultdict(dict)
     if not output.exists():
         return published
     for path in sorted(output.iterdir()):
+        temporary = _OUTPUT_NAME.match(path.name.removeprefix(".").removesuffix(".tmp"))
+        if path.name.startswith(".") and temporary and temporaries_allowed:
+            continue
         match = _OUTPUT_NAME.match(path.name)
         if match is None or int(match.group(1)) not in ledger.inputs:
-            problems.append(f"output: {path.name} is not a published chunk (a leftover of a publication?)")
+            problems.append(f"output: {path.name} is not a published chunk (left by a crash?)")
             continue
         rank, chunk = int(match.group(1)), int(match.group(2))
         records, problem = whole_lines(path, torn_tail_allowed=False)
@@ -220,10 +229,11 @@ def read_last_chunk(checkpoints: Path, rank: int) -> int:
         return -1
 
 
-def check_at_rest(ledger: Ledger, checkpoints: Path, output: Path) -> list[str]:
-    """What must hold on disk whenever the proxy is not running (killed, or stopped)."""
+def check_at_rest(ledger: Ledger, checkpoints: Path, output: Path, *, finished: bool = False) -> list[str]:
+    """What must hold on disk whenever the proxy is not running (killed, or stopped); with `finished`,
+    once every rank's job is done too: every document published once, the working files gone."""
     problems: list[str] = []
-    published = read_output(output, ledger, problems)
+    published = read_output(output, ledger, problems, temporaries_allowed=not finished)
     for rank in ledger.inputs:
         last = read_last_chunk(checkpoints, rank)
         rank_dir = checkpoints / f"{rank:05d}"
@@ -237,8 +247,8 @@ def check_at_rest(ledger: Ledger, checkpoints: Path, output: Path) -> list[str]:
                 problems.append(f"checkpoints: {problem}")
             if int(match.group(1)) > last:  # a file at or below it is a crash's leftover, removed on restore
                 checkpointed.update(record["id"] for record in records)
-        for chunk in range(last + 1):
-            if chunk < ledger.last_chunk(rank) and not any(c == chunk for c in published[rank].values()):
+        for chunk in range(min(last + 1, ledger.last_chunk(rank))):
+            if chunk not in published[rank].values():
                 problems.append(f"rank {rank}: last_chunk_index is {last} but chunk {chunk} is not published")
         lost = [doc for doc in ledger.acknowledged[rank] if doc not in published[rank] and doc not in checkpointed]
         if lost:
@@ -246,6 +256,14 @@ def check_at_rest(ledger: Ledger, checkpoints: Path, output: Path) -> list[str]:
                 f"rank {rank}: {len(lost)} acknowledged documents are neither published nor checkpointed in an "
                 f"open chunk (last_chunk_index {last}), e.g. {sorted(lost)[:3]}"
             )
+        if finished:
+            missing = set(ledger.inputs[rank]) - set(published[rank])
+            if missing:
+                problems.append(f"rank {rank}: {len(missing)} documents never published, e.g. {sorted(missing)[:3]}")
+            if last != ledger.last_chunk(rank):
+                problems.append(f"rank {rank}: last_chunk is {last}, not its last chunk {ledger.last_chunk(rank)}")
+            if rank_dir.exists():
+                problems.append(f"rank {rank}: its working files are still there after its last chunk completed")
     for cache in sorted(checkpoints.glob("*/replay.sqlite3")):
         problems += check_cache_file(cache)
     return problems
@@ -263,21 +281,6 @@ def check_cache_file(path: Path) -> list[str]:
             why = why_not_whole(status, bool(streamed), result)
             if why:
                 problems.append(f"{path}: the answer stored for {doc_id!r} rollout {rollout_idx} is {why}")
-    return problems
-
-
-def check_finished(ledger: Ledger, checkpoints: Path, output: Path) -> list[str]:
-    """What must hold once every rank's job is done: every document published once, working files gone."""
-    problems = check_at_rest(ledger, checkpoints, output)
-    published = read_output(output, ledger, [])
-    for rank, docs in ledger.inputs.items():
-        missing = set(docs) - set(published[rank])
-        if missing:
-            problems.append(f"rank {rank}: {len(missing)} documents never published, e.g. {sorted(missing)[:3]}")
-        if read_last_chunk(checkpoints, rank) != ledger.last_chunk(rank):
-            problems.append(f"rank {rank}: last_chunk is {read_last_chunk(checkpoints, rank)}, not its last chunk")
-        if (checkpoints / f"{rank:05d}").exists():
-            problems.append(f"rank {rank}: its working files are still there after its last chunk completed")
     return problems
 
 
