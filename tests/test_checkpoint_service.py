@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 import app.durable
+import app.publish
 from app.routes.checkpoints import public_output
 from app.settings import Settings
 from tests.servers import fake_upstream, proxy_client
@@ -153,6 +154,24 @@ async def test_disk_full_gets_507_writes_nothing_and_the_next_write_succeeds(
     assert [json.loads(line)["id"] for line in lines] == ["a"]
     assert (await client.get("/healthz")).status_code == 200
     assert (await post(client, [doc("b"), doc("c")])).json()["written"] == 2
+
+
+async def test_a_full_output_disk_gets_507_keeps_the_documents_and_publishes_once_space_returns(
+    client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(path: str, data: bytes, **options: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(app.publish, "atomic_write_bytes", full)
+    answer = await post(client, [doc("a"), doc("b"), doc("c")])
+    assert answer.status_code == 507
+    assert "the documents are stored" in answer.json()["error"]["message"]
+    assert "the output's disk is full" in answer.json()["error"]["message"]
+    assert published(tmp_path) == {}
+    monkeypatch.undo()
+    again = await post(client, [doc("a"), doc("b"), doc("c")])
+    assert (again.status_code, again.json()["duplicates"]) == (200, 3)
+    assert published(tmp_path) == {"00000_chunk_0.jsonl": ["a", "b", "c"]}
 
 
 async def test_completing_the_last_chunk_publishes_it_and_removes_the_working_files(

@@ -112,9 +112,10 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
     except ChunkCompleteError as exc:
         raise ChunkConflict(str(exc)) from exc
     except PublishError as exc:
-        raise ProxyError(
+        raise publication_error(
+            exc,
             f"the documents are stored, but {exc}; it is retried with the next write, and sending this "
-            f"request again is harmless (its documents count as duplicates)"
+            f"request again is harmless (its documents count as duplicates)",
         ) from exc
     except OSError as exc:
         raise storage_error(exc, services) from exc
@@ -136,6 +137,15 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
         "chunk_complete": outcome.chunk_complete,
         "last_chunk_index": outcome.last_chunk_index,
     }
+
+
+def publication_error(exc: PublishError, message: str) -> ProxyError:
+    """A complete chunk not published (its documents stay checkpointed, and it is retried): 507 if the
+    output's disk is full, else 500."""
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and cause.errno in _DISK_FULL:
+        return InsufficientStorage(f"{message}: the output's disk is full, free space there first")
+    return ProxyError(message)
 
 
 def storage_error(exc: OSError, services: Services) -> ProxyError:
@@ -190,7 +200,7 @@ async def complete_chunk(services: Services, scope: Scope, receive: Receive) -> 
     try:
         manager = await services.checkpoints.complete(rank, chunk_index)
     except PublishError as exc:
-        raise ProxyError(f"{exc}; send this request again to retry") from exc
+        raise publication_error(exc, f"{exc}; send this request again to retry") from exc
     except OSError as exc:
         raise storage_error(exc, services) from exc
     note_progress(services, rank, manager)
