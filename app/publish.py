@@ -75,7 +75,14 @@ def check_output_filename(template: str) -> Template:
 
 
 class PublishError(RuntimeError):
-    """A complete chunk could not be published; its documents stay checkpointed and it is retried."""
+    """A complete chunk could not be published; its documents stay checkpointed and it is retried.
+
+    `where` is the folder that refused it: the output, or the checkpoints dir (which records it in `last_chunk`).
+    """
+
+    def __init__(self, message: str, *, where: str) -> None:
+        super().__init__(message)
+        self.where = where
 
 
 def is_remote(output: str) -> bool:
@@ -130,7 +137,7 @@ class ChunkPublisher:
                 redact_url(os.path.join(self.output, original_name)),
                 reason,
             )
-            raise PublishError(f"publishing {original_name} failed: {reason}") from exc
+            raise PublishError(f"publishing {original_name} failed: {reason}", where=redact_url(self.output)) from exc
 
     def close(self) -> None:
         """Nothing to flush: every chunk is published when the manager completes it."""

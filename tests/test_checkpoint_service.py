@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
+import app.checkpointing
 import app.durable
 import app.publish
 from app.routes.checkpoints import public_output
@@ -166,12 +167,31 @@ async def test_a_full_output_disk_gets_507_keeps_the_documents_and_publishes_onc
     answer = await post(client, [doc("a"), doc("b"), doc("c")])
     assert answer.status_code == 507
     assert "the documents are stored" in answer.json()["error"]["message"]
-    assert "the output's disk is full" in answer.json()["error"]["message"]
+    assert f"the disk of {tmp_path / 'out'} is full" in answer.json()["error"]["message"]
     assert published(tmp_path) == {}
     monkeypatch.undo()
     again = await post(client, [doc("a"), doc("b"), doc("c")])
     assert (again.status_code, again.json()["duplicates"]) == (200, 3)
     assert published(tmp_path) == {"00000_chunk_0.jsonl": ["a", "b", "c"]}
+
+
+async def test_a_full_disk_refusing_last_chunk_after_the_append_says_the_documents_are_stored_and_a_retry_records_it(
+    client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(path: str, data: bytes, **options: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(app.checkpointing, "atomic_write_bytes", full)
+    answer = await post(client, [doc("a"), doc("b"), doc("c")])
+    message = answer.json()["error"]["message"]
+    assert answer.status_code == 507
+    assert "the documents are stored" in message
+    assert f"the disk of {tmp_path / 'ckpt'} is full" in message
+    assert (await client.get("/resume")).json()["processed_ids"] == ["a", "b", "c"]
+    monkeypatch.undo()
+    again = await post(client, [doc("a"), doc("b"), doc("c")])
+    assert (again.status_code, again.json()["duplicates"], again.json()["last_chunk_index"]) == (200, 3, 0)
+    assert (tmp_path / "ckpt" / "last_chunk" / "00000.txt").read_text() == "0"
 
 
 async def test_completing_the_last_chunk_publishes_it_and_removes_the_working_files(

@@ -140,11 +140,11 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
 
 
 def publication_error(exc: PublishError, message: str) -> ProxyError:
-    """A complete chunk not published (its documents stay checkpointed, and it is retried): 507 if the
-    output's disk is full, else 500."""
+    """A complete chunk not published (its documents stay checkpointed, and it is retried): 507 if a
+    disk is full, else 500."""
     cause = exc.__cause__
     if isinstance(cause, OSError) and cause.errno in _DISK_FULL:
-        return InsufficientStorage(f"{message}: the output's disk is full, free space there first")
+        return InsufficientStorage(f"{message}: the disk of {exc.where} is full, free space there first")
     return ProxyError(message)
 
 
