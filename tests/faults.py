@@ -36,4 +36,3 @@ def fill_disk(disk: Path, leave: int = 0) -> Path:
     with open(filler, "wb") as f, contextlib.suppress(OSError):  # ENOSPC: full
         f.write(b"\0" * max(stat.f_bavail * stat.f_frsize - leave, 0))
     return filler
-

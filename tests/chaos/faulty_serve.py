@@ -13,8 +13,9 @@ Before it dies it appends one JSON line to LOG: the step, when (`time.monotonic(
 process of the machine), and for a cache step the file and the keys (doc id, rollout) of the batch it cut.
 
 While the file LOG + `.io` exists, holding `ERRNO CALLS DIR` (`EIO fsync,write /data/output`),
-`os.write` and `os.fsync` (those of CALLS) on files under DIR fail with that errno: a disk that
-fails, switched on and off from outside by writing and removing that file.
+`os.write` and `os.fsync` (those of CALLS) on files under DIR fail with that errno (a write after
+taking half of its bytes): a disk that fails, switched on and off from outside by writing and
+removing that file.
 """
 
 from __future__ import annotations
@@ -64,17 +65,17 @@ def faulty_connection(log: FaultLog) -> type[sqlite3.Connection]:
         """Counts the INSERT statements of each transaction and remembers their keys."""
 
         db_path = ""
-        inserted: list[tuple[str, int]]
+        inserted: tuple[tuple[str, int], ...] = ()
         statements = 0
 
         def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
             if sql == "BEGIN":
-                self.inserted, self.statements = [], 0
+                self.inserted, self.statements = (), 0
             elif sql.startswith(_INSERT):
                 if self.statements:
                     log.happened("cache_mid_batch", db=self.db_path, keys=self.inserted)
                 self.statements += 1
-                self.inserted += [(parameters[i + 1], parameters[i + 2]) for i in range(0, len(parameters), 9)]
+                self.inserted += tuple((parameters[i + 1], parameters[i + 2]) for i in range(0, len(parameters), 9))
             elif sql == "COMMIT" and self.statements:
                 log.happened("cache_commit", db=self.db_path, keys=self.inserted)
             return super().execute(sql, parameters)
@@ -128,6 +129,8 @@ def failing_io(switch: Path) -> None:
             except (FileNotFoundError, ValueError):
                 return real(fd, *args)
             if name in calls.split(",") and path_of(fd).startswith(where):
+                if name == "write":  # a failing disk may take part of a write first
+                    real(fd, bytes(args[0][: len(args[0]) // 2]))
                 number = getattr(errno, code)
                 raise OSError(number, f"{os.strerror(number)} (injected into {name})")
             return real(fd, *args)

@@ -280,30 +280,42 @@ class RankJob:
                 *(self._rollout(client, doc_id, r, position) for r in range(self.shape.rollouts))
             )
             document = {"id": doc_id, "text": f"text of {doc_id}", "metadata": {"rollouts": list(texts)}}
+            retried = False
             while True:
                 try:
                     await self._call(lambda: job.write_document(document, chunk))
                     break
                 except ProxyJobError as refused:
-                    await self._refused(job, refused, doc_id)
+                    if await self._stored_all_the_same(job, refused, doc_id, retried):
+                        break
+                    retried = True
+                    await asyncio.sleep(0.1)  # the disk may be full, or failing
             self.ledger.acknowledge(self.rank, doc_id)
         finally:
             slots.release()
 
-    async def _refused(self, job: ProxyJob, refused: ProxyJobError, doc_id: str) -> None:
-        """A refused document is sent again after a pause (the disk may be full, or failing); first, if the
-        proxy says nothing of it was written, `/resume` must agree."""
+    async def _stored_all_the_same(self, job: ProxyJob, refused: ProxyJobError, doc_id: str, retried: bool) -> bool:
+        """Whether a refused document is stored all the same (else it is sent again): the proxy says so (a
+        chunk it completed could not be published), or, for a 409 to a document sent before, `/resume`
+        says its chunk is done (as `ProxyJob` takes a 409 to a retry). Where the proxy says nothing of it
+        was written, `/resume` must agree."""
+        if refused.status == 409 and retried:
+            return await self._done(job, doc_id)
         if refused.status not in (500, 507):
             raise refused
         self.refusals[refused.status] += 1
-        if "nothing of this request was written" in refused.message:
-            resume = await self._call(lambda: resume_of(job, self.ledger, self.rank))
-            if self.ledger.positions[self.rank][doc_id] < resume.docs_to_skip or doc_id in resume.processed_ids:
-                self.ledger.violations.append(
-                    f"rank {self.rank}: {doc_id!r} was refused with {refused.status} ({refused.message}) "
-                    f"but /resume counts it done"
-                )
-        await asyncio.sleep(0.1)
+        if "the documents are stored" in refused.message:
+            return True
+        if "nothing of this request was written" in refused.message and await self._done(job, doc_id):
+            self.ledger.violations.append(
+                f"rank {self.rank}: {doc_id!r} was refused with {refused.status} ({refused.message}) "
+                f"but /resume counts it done"
+            )
+        return False
+
+    async def _done(self, job: ProxyJob, doc_id: str) -> bool:
+        resume = await self._call(lambda: resume_of(job, self.ledger, self.rank))
+        return self.ledger.positions[self.rank][doc_id] < resume.docs_to_skip or doc_id in resume.processed_ids
 
     async def _rollout(self, client: HTTPClient, doc_id: str, rollout_idx: int, position: int) -> str:
         path, body = rollout_request(doc_id, rollout_idx, position, self.shape.chunk_delay_ms)
