@@ -221,16 +221,18 @@ async def ask(
     ]
     if chunk_index is not None:
         headers.append((b"x-chunk-index", str(chunk_index).encode()))
-    streamed = b'"stream":true' in body
-    status, state, data = 0, "", None
+    status, state, data, got, streamed = 0, "", None, (), False
     sent = time.monotonic()
     try:
         async with client.request("POST", url + path, headers=headers, body=body) as response:
             status, state = response.status, (response.header(b"x-cache") or b"").decode()
+            got = tuple(response.headers)
+            streamed = (response.header(b"content-type") or b"").startswith(b"text/event-stream")
             pieces = [piece async for piece in response.iter_chunks()]
             data = b"".join(pieces)
     finally:
-        answer = Answer(rank, doc_id, rollout_idx, path, body, streamed, state, status, data, sent, time.monotonic())
+        received = time.monotonic()
+        answer = Answer(rank, doc_id, rollout_idx, path, body, streamed, state, status, data, sent, received, got)
         ledger.answers.append(answer)
     return answer
 

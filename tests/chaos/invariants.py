@@ -44,7 +44,8 @@ GENERATED = frozenset({"MISS", "REFRESH"})
 
 @dataclass(frozen=True, slots=True)
 class Answer:
-    """One request to `/v1/*` and what came back: `status` 0 if no head came, `data` None if the body was cut."""
+    """One request to `/v1/*` and what came back: `status` 0 if no head came, `data` None if the body was
+    cut, `streamed` if it is a stream (`text/event-stream`; a streamed request may get a JSON error)."""
 
     rank: int
     doc_id: str
@@ -57,6 +58,7 @@ class Answer:
     data: bytes | None
     sent_at: float
     received_at: float
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
     @property
     def key(self) -> tuple[int, str, int, str, bytes]:
@@ -348,7 +350,7 @@ def assert_invariants(ledger: Ledger, problems: list[str]) -> None:
     """The ledger's own checks and `problems`, as one failure that shows a few of each kind."""
     kinds = {
         "what the clients were told": ledger.violations,
-        "on disk": problems,
+        "on disk, and the scenario's own": problems,
         "last_chunk_index over time": check_last_chunk_never_moves_back(ledger.observations),
         "replayed answers": check_replays(ledger),
     }
