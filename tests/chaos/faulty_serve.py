@@ -12,6 +12,9 @@ FAULT is `none` or `STEP@N`: the process kills itself with SIGKILL the N-th time
 Before it dies it appends one JSON line to LOG: the step, when (`time.monotonic()`: one clock for every
 process of the machine), and for a cache step the file and the keys (doc id, rollout) of the batch it cut.
 
+For a power cut (`ProxyProcess.cut_power`), LOG + `.synced` keeps (JSON) the size each file under the
+checkpoints dir had when its last fsync began: what a power cut cannot take from it.
+
 While the file LOG + `.io` exists, holding `ERRNO CALLS DIR` (`EIO fsync,write /data/output`),
 `os.write` and `os.fsync` (those of CALLS) on files under DIR fail with that errno (a write after
 taking half of its bytes): a disk that fails, switched on and off from outside by writing and
@@ -26,7 +29,9 @@ import json
 import os
 import signal
 import sqlite3
+import stat
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -119,6 +124,25 @@ def path_of(fd: int) -> str:
         return ""
 
 
+def recording_synced_sizes(record: Path, where: str) -> None:
+    """`os.fsync` of a file under `where` records the size the file had when it began."""
+    sizes = json.loads(record.read_text()) if record.exists() else {}
+    lock = threading.Lock()  # fsyncs run in threads
+    fsync = os.fsync
+
+    def fsyncing(fd: int) -> None:
+        path = path_of(fd)
+        size = os.fstat(fd).st_size if path.startswith(where) and stat.S_ISREG(os.fstat(fd).st_mode) else None
+        fsync(fd)
+        if size is not None:
+            with lock:
+                sizes[path] = size
+                record.with_suffix(".tmp").write_text(json.dumps(sizes))
+                os.rename(record.with_suffix(".tmp"), record)
+
+    os.fsync = fsyncing
+
+
 def failing_io(switch: Path) -> None:
     """`os.write` and `os.fsync` fail as the switch file says, while it exists."""
 
@@ -144,7 +168,9 @@ def failing_io(switch: Path) -> None:
 if __name__ == "__main__":
     fault, log_path, *args = sys.argv[1:]
     output = next(arg.split("=", 1)[1] for arg in args if arg.startswith("--output="))
+    checkpoints = next(arg.split("=", 1)[1] for arg in args if arg.startswith("--checkpoints-dir="))
     if fault != "none":
         inject(fault, log_path, output)
-    failing_io(Path(log_path + ".io"))
+    recording_synced_sizes(Path(log_path + ".synced"), os.path.realpath(checkpoints))
+    failing_io(Path(log_path + ".io"))  # outermost: an fsync that fails records nothing
     sys.exit(main(args))

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -134,20 +135,30 @@ class ProxyProcess(Process):
     ) -> None:
         self.checkpoints = checkpoints or data / "checkpoints"
         self.output = output or data / "output"
-        self.args, port = start_proxy(
-            upstreams[0],
-            data,
-            *(f"--upstream={url}" for url in upstreams[1:]),
+        args, port = start_proxy(upstreams[0], data, *(f"--upstream={url}" for url in upstreams[1:]), *extra)
+        self.args = [
+            *(arg for arg in args if not arg.startswith(("--checkpoints-dir=", "--output="))),
             f"--checkpoints-dir={self.checkpoints}",
             f"--output={self.output}",
-            *extra,
-        )
+        ]
         super().__init__(data / "proxy.log", port, "/healthz")
         self.fault_log = data / "faults.jsonl"
         self.io_switch = Path(f"{self.fault_log}.io")
+        self.synced_sizes = Path(f"{self.fault_log}.synced")
 
     def command(self, fault: str) -> list[str]:
         return ["tests.chaos.faulty_serve", fault, str(self.fault_log), *self.args]
+
+    def cut_power(self) -> float:
+        """SIGKILL, and what a power cut would take besides: every chunk file cut back to the size it had
+        when its last fsync began (see `faulty_serve`). Returns when the power went."""
+        at = self.kill()
+        synced = json.loads(self.synced_sizes.read_text()) if self.synced_sizes.exists() else {}
+        for path in self.checkpoints.glob("*/chunk_*.jsonl"):
+            size = synced.get(os.path.realpath(path), 0)
+            if path.stat().st_size > size:
+                os.truncate(path, size)
+        return at
 
     def died_of_fault(self) -> dict[str, Any] | None:
         """The fault it died of (see `faulty_serve`), once it is dead of it."""
@@ -417,8 +428,8 @@ class Run:
         self.proxy.start()
         await self.proxy.ready()
 
-    async def kill_and_restart(self) -> None:
-        self.died(self.proxy.kill())
+    async def kill_and_restart(self, *, power_cut: bool = False) -> None:
+        self.died(self.proxy.cut_power() if power_cut else self.proxy.kill())
         await self.restart()
 
     async def finish(self) -> None:

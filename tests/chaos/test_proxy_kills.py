@@ -1,5 +1,9 @@
 """SIGKILL of `inferproxy serve` at random moments, under load from four ranks, restarted each time.
 
+Half the kills (drawn from the seed) are power cuts as far as checkpoints go: every chunk file is cut
+back to what its last fsync made durable (`ProxyProcess.cut_power`), so that an acknowledgement sent
+before its fsync shows, which a SIGKILL alone never does (the kernel keeps what was written).
+
 Each rank is a job-like client (`RankJob`): rollouts through `/v1/*`, streamed and not, chat and
 completions, then its documents to `/documents`, full chunks completing as they fill. Two ranks ride
 through a kill (each call retried, as the job client retries), two start over from `/resume` (as a job
@@ -45,7 +49,7 @@ async def test_sigkill_at_random_moments_under_load_breaks_no_invariant(tmp_path
             for point in sorted(rng.sample(range(total // 20, total * 9 // 10), kills)):
                 await run.until(lambda point=point: ledger.acks() >= point, f"{point} acknowledged documents")
                 await asyncio.sleep(rng.uniform(0, 0.05))
-                await run.kill_and_restart()
+                await run.kill_and_restart(power_cut=rng.random() < 0.5)
             await run.finish()
         assert len(ledger.deaths) == kills + 1  # and the last one, in `finish`
     finally:
