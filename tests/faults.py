@@ -33,6 +33,8 @@ def fill_disk(disk: Path, leave: int = 0) -> Path:
     (remove it to give the space back)."""
     filler = disk / "filler"
     stat = os.statvfs(disk)
-    with open(filler, "wb") as f, contextlib.suppress(OSError):  # ENOSPC: full
+    # Unbuffered: others write to the disk meanwhile, and what does not fit must not wait in a buffer
+    # for the close to fail on it.
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):  # ENOSPC: full
         f.write(b"\0" * max(stat.f_bavail * stat.f_frsize - leave, 0))
     return filler

@@ -103,7 +103,7 @@ class Process:
             self.proc.kill()
             self.proc.wait(timeout=30)
 
-    def log_tail(self, lines: int = 40) -> str:
+    def log_tail(self, lines: int = 25) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
 
 

@@ -48,8 +48,9 @@ async def test_a_full_or_failing_disk_gives_clear_errors_writes_nothing_half_and
     rng = chaos.rng("disk")
     documents = chaos.count(59, 239)
     with contextlib.ExitStack() as disks:
-        checkpoints = disks.enter_context(small_disk(tmp_path / "checkpoints-disk", "4m")) / "checkpoints"
-        output = disks.enter_context(small_disk(tmp_path / "output-disk", "1m")) / "output"
+        # Room for a long run's caches and their WALs: the fault is the filler, which takes what is free.
+        checkpoints = disks.enter_context(small_disk(tmp_path / "checkpoints-disk", "64m")) / "checkpoints"
+        output = disks.enter_context(small_disk(tmp_path / "output-disk", "16m")) / "output"
         upstream = UpstreamProcess(tmp_path, latency_ms=5)
         upstream.start()
         disks.callback(upstream.close)
