@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install check test bench demo format fuzz
+.PHONY: install check test bench demo format fuzz chaos
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,3 +38,8 @@ bench: $(STAMP)
 FUZZ_EXAMPLES ?= 20000
 fuzz: $(STAMP)
 	$(BIN)/python bench/fuzz_http.py --examples $(FUZZ_EXAMPLES)
+
+# The chaos suite's long run (tests/chaos with the benchmark machine's counts: >= 20 kills, longer loads);
+# `make test` runs its short one. A failure prints its seed: CHAOS_SEED=N repeats it.
+chaos: $(STAMP)
+	$(BIN)/pytest tests/chaos --chaos-long $(if $(CHAOS_SEED),--chaos-seed $(CHAOS_SEED))

@@ -40,6 +40,15 @@ REPO = Path(__file__).parents[2]
 READY_S = 60.0
 
 
+@contextlib.asynccontextmanager
+async def http_client(**options: float) -> AsyncIterator[HTTPClient]:
+    client = HTTPClient(**options)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
 class Process:
     """A real process on one port for its whole life, killed and restarted at will, its stderr appended
     to a log file (a pipe nobody reads would fill up and stop it)."""
@@ -52,15 +61,16 @@ class Process:
         self.proc: subprocess.Popen[bytes] | None = None
         self.lives = 0
 
-    def command(self, fault: str) -> list[str]:
+    def command(self) -> list[str]:
+        """What `python -m` runs."""
         raise NotImplementedError
 
-    def start(self, fault: str = "none") -> None:
+    def start(self) -> None:
         with open(self.log, "ab") as log:
-            log.write(f"--- life {self.lives}, fault {fault}\n".encode())
+            log.write(f"--- life {self.lives}: {' '.join(self.command())}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", *self.command(fault)], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log
+                [sys.executable, "-m", *self.command()], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log
             )
         self.lives += 1
 
@@ -71,9 +81,7 @@ class Process:
             while True:
                 assert self.proc is not None
                 if self.proc.poll() is not None:
-                    raise AssertionError(
-                        f"{self.command('')[0]} exited with {self.proc.returncode}:\n{self.log_tail()}"
-                    )
+                    raise AssertionError(f"{self.command()[0]} exited with {self.proc.returncode}:\n{self.log_tail()}")
                 try:
                     async with client.request("GET", self.url + self.health) as answer:
                         await answer.read()
@@ -114,7 +122,7 @@ class UpstreamProcess(Process):
         super().__init__(data / f"{name}.log", free_port(), "/v1/models")
         self.latency_ms = latency_ms
 
-    def command(self, fault: str) -> list[str]:
+    def command(self) -> list[str]:
         return ["app.cli", "fake-upstream", f"--port={self.port}", f"--latency-ms={self.latency_ms:g}"]
 
     async def stats(self) -> dict[str, Any]:
@@ -142,12 +150,18 @@ class ProxyProcess(Process):
             f"--output={self.output}",
         ]
         super().__init__(data / "proxy.log", port, "/healthz")
+        self.fault = "none"
         self.fault_log = data / "faults.jsonl"
         self.io_switch = Path(f"{self.fault_log}.io")
         self.synced_sizes = Path(f"{self.fault_log}.synced")
 
-    def command(self, fault: str) -> list[str]:
-        return ["tests.chaos.faulty_serve", fault, str(self.fault_log), *self.args]
+    def command(self) -> list[str]:
+        return ["tests.chaos.faulty_serve", self.fault, str(self.fault_log), *self.args]
+
+    def start(self, fault: str = "none") -> None:
+        """Start it, to die of `fault` (see `faulty_serve`), or of nothing."""
+        self.fault = fault
+        super().start()
 
     def cut_power(self) -> float:
         """SIGKILL, and what a power cut would take besides: every chunk file cut back to the size it had
@@ -174,36 +188,23 @@ class ProxyProcess(Process):
         self.io_switch.unlink(missing_ok=True)
 
 
-@contextlib.asynccontextmanager
-async def http_client(**options: float) -> AsyncIterator[HTTPClient]:
-    client = HTTPClient(**options)
-    try:
-        yield client
-    finally:
-        await client.close()
-
-
 class ProxyDied(Exception):
     """The connection to the proxy broke: it was killed under the job."""
 
 
-@dataclass
-class JobShape:
-    """How a rank's job runs: `restarts` (start over from `/resume` when the proxy dies, as a job killed
-    with its proxy is restarted) or ride through (retry each call, as the job client does)."""
-
-    restarts: bool
-    concurrency: int = 4
-    rollouts: int = 2
-    chunk_delay_ms: int = 5
+#: Per rank: documents in flight, rollouts per document (odd ones streamed), and the delay between
+#: streamed chunks (so that a kill often lands mid-stream).
+CONCURRENCY = 4
+ROLLOUTS = 2
+CHUNK_DELAY_MS = 5
 
 
-def rollout_request(doc_id: str, rollout_idx: int, position: int, chunk_delay_ms: int) -> tuple[str, dict[str, Any]]:
+def rollout_request(doc_id: str, rollout_idx: int, position: int) -> tuple[str, dict[str, Any]]:
     """The path and body of one rollout: chat or completions by position, odd rollouts streamed."""
     body: dict[str, Any] = {"model": "fake-model", "max_tokens": 6, "stream": rollout_idx % 2 == 1}
     if body["stream"]:
         body["stream_options"] = {"include_usage": True}
-        body["fake_upstream"] = {"chunk_delay_ms": chunk_delay_ms}
+        body["fake_upstream"] = {"chunk_delay_ms": CHUNK_DELAY_MS}
     if position % 3 == 2:
         return "/v1/completions", {**body, "prompt": f"{doc_id} rollout {rollout_idx}"}
     return "/v1/chat/completions", {
@@ -252,12 +253,16 @@ async def ask(
 class RankJob:
     """One rank of a batch job: for each document of its input not yet done (as `/resume` says), its
     rollouts through `/v1/*`, then the document to `/documents` (through `app.client.ProxyJob`, batching
-    as `run_job` does). Its last chunk is left open: `complete` closes it."""
+    as `run_job` does). Its last chunk is left open (`Run.finish` completes it).
+
+    When the proxy dies under it, a job that `restarts` starts over from `/resume` (as a job killed with
+    its proxy is restarted); the others ride through, each call retried (as the job client retries).
+    """
 
     url: str
     ledger: Ledger
     rank: int
-    shape: JobShape
+    restarts: bool
     refusals: Counter[int] = field(default_factory=Counter)
 
     async def run(self) -> None:
@@ -269,13 +274,13 @@ class RankJob:
                 pass  # started over from /resume once the proxy answers again
 
     async def _pass(self) -> None:
-        retries = 0 if self.shape.restarts else 12
+        retries = 0 if self.restarts else 12
         async with http_client(read_timeout=60) as client:
             job = ProxyJob(self.url, self.rank, retries=retries, client=client)
             try:
                 resume = await self._call(lambda: resume_of(job, self.ledger, self.rank))
                 inputs = self.ledger.inputs[self.rank]
-                slots = asyncio.Semaphore(self.shape.concurrency)
+                slots = asyncio.Semaphore(CONCURRENCY)
                 async with asyncio.TaskGroup() as tasks:
                     for position, doc_id in enumerate(inputs):
                         if position >= resume.docs_to_skip and doc_id not in resume.processed_ids:
@@ -289,9 +294,7 @@ class RankJob:
     ) -> None:
         try:
             chunk = position // self.ledger.records_per_chunk
-            texts = await asyncio.gather(
-                *(self._rollout(client, doc_id, r, position) for r in range(self.shape.rollouts))
-            )
+            texts = await asyncio.gather(*(self._rollout(client, doc_id, r, position) for r in range(ROLLOUTS)))
             document = {"id": doc_id, "text": f"text of {doc_id}", "metadata": {"rollouts": list(texts)}}
             retried = False
             while True:
@@ -331,7 +334,7 @@ class RankJob:
         return self.ledger.positions[self.rank][doc_id] < resume.docs_to_skip or doc_id in resume.processed_ids
 
     async def _rollout(self, client: HTTPClient, doc_id: str, rollout_idx: int, position: int) -> str:
-        path, body = rollout_request(doc_id, rollout_idx, position, self.shape.chunk_delay_ms)
+        path, body = rollout_request(doc_id, rollout_idx, position)
         chunk = position // self.ledger.records_per_chunk
         raw = orjson.dumps(body)
         answer = await self._call(
@@ -350,7 +353,7 @@ class RankJob:
             try:
                 return await call()
             except HTTPClientError as exc:
-                if self.shape.restarts:
+                if self.restarts:
                     raise ProxyDied(str(exc)) from exc
                 if time.monotonic() > deadline:
                     raise AssertionError(f"rank {self.rank}: the proxy did not come back: {exc}") from exc

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.conftest import Chaos
-from tests.chaos.harness import JobShape, ProxyProcess, RankJob, Run, UpstreamProcess, chaos_run
+from tests.chaos.harness import ProxyProcess, RankJob, Run, UpstreamProcess, chaos_run
 from tests.chaos.invariants import Ledger
 from tests.faults import fill_disk, small_disk
 
@@ -64,7 +64,7 @@ async def test_a_full_or_failing_disk_gives_clear_errors_writes_nothing_half_and
         )
         inputs = {rank: [f"r{rank}-doc-{i}" for i in range(documents)] for rank in range(RANKS)}
         ledger = Ledger(inputs, RECORDS_PER_CHUNK, replay_window_s=FLUSH_INTERVAL_MS / 1000 + SETTLE_S)
-        jobs = [RankJob(proxy.url, ledger, rank, JobShape(restarts=rank % 2 == 1)) for rank in range(RANKS)]
+        jobs = [RankJob(proxy.url, ledger, rank, restarts=rank % 2 == 1) for rank in range(RANKS)]
 
         def full(disk: Path) -> tuple[Callable[[], None], Callable[[], None]]:
             filler = disk.parent / "filler"

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.conftest import Chaos
-from tests.chaos.harness import JobShape, ProxyProcess, RankJob, UpstreamProcess, chaos_run
+from tests.chaos.harness import ProxyProcess, RankJob, UpstreamProcess, chaos_run
 from tests.chaos.invariants import Ledger
 from tests.faults import CHUNK_COMPLETION_STEPS
 
@@ -65,7 +65,7 @@ async def test_a_crash_at_each_durable_step_breaks_no_invariant(tmp_path: Path, 
         )
         inputs = {rank: [f"r{rank}-doc-{i}" for i in range(documents)] for rank in range(RANKS)}
         ledger = Ledger(inputs, RECORDS_PER_CHUNK, replay_window_s=flush_interval_ms / 1000 + SETTLE_S)
-        jobs = [RankJob(proxy.url, ledger, rank, JobShape(restarts=rank % 2 == 1)) for rank in range(RANKS)]
+        jobs = [RankJob(proxy.url, ledger, rank, restarts=rank % 2 == 1) for rank in range(RANKS)]
         async with chaos_run(proxy, ledger, jobs, fault=f"{step}@{nth}") as run:
             await run.until(lambda: proxy.died_of_fault() is not None, f"a crash at {step} (time {nth})")
             fault = proxy.died_of_fault()

@@ -8,7 +8,7 @@ Each rank is a job-like client (`RankJob`): rollouts through `/v1/*`, streamed a
 completions, then its documents to `/documents`, full chunks completing as they fill. Two ranks ride
 through a kill (each call retried, as the job client retries), two start over from `/resume` (as a job
 killed with its proxy is restarted). The kill moments are drawn by progress (acknowledged documents) and
-a few milliseconds more, from the seed. Short mode: 7 kills; `--chaos-long`: 24.
+a few milliseconds more, from the seed. Short mode: 7 kills; `--chaos-long`: 40.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from tests.chaos.conftest import Chaos
-from tests.chaos.harness import JobShape, ProxyProcess, RankJob, UpstreamProcess, chaos_run
+from tests.chaos.harness import ProxyProcess, RankJob, UpstreamProcess, chaos_run
 from tests.chaos.invariants import Ledger
 
 pytestmark = pytest.mark.chaos
@@ -32,9 +32,9 @@ SETTLE_S = 1.0
 
 
 async def test_sigkill_at_random_moments_under_load_breaks_no_invariant(tmp_path: Path, chaos: Chaos) -> None:
-    kills = chaos.count(7, 24)
+    kills = chaos.count(7, 40)
     # Not a whole number of chunks: the last chunk of each rank stays open until the end, for the replay check.
-    documents = chaos.count(79, 299)
+    documents = chaos.count(79, 599)
     rng = chaos.rng("kills")
     upstream = UpstreamProcess(tmp_path, latency_ms=5)
     upstream.start()
@@ -43,7 +43,7 @@ async def test_sigkill_at_random_moments_under_load_breaks_no_invariant(tmp_path
         proxy = ProxyProcess(tmp_path, [upstream.url], f"--records-per-chunk={RECORDS_PER_CHUNK}")
         inputs = {rank: [f"r{rank}-doc-{i}" for i in range(documents)] for rank in range(RANKS)}
         ledger = Ledger(inputs, RECORDS_PER_CHUNK, replay_window_s=FLUSH_INTERVAL_MS / 1000 + SETTLE_S)
-        jobs = [RankJob(proxy.url, ledger, rank, JobShape(restarts=rank % 2 == 1)) for rank in range(RANKS)]
+        jobs = [RankJob(proxy.url, ledger, rank, restarts=rank % 2 == 1) for rank in range(RANKS)]
         total = RANKS * documents
         async with chaos_run(proxy, ledger, jobs) as run:
             for point in sorted(rng.sample(range(total // 20, total * 9 // 10), kills)):
