@@ -194,6 +194,25 @@ async def test_a_full_disk_refusing_last_chunk_after_the_append_says_the_documen
     assert (tmp_path / "ckpt" / "last_chunk" / "00000.txt").read_text() == "0"
 
 
+async def test_after_a_failed_fsync_the_rank_refuses_writes_until_the_proxy_restarts_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    async with fake_upstream() as (url, _):
+        async with proxy_client(config(tmp_path, url)) as c:
+            assert (await post(c, doc("a"))).status_code == 200
+            monkeypatch.setattr(os, "fsync", eio)
+            assert (await post(c, doc("b"))).status_code == 500
+            monkeypatch.undo()
+            refused = await post(c, doc("c"))  # the kernel may have dropped what it could not write
+            assert refused.status_code == 500
+            assert "restart inferproxy serve, then the job" in refused.json()["error"]["message"]
+        async with proxy_client(config(tmp_path, url)) as c:
+            assert (await post(c, doc("c"))).status_code == 200
+
+
 async def test_completing_the_last_chunk_publishes_it_and_removes_the_working_files(
     client: httpx.AsyncClient, tmp_path: Path
 ) -> None:

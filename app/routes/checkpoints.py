@@ -151,7 +151,8 @@ def publication_error(exc: PublishError, message: str) -> ProxyError:
 def storage_error(exc: OSError, services: Services) -> ProxyError:
     """507 for a full disk (nothing was written, retry once space is freed), 500 for anything else."""
     if isinstance(exc, CheckpointDurabilityError):
-        return ProxyError(str(exc))
+        # The rank stays refused while this proxy has it open: a restarted job would only get this again.
+        return ProxyError(f"{exc}; here, that means: restart inferproxy serve, then the job")
     if exc.errno in _DISK_FULL:
         return InsufficientStorage(
             f"the checkpoints disk is full ({exc.strerror}); nothing of this request was written: "
