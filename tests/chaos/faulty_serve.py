@@ -12,8 +12,8 @@ FAULT is `none` or `STEP@N`: the process kills itself with SIGKILL the N-th time
 Before it dies it appends one JSON line to LOG: the step, when (`time.monotonic()`: one clock for every
 process of the machine), and for a cache step the file and the keys (doc id, rollout) of the batch it cut.
 
-For a power cut (`ProxyProcess.cut_power`), LOG + `.synced` keeps (JSON) the size each file under the
-checkpoints dir had when its last fsync began: what a power cut cannot take from it.
+For a power cut (`ProxyProcess.cut_power`), LOG + `.synced` keeps (JSON) the size each chunk file of
+the checkpoints dir had when its last fsync began: what a power cut cannot take from it.
 
 While the file LOG + `.io` exists, holding `ERRNO CALLS DIR` (`EIO fsync,write /data/output`),
 `os.write` and `os.fsync` (those of CALLS) on files under DIR fail with that errno (a write after
@@ -29,7 +29,6 @@ import json
 import os
 import signal
 import sqlite3
-import stat
 import sys
 import threading
 import time
@@ -46,6 +45,8 @@ _INSERT = "INSERT OR REPLACE INTO request_cache"
 
 
 class FaultLog:
+    """The chosen fault: its step, and how many more times that step may happen before the process dies."""
+
     def __init__(self, path: str, step: str, nth: int) -> None:
         self.path = path
         self.step = step
@@ -92,12 +93,12 @@ def inject(fault: str, log_path: str, output: str) -> None:
     step, _, nth = fault.partition("@")
     log = FaultLog(log_path, step, int(nth or 1))
     if step in CHUNK_COMPLETION_STEPS:
-        app.services.CheckpointManager = functools.partial(CheckpointManager, fault=log.happened)  # type: ignore[misc]
+        app.services.CheckpointManager = functools.partial(CheckpointManager, fault=log.happened)
     elif step == "publish_rename":
         replace = os.replace
 
         def replacing(src: Any, dst: Any, **kwargs: Any) -> None:
-            if str(dst).startswith(output):
+            if str(dst).startswith(output.rstrip(os.sep) + os.sep):
                 log.happened(step, target=str(dst))
             replace(src, dst, **kwargs)
 
@@ -108,10 +109,10 @@ def inject(fault: str, log_path: str, output: str) -> None:
 
         def connecting(database: Any, *args: Any, **kwargs: Any) -> sqlite3.Connection:
             conn = connect(database, *args, factory=factory, **kwargs)
-            conn.db_path = str(database)  # type: ignore[attr-defined]
+            conn.db_path = str(database)
             return conn
 
-        sqlite3.connect = connecting  # type: ignore[assignment]
+        sqlite3.connect = connecting
     else:
         raise SystemExit(f"faulty_serve: unknown fault {fault!r}")
 
@@ -125,14 +126,15 @@ def path_of(fd: int) -> str:
 
 
 def recording_synced_sizes(record: Path, where: str) -> None:
-    """`os.fsync` of a file under `where` records the size the file had when it began."""
+    """`os.fsync` of a chunk file under `where` records the size the file had when it began."""
     sizes = json.loads(record.read_text()) if record.exists() else {}
     lock = threading.Lock()  # fsyncs run in threads
     fsync = os.fsync
 
     def fsyncing(fd: int) -> None:
         path = path_of(fd)
-        size = os.fstat(fd).st_size if path.startswith(where) and stat.S_ISREG(os.fstat(fd).st_mode) else None
+        chunk_file = path.startswith(where + os.sep) and os.path.basename(path).startswith("chunk_")
+        size = os.fstat(fd).st_size if chunk_file else None
         fsync(fd)
         if size is not None:
             with lock:
@@ -152,7 +154,7 @@ def failing_io(switch: Path) -> None:
                 code, calls, where = switch.read_text().split(maxsplit=2)
             except (FileNotFoundError, ValueError):
                 return real(fd, *args)
-            if name in calls.split(",") and path_of(fd).startswith(where):
+            if name in calls.split(",") and path_of(fd).startswith(where.rstrip(os.sep) + os.sep):
                 if name == "write":  # a failing disk may take part of a write first
                     real(fd, bytes(args[0][: len(args[0]) // 2]))
                 number = getattr(errno, code)
