@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install check test bench demo format fuzz install-vllm vllm-installable test-vllm
+.PHONY: install check test bench demo format fuzz chaos install-vllm vllm-installable test-vllm
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,3 +67,7 @@ vllm-installable:
 # One vLLM for the whole suite (two tests kill it and start it again): 2-4 min here, plus the install.
 test-vllm: $(VLLM_STAMP)
 	INFERPROXY_TEST_VLLM=1 $(VLLM_VENV)/bin/pytest tests/vllm
+# The chaos suite's long run (tests/chaos with the benchmark machine's counts: >= 20 kills, longer loads);
+# `make test` runs its short one. A failure prints its seed: CHAOS_SEED=N repeats it.
+chaos: $(STAMP)
+	$(BIN)/pytest tests/chaos --chaos-long $(if $(CHAOS_SEED),--chaos-seed $(CHAOS_SEED))

@@ -47,6 +47,7 @@ from app.chunkfiles import CheckpointDurabilityError, ChunkFiles, FsyncPolicy
 from app.documents import Document, DocumentLike, OutputWriter, encode_document, is_removed
 from app.durable import atomic_write_bytes
 from app.layout import META_FILENAME, CheckpointsLayout, RankPaths
+from app.publish import PublishError
 from app.resume import (
     RecordsPerChunkMismatch,
     check_records_per_chunk,
@@ -186,7 +187,9 @@ class CheckpointManager:
         duplicates and not written. Raises, with nothing written or counted:
         `DocumentError` for a document that cannot be serialised,
         `ChunkCompleteError` if the chunk is complete or the new documents
-        would overfill it, `OSError` if the disk refuses the append.
+        would overfill it, `OSError` if the disk refuses the append. A chunk
+        they complete that cannot be published raises `PublishError`: the
+        documents are stored, and the next write or completion retries it.
         """
         lines = [encode_document(document) for document in documents]
         self._chunk_files.check_usable()
@@ -236,7 +239,7 @@ class CheckpointManager:
             count = self.per_chunk_counts[chunk_index]
         # Outside the chunk lock, so the chunk's other writers share this fsync.
         await self._chunk_files.make_durable(chunk_index)
-        if self._ready:
+        if self._ready or self.last_chunk_index + 1 in self.new_completed_chunks:  # the latter: a failed advance
             # Shielded: once started, publishing finishes even if this caller is cancelled.
             await asyncio.shield(self._publish_ready(rank))
         return BatchOutcome(
@@ -424,7 +427,13 @@ class CheckpointManager:
             while self.last_chunk_index + 1 in self.new_completed_chunks:
                 chunk_index = self.last_chunk_index + 1
                 last_chunk_file = self._paths(rank).last_chunk_file
-                await asyncio.to_thread(atomic_write_bytes, last_chunk_file, str(chunk_index).encode())
+                try:
+                    await asyncio.to_thread(atomic_write_bytes, last_chunk_file, str(chunk_index).encode())
+                except OSError as exc:  # the documents are stored: the next write or completion tries again
+                    where = str(self.checkpoints_local_dir)
+                    raise PublishError(
+                        f"recording chunk {chunk_index} in {last_chunk_file} failed: {exc}", where=where
+                    ) from exc
                 self.last_chunk_index = chunk_index
                 self._fault("last_chunk_written")
                 async with self.file_locks[chunk_index]:

@@ -52,17 +52,16 @@ def make_dirs_durable(path: str) -> None:
         fsync_dir(os.path.dirname(directory))
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
+def atomic_write_bytes(path: str, data: bytes, *, sole_writer: bool = False) -> None:
     """Replace `path` with `data`: readers see the old content or the new, never a mix.
 
-    Temporary files of earlier writes of `path` that a crash left beside it (a published chunk's, a
-    proxy killed while writing it) are removed first: a reader of the folder must not find them. A
-    file has one writer at a time (its rank's owner), so they are nobody's now.
+    `sole_writer`: only one writer ever replaces `path` (a rank's published chunk: its owner alone
+    publishes it). The temporary name is then always the same, so that one a crash left behind is
+    overwritten and renamed away by the next write instead of staying in the folder for good.
     """
     directory = os.path.dirname(os.path.abspath(path))
     make_dirs_durable(directory)
-    remove_stale_temps(path)
-    tmp_path = _durable_temp(path, data)
+    tmp_path = _durable_temp(path, data, fixed_name=sole_writer)
     try:
         os.replace(tmp_path, path)
     except BaseException:
@@ -70,18 +69,6 @@ def atomic_write_bytes(path: str, data: bytes) -> None:
             os.unlink(tmp_path)
         raise
     fsync_dir(directory)
-
-
-def remove_stale_temps(path: str) -> None:
-    """Remove the `_durable_temp` files of `path` left beside it."""
-    directory, name = os.path.split(os.path.abspath(path))
-    prefix = f".{name}."
-    with os.scandir(directory) as entries:
-        stale = [e.path for e in entries if e.name.startswith(prefix) and e.name.endswith(".tmp")]
-    for temp in stale:
-        logger.info("removing %s, left by a write that did not finish (a crash)", temp)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
 
 
 def create_exclusive_bytes(path: str, data: bytes) -> None:
@@ -100,21 +87,26 @@ def create_exclusive_bytes(path: str, data: bytes) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _durable_temp(path: str, data: bytes) -> str:
+def _durable_temp(path: str, data: bytes, *, fixed_name: bool = False) -> str:
     """A new file `.<name>.<random>.tmp` beside `path` holding `data`, fsynced; its path.
+    With `fixed_name`, `.<name>.tmp`, replacing any file of that name.
 
     Created with mode 0666 less the umask, as `open()` would make it (the
     file is published for other users and jobs; `mkstemp` makes 0600, and
     reading the umask means setting it, which races with other threads).
     """
     directory, name = os.path.split(os.path.abspath(path))
-    while True:
-        tmp_path = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
-        try:
-            fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-            break
-        except FileExistsError:
-            continue
+    if fixed_name:
+        tmp_path = os.path.join(directory, f".{name}.tmp")
+        fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    else:
+        while True:
+            tmp_path = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+            try:
+                fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+                break
+            except FileExistsError:
+                continue
     try:
         with os.fdopen(fd, "wb") as tmp:
             tmp.write(data)

@@ -7,7 +7,9 @@ chunk's output file, and that is when the publisher reads the chunk file
 and publishes it as one file named by `output_filename`:
 
 - locally: written under a temporary name in the target folder, fsynced,
-  renamed over the final name, the folder fsynced: the file is whole or absent;
+  renamed over the final name, the folder fsynced: the file is whole or absent
+  (the temporary name is the chunk's own, `.<name>.tmp`: one a crash left is
+  replaced by the chunk's publication after the restart);
 - to an fsspec URL (`s3://bucket/prefix`, ...): uploaded in one piece (one
   PUT on S3, which stores an object only once its whole body has arrived);
 - `.gz` and `.zst` endings compress (zstd needs the `zstandard` package);
@@ -73,7 +75,14 @@ def check_output_filename(template: str) -> Template:
 
 
 class PublishError(RuntimeError):
-    """A complete chunk could not be published; its documents stay checkpointed and it is retried."""
+    """A complete chunk could not be published; its documents stay checkpointed and it is retried.
+
+    `where` is the folder that refused it: the output, or the checkpoints dir (which records it in `last_chunk`).
+    """
+
+    def __init__(self, message: str, *, where: str) -> None:
+        super().__init__(message)
+        self.where = where
 
 
 def is_remote(output: str) -> bool:
@@ -128,7 +137,7 @@ class ChunkPublisher:
                 redact_url(os.path.join(self.output, original_name)),
                 reason,
             )
-            raise PublishError(f"publishing {original_name} failed: {reason}") from exc
+            raise PublishError(f"publishing {original_name} failed: {reason}", where=redact_url(self.output)) from exc
 
     def close(self) -> None:
         """Nothing to flush: every chunk is published when the manager completes it."""
@@ -181,7 +190,7 @@ class ChunkPublisher:
             if self._fs is not None:
                 self._fs.pipe_file(f"{self._root.rstrip('/')}/{name}", data, **self._put_options)
             else:
-                atomic_write_bytes(os.path.join(self.output, name), data)
+                atomic_write_bytes(os.path.join(self.output, name), data, sole_writer=True)
             self.published.append(name)
         self._chunks.pop(name, None)
 

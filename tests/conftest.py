@@ -32,3 +32,19 @@ def http_server(request: pytest.FixtureRequest) -> Iterator[str]:
 @pytest.fixture
 def writer() -> RecordingWriter:
     return RecordingWriter()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    # Here, not in tests/chaos/conftest.py: pytest takes options only from the conftest files it loads first.
+    group = parser.getgroup("chaos", "the chaos suite (tests/chaos)")
+    group.addoption(
+        "--chaos-long",
+        action="store_true",
+        help="run tests/chaos with the benchmark machine's counts (>= 20 kills, longer runs) instead of the short ones",
+    )
+    group.addoption(
+        "--chaos-seed",
+        type=int,
+        default=None,
+        help="the seed of tests/chaos's random moments (default: a fixed one; under --chaos-long a new one each run)",
+    )

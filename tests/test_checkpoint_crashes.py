@@ -10,14 +10,10 @@ import pytest
 
 from app.checkpointing import CheckpointManager
 from tests.factories import RecordingWriter, chunk_path, documents, last_chunk_path, manager, open_cache
+from tests.faults import CHUNK_COMPLETION_STEPS, SimulatedCrash
 
-STEPS = ["output_closed", "last_chunk_written", "chunk_file_deleted", "cache_rows_dropped"]
 RECORDS_PER_CHUNK = 3
 DOCS = documents(8)
-
-
-class SimulatedCrash(BaseException):
-    """A BaseException, like the process dying: no `except Exception` swallows it."""
 
 
 def cached_chunks(root: Path) -> set[int]:
@@ -35,7 +31,7 @@ async def run_job(cm: CheckpointManager, writer: RecordingWriter, skip: int, pro
     await cm.cleanup_last_chunk(0, (len(DOCS) - 1) // RECORDS_PER_CHUNK)
 
 
-@pytest.mark.parametrize("step", STEPS)
+@pytest.mark.parametrize("step", CHUNK_COMPLETION_STEPS)
 async def test_a_crash_at_each_step_of_chunk_completion_resumes_exactly(tmp_path: Path, step: str) -> None:
     seen_at_crash: dict[str, object] = {}
 

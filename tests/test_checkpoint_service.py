@@ -15,7 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
+import app.checkpointing
 import app.durable
+import app.publish
 from app.routes.checkpoints import public_output
 from app.settings import Settings
 from tests.servers import fake_upstream, proxy_client
@@ -153,6 +155,62 @@ async def test_disk_full_gets_507_writes_nothing_and_the_next_write_succeeds(
     assert [json.loads(line)["id"] for line in lines] == ["a"]
     assert (await client.get("/healthz")).status_code == 200
     assert (await post(client, [doc("b"), doc("c")])).json()["written"] == 2
+
+
+async def test_a_full_output_disk_gets_507_keeps_the_documents_and_publishes_once_space_returns(
+    client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(path: str, data: bytes, **options: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(app.publish, "atomic_write_bytes", full)
+    answer = await post(client, [doc("a"), doc("b"), doc("c")])
+    assert answer.status_code == 507
+    assert "the documents are stored" in answer.json()["error"]["message"]
+    assert f"the disk of {tmp_path / 'out'} is full" in answer.json()["error"]["message"]
+    assert published(tmp_path) == {}
+    monkeypatch.undo()
+    again = await post(client, [doc("a"), doc("b"), doc("c")])
+    assert (again.status_code, again.json()["duplicates"]) == (200, 3)
+    assert published(tmp_path) == {"00000_chunk_0.jsonl": ["a", "b", "c"]}
+
+
+async def test_a_full_disk_refusing_last_chunk_after_the_append_says_the_documents_are_stored_and_a_retry_records_it(
+    client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(path: str, data: bytes, **options: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(app.checkpointing, "atomic_write_bytes", full)
+    answer = await post(client, [doc("a"), doc("b"), doc("c")])
+    message = answer.json()["error"]["message"]
+    assert answer.status_code == 507
+    assert "the documents are stored" in message
+    assert f"the disk of {tmp_path / 'ckpt'} is full" in message
+    assert (await client.get("/resume")).json()["processed_ids"] == ["a", "b", "c"]
+    monkeypatch.undo()
+    again = await post(client, [doc("a"), doc("b"), doc("c")])
+    assert (again.status_code, again.json()["duplicates"], again.json()["last_chunk_index"]) == (200, 3, 0)
+    assert (tmp_path / "ckpt" / "last_chunk" / "00000.txt").read_text() == "0"
+
+
+async def test_after_a_failed_fsync_the_rank_refuses_writes_until_the_proxy_restarts_and_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    async with fake_upstream() as (url, _):
+        async with proxy_client(config(tmp_path, url)) as c:
+            assert (await post(c, doc("a"))).status_code == 200
+            monkeypatch.setattr(os, "fsync", eio)
+            assert (await post(c, doc("b"))).status_code == 500
+            monkeypatch.undo()
+            refused = await post(c, doc("c"))  # the kernel may have dropped what it could not write
+            assert refused.status_code == 500
+            assert "restart inferproxy serve, then the job" in refused.json()["error"]["message"]
+        async with proxy_client(config(tmp_path, url)) as c:
+            assert (await post(c, doc("c"))).status_code == 200
 
 
 async def test_completing_the_last_chunk_publishes_it_and_removes_the_working_files(

@@ -58,17 +58,6 @@ def test_atomic_write_replaces_the_content_and_leaves_no_temporary_file(tmp_path
     assert os.listdir(path.parent) == ["last.txt"]
 
 
-def test_atomic_write_removes_the_temporary_files_a_crash_left_of_the_same_file(tmp_path: Path) -> None:
-    """A proxy killed while publishing a chunk leaves `.<name>.<random>.tmp` in the output: the next
-    write of that name (the chunk published by whoever resumed the rank) removes it."""
-    stale = tmp_path / ".00003_chunk_1.jsonl.a1b2c3d4e5f6.tmp"
-    stale.write_bytes(b'{"id": "half')
-    other = tmp_path / ".00003_chunk_2.jsonl.a1b2c3d4e5f6.tmp"  # another file's: not this write's business
-    other.write_bytes(b"")
-    atomic_write_bytes(str(tmp_path / "00003_chunk_1.jsonl"), b"{}\n")
-    assert sorted(os.listdir(tmp_path)) == [other.name, "00003_chunk_1.jsonl"]
-
-
 def test_atomic_write_that_fails_keeps_the_old_content(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "last.txt"
     atomic_write_bytes(str(path), b"7")

@@ -16,6 +16,7 @@ from app.layout import OutputNames
 from app.publish import ChunkPublisher, PublishError
 from app.resume import last_published_chunk
 from tests.factories import document, documents, manager
+from tests.faults import SimulatedCrash
 
 
 async def test_a_chunk_file_appears_only_when_complete_and_then_whole(tmp_path: Path) -> None:
@@ -26,6 +27,31 @@ async def test_a_chunk_file_appears_only_when_complete_and_then_whole(tmp_path: 
         await cm.write_document(document("b"), 0, 3, writer)
         assert (tmp_path / "out" / "00000_chunk_3.jsonl").read_text().count("\n") == 2
     assert os.listdir(tmp_path / "out") == ["00000_chunk_3.jsonl"]
+
+
+async def test_a_publication_cut_by_a_crash_leaves_nothing_behind_once_the_chunk_is_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def crash(src: str, dst: str) -> None:
+        raise SimulatedCrash(f"the process dies before renaming {src} to {dst}")
+
+    def dead(path: str) -> None:
+        """A dead process cleans nothing up."""
+
+    out, ckpt = tmp_path / "out", tmp_path / "ckpt"
+    cm = manager(ckpt, 2)
+    with ChunkPublisher(str(out), str(ckpt)) as writer:
+        await cm.write_document(document("a"), 0, 0, writer)
+        monkeypatch.setattr(os, "replace", crash)
+        monkeypatch.setattr(os, "unlink", dead)
+        with pytest.raises(SimulatedCrash):
+            await cm.write_document(document("b"), 0, 0, writer)
+        monkeypatch.undo()
+    assert [name for name in os.listdir(out) if not name.startswith(".")] == []
+    # the restart publishes the full chunk: over the crash's temporary file, not beside it
+    with ChunkPublisher(str(out), str(ckpt)) as writer:
+        await manager(ckpt, 2).parse_existing_checkpoints(0, writer)
+    assert os.listdir(out) == ["00000_chunk_0.jsonl"]
 
 
 async def test_a_chunk_of_removed_documents_publishes_no_file(tmp_path: Path) -> None:

@@ -117,9 +117,10 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
     except ChunkCompleteError as exc:
         raise ChunkConflict(str(exc)) from exc
     except PublishError as exc:
-        raise ProxyError(
+        raise publication_error(
+            exc,
             f"the documents are stored, but {exc}; it is retried with the next write, and sending this "
-            f"request again is harmless (its documents count as duplicates)"
+            f"request again is harmless (its documents count as duplicates)",
         ) from exc
     except OSError as exc:
         raise storage_error(exc, services) from exc
@@ -144,10 +145,20 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
     }
 
 
+def publication_error(exc: PublishError, message: str) -> ProxyError:
+    """A complete chunk not published (its documents stay checkpointed, and it is retried): 507 if a
+    disk is full, else 500."""
+    cause = exc.__cause__
+    if isinstance(cause, OSError) and cause.errno in _DISK_FULL:
+        return InsufficientStorage(f"{message}: the disk of {exc.where} is full, free space there first")
+    return ProxyError(message)
+
+
 def storage_error(exc: OSError, services: Services) -> ProxyError:
     """507 for a full disk (nothing was written, retry once space is freed), 500 for anything else."""
     if isinstance(exc, CheckpointDurabilityError):
-        return ProxyError(str(exc))
+        # The rank stays refused while this proxy has it open: a restarted job would only get this again.
+        return ProxyError(f"{exc}; here, that means: restart inferproxy serve, then the job")
     if exc.errno in _DISK_FULL:
         return InsufficientStorage(
             f"the checkpoints disk is full ({exc.strerror}); nothing of this request was written: "
@@ -196,7 +207,7 @@ async def complete_chunk(services: Services, scope: Scope, receive: Receive) -> 
     try:
         manager = await services.checkpoints.complete(rank, chunk_index)
     except PublishError as exc:
-        raise ProxyError(f"{exc}; send this request again to retry") from exc
+        raise publication_error(exc, f"{exc}; send this request again to retry") from exc
     except OSError as exc:
         raise storage_error(exc, services) from exc
     note_progress(services, rank, manager)

@@ -4,14 +4,13 @@ and writes succeed again once space is freed. Needs root to mount, as CI and dev
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from app.settings import Settings
+from tests import faults
 from tests.servers import proxy_client
 
 pytestmark = pytest.mark.e2e
@@ -19,13 +18,8 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
-    try:
+    with faults.small_disk(tmp_path / "disk") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
 async def test_a_full_disk_gives_507_keeps_the_checkpoint_intact_and_recovers(tmp_path: Path, small_disk: Path) -> None:
@@ -44,9 +38,7 @@ async def test_a_full_disk_gives_507_keeps_the_checkpoint_intact_and_recovers(tm
             return answer.status_code
 
         assert await post(["first"]) == 200
-        filler = small_disk / "filler"
-        stat = os.statvfs(small_disk)
-        filler.write_bytes(b"\0" * (stat.f_bavail * stat.f_frsize - 40_000))
+        filler = faults.fill_disk(small_disk, leave=40_000)
 
         acknowledged = ["first"]
         status, batch = 200, 0

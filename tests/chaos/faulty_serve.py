@@ -1,0 +1,178 @@
+"""`inferproxy serve ARGS...` with faults injected: `python -m tests.chaos.faulty_serve FAULT LOG ARGS...`.
+
+FAULT is `none` or `STEP@N`: the process kills itself with SIGKILL the N-th time STEP happens.
+
+- a step of chunk completion (`tests.faults.CHUNK_COMPLETION_STEPS`), through `CheckpointManager`'s
+  `fault` hook;
+- `publish_rename`: a complete chunk written to the output under its temporary name, not yet renamed
+  over its own;
+- `cache_commit`: a batch of answers inserted into a cache file, its COMMIT not yet run;
+- `cache_mid_batch`: the first of a batch's several INSERT statements run, the next not yet.
+
+Before it dies it appends one JSON line to LOG: the step, when (`time.monotonic()`: one clock for every
+process of the machine), and for a cache step the file and the keys (doc id, rollout) of the batch it cut.
+
+For a power cut (`ProxyProcess.cut_power`), LOG + `.synced` keeps (JSON) the size each chunk file of
+the checkpoints dir had when its last fsync began: what a power cut cannot take from it.
+
+While the file LOG + `.io` exists, holding `ERRNO CALLS DIR` (`EIO fsync,write /data/output`),
+`os.write` and `os.fsync` (those of CALLS) on files under DIR fail with that errno (a write after
+taking half of its bytes): a disk that fails, switched on and off from outside by writing and
+removing that file.
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import os
+import signal
+import sqlite3
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import app.services
+from app.checkpointing import CheckpointManager
+from app.cli import main
+from tests.faults import CHUNK_COMPLETION_STEPS
+
+_INSERT = "INSERT OR REPLACE INTO request_cache"
+
+
+class FaultLog:
+    """The chosen fault: its step, and how many more times that step may happen before the process dies."""
+
+    def __init__(self, path: str, step: str, nth: int) -> None:
+        self.path = path
+        self.step = step
+        self.left = nth
+
+    def happened(self, step: str, **details: Any) -> None:
+        """`step` happened: die if it is the chosen one's N-th time."""
+        if step != self.step:
+            return
+        self.left -= 1
+        if self.left:
+            return
+        with open(self.path, "a") as log:
+            log.write(json.dumps({"step": step, "at": time.monotonic(), **details}) + "\n")
+            log.flush()
+            os.fsync(log.fileno())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def faulty_connection(log: FaultLog) -> type[sqlite3.Connection]:
+    class FaultyConnection(sqlite3.Connection):
+        """Counts the INSERT statements of each transaction and remembers their keys."""
+
+        db_path = ""
+        inserted: tuple[tuple[str, int], ...] = ()
+        statements = 0
+
+        def execute(self, sql: str, parameters: Any = (), /) -> sqlite3.Cursor:
+            if sql == "BEGIN":
+                self.inserted, self.statements = (), 0
+            elif sql.startswith(_INSERT):
+                if self.statements:
+                    log.happened("cache_mid_batch", db=self.db_path, keys=self.inserted)
+                self.statements += 1
+                self.inserted += tuple((parameters[i + 1], parameters[i + 2]) for i in range(0, len(parameters), 9))
+            elif sql == "COMMIT" and self.statements:
+                log.happened("cache_commit", db=self.db_path, keys=self.inserted)
+            return super().execute(sql, parameters)
+
+    return FaultyConnection
+
+
+def inject(fault: str, log_path: str, output: str) -> None:
+    step, _, nth = fault.partition("@")
+    log = FaultLog(log_path, step, int(nth or 1))
+    if step in CHUNK_COMPLETION_STEPS:
+        app.services.CheckpointManager = functools.partial(CheckpointManager, fault=log.happened)
+    elif step == "publish_rename":
+        replace = os.replace
+
+        def replacing(src: Any, dst: Any, **kwargs: Any) -> None:
+            if str(dst).startswith(output.rstrip(os.sep) + os.sep):
+                log.happened(step, target=str(dst))
+            replace(src, dst, **kwargs)
+
+        os.replace = replacing
+    elif step in ("cache_commit", "cache_mid_batch"):
+        connect = sqlite3.connect
+        factory = faulty_connection(log)
+
+        def connecting(database: Any, *args: Any, **kwargs: Any) -> sqlite3.Connection:
+            conn = connect(database, *args, factory=factory, **kwargs)
+            conn.db_path = str(database)
+            return conn
+
+        sqlite3.connect = connecting
+    else:
+        raise SystemExit(f"faulty_serve: unknown fault {fault!r}")
+
+
+def path_of(fd: int) -> str:
+    """The path a descriptor is open on (Linux)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def recording_synced_sizes(record: Path, where: str) -> None:
+    """`os.fsync` of a chunk file under `where` records the size the file had when it began."""
+    sizes = json.loads(record.read_text()) if record.exists() else {}
+    lock = threading.Lock()  # fsyncs run in threads
+    fsync = os.fsync
+
+    def fsyncing(fd: int) -> None:
+        path = path_of(fd)
+        chunk_file = path.startswith(where + os.sep) and os.path.basename(path).startswith("chunk_")
+        size = os.fstat(fd).st_size if chunk_file else None
+        fsync(fd)
+        if size is not None:
+            with lock:
+                sizes[path] = size
+                record.with_suffix(".tmp").write_text(json.dumps(sizes))
+                os.rename(record.with_suffix(".tmp"), record)
+
+    os.fsync = fsyncing
+
+
+def failing_io(switch: Path) -> None:
+    """`os.write` and `os.fsync` fail as the switch file says, while it exists."""
+
+    def failing(real: Callable[..., Any], name: str) -> Callable[..., Any]:
+        def call(fd: int, *args: Any) -> Any:
+            try:
+                code, calls, where = switch.read_text().split(maxsplit=2)
+            except (FileNotFoundError, ValueError):
+                return real(fd, *args)
+            if name in calls.split(",") and path_of(fd).startswith(where.rstrip(os.sep) + os.sep):
+                if name == "write":  # a failing disk may take part of a write first
+                    real(fd, bytes(args[0][: len(args[0]) // 2]))
+                number = getattr(errno, code)
+                raise OSError(number, f"{os.strerror(number)} (injected into {name})")
+            return real(fd, *args)
+
+        return call
+
+    os.write = failing(os.write, "write")
+    os.fsync = failing(os.fsync, "fsync")
+
+
+if __name__ == "__main__":
+    fault, log_path, *args = sys.argv[1:]
+    output = next(arg.split("=", 1)[1] for arg in args if arg.startswith("--output="))
+    checkpoints = next(arg.split("=", 1)[1] for arg in args if arg.startswith("--checkpoints-dir="))
+    if fault != "none":
+        inject(fault, log_path, output)
+    recording_synced_sizes(Path(log_path + ".synced"), os.path.realpath(checkpoints))
+    failing_io(Path(log_path + ".io"))  # outermost: an fsync that fails records nothing
+    sys.exit(main(args))

@@ -1,0 +1,508 @@
+"""The chaos suite's moving parts: `inferproxy serve` as a process killed and restarted at will
+(`ProxyProcess`), job-like clients of one rank each that record everything they are told in a `Ledger`
+(`RankJob`), and the steps every scenario shares: what to check when the proxy dies, and how a run ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from app.client import ProxyJob, ProxyJobError, Resume
+from app.http.client import HTTPClient, HTTPClientError
+from tests.chaos.invariants import (
+    GENERATED,
+    REPLAYED,
+    Answer,
+    Ledger,
+    assert_invariants,
+    check_at_rest,
+    read_last_chunk,
+)
+from tests.e2e.conftest import start_proxy
+from tests.servers import free_port
+
+REPO = Path(__file__).parents[2]
+#: Readiness only (never an assertion on speed): how long a restarted process may take to answer.
+READY_S = 60.0
+
+
+@contextlib.asynccontextmanager
+async def http_client(**options: float) -> AsyncIterator[HTTPClient]:
+    client = HTTPClient(**options)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+class Process:
+    """A real process on one port for its whole life, killed and restarted at will, its stderr appended
+    to a log file (a pipe nobody reads would fill up and stop it)."""
+
+    def __init__(self, log: Path, port: int, health: str) -> None:
+        self.log = log
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.health = health
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.lives = 0
+
+    def command(self) -> list[str]:
+        """What `python -m` runs."""
+        raise NotImplementedError
+
+    def start(self) -> None:
+        with open(self.log, "ab") as log:
+            log.write(f"--- life {self.lives}: {' '.join(self.command())}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", *self.command()], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log
+            )
+        self.lives += 1
+
+    async def ready(self) -> None:
+        """Wait until it answers; fail, with its log, if it exits instead."""
+        deadline = time.monotonic() + READY_S
+        async with http_client(connect_timeout=2, read_timeout=5) as client:
+            while True:
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    raise AssertionError(f"{self.command()[0]} exited with {self.proc.returncode}:\n{self.log_tail()}")
+                try:
+                    async with client.request("GET", self.url + self.health) as answer:
+                        await answer.read()
+                        if answer.status == 200:
+                            return
+                except HTTPClientError:
+                    pass
+                assert time.monotonic() < deadline, f"{self.url} did not answer in {READY_S} s:\n{self.log_tail()}"
+                await asyncio.sleep(0.02)
+
+    def kill(self) -> float:
+        """SIGKILL; returns when it was sent."""
+        assert self.proc is not None
+        at = time.monotonic()
+        self.proc.kill()
+        self.proc.wait(timeout=30)
+        return at
+
+    def stop(self) -> int:
+        """SIGTERM; returns the exit status."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=60)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def log_tail(self, lines: int = 25) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:]) if self.log.exists() else ""
+
+
+class UpstreamProcess(Process):
+    """`inferproxy fake-upstream`."""
+
+    def __init__(self, data: Path, name: str = "upstream", latency_ms: float = 0.0) -> None:
+        super().__init__(data / f"{name}.log", free_port(), "/v1/models")
+        self.latency_ms = latency_ms
+
+    def command(self) -> list[str]:
+        return ["app.cli", "fake-upstream", f"--port={self.port}", f"--latency-ms={self.latency_ms:g}"]
+
+    async def stats(self) -> dict[str, Any]:
+        async with http_client() as client, client.request("GET", self.url + "/_fake/stats") as answer:
+            return dict(orjson.loads(await answer.read()))
+
+
+class ProxyProcess(Process):
+    """`inferproxy serve`, started through `tests.chaos.faulty_serve` so that a fault can be injected."""
+
+    def __init__(
+        self,
+        data: Path,
+        upstreams: Sequence[str],
+        *extra: str,
+        checkpoints: Path | None = None,
+        output: Path | None = None,
+    ) -> None:
+        self.checkpoints = checkpoints or data / "checkpoints"
+        self.output = output or data / "output"
+        args, port = start_proxy(upstreams[0], data, *(f"--upstream={url}" for url in upstreams[1:]), *extra)
+        self.args = [
+            *(arg for arg in args if not arg.startswith(("--checkpoints-dir=", "--output="))),
+            f"--checkpoints-dir={self.checkpoints}",
+            f"--output={self.output}",
+        ]
+        super().__init__(data / "proxy.log", port, "/healthz")
+        self.fault = "none"
+        self.fault_log = data / "faults.jsonl"
+        self.io_switch = Path(f"{self.fault_log}.io")
+        self.synced_sizes = Path(f"{self.fault_log}.synced")
+
+    def command(self) -> list[str]:
+        return ["tests.chaos.faulty_serve", self.fault, str(self.fault_log), *self.args]
+
+    def start(self, fault: str = "none") -> None:
+        """Start it, to die of `fault` (see `faulty_serve`), or of nothing."""
+        self.fault = fault
+        super().start()
+
+    def cut_power(self) -> float:
+        """SIGKILL, and what a power cut would take besides: every chunk file cut back to the size it had
+        when its last fsync began (see `faulty_serve`). Returns when the power went."""
+        at = self.kill()
+        synced = json.loads(self.synced_sizes.read_text()) if self.synced_sizes.exists() else {}
+        for path in self.checkpoints.glob("*/chunk_*.jsonl"):
+            size = synced.get(os.path.realpath(path), 0)
+            if path.stat().st_size > size:
+                os.truncate(path, size)
+        return at
+
+    def died_of_fault(self) -> dict[str, Any] | None:
+        """The fault it died of (see `faulty_serve`), once it is dead of it."""
+        if self.proc is None or self.proc.poll() is None or not self.fault_log.exists():
+            return None
+        return dict(json.loads(self.fault_log.read_text().splitlines()[-1]))
+
+    def fail_io(self, code: str, calls: str, where: Path) -> None:
+        """From now on `os.write`/`os.fsync` (`calls`: "write,fsync") on files under `where` fail with `code`."""
+        self.io_switch.write_text(f"{code} {calls} {where}")
+
+    def heal_io(self) -> None:
+        self.io_switch.unlink(missing_ok=True)
+
+
+class ProxyDied(Exception):
+    """The connection to the proxy broke: it was killed under the job."""
+
+
+#: Per rank: documents in flight, rollouts per document (odd ones streamed), and the delay between
+#: streamed chunks (so that a kill often lands mid-stream).
+CONCURRENCY = 4
+ROLLOUTS = 2
+CHUNK_DELAY_MS = 5
+
+
+def rollout_request(doc_id: str, rollout_idx: int, position: int) -> tuple[str, dict[str, Any]]:
+    """The path and body of one rollout: chat or completions by position, odd rollouts streamed."""
+    body: dict[str, Any] = {"model": "fake-model", "max_tokens": 6, "stream": rollout_idx % 2 == 1}
+    if body["stream"]:
+        body["stream_options"] = {"include_usage": True}
+        body["fake_upstream"] = {"chunk_delay_ms": CHUNK_DELAY_MS}
+    if position % 3 == 2:
+        return "/v1/completions", {**body, "prompt": f"{doc_id} rollout {rollout_idx}"}
+    return "/v1/chat/completions", {
+        **body,
+        "messages": [{"role": "user", "content": f"{doc_id} rollout {rollout_idx}"}],
+    }
+
+
+async def ask(
+    client: HTTPClient,
+    ledger: Ledger,
+    url: str,
+    rank: int,
+    doc_id: str,
+    rollout_idx: int,
+    path: str,
+    body: bytes,
+    chunk_index: int | None = None,
+) -> Answer:
+    """One request to `/v1/*`, recorded in the ledger however it ends (cut, cancelled, answered)."""
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"x-rank", str(rank).encode()),
+        (b"x-doc-id", doc_id.encode()),
+        (b"x-rollout-idx", str(rollout_idx).encode()),
+    ]
+    if chunk_index is not None:
+        headers.append((b"x-chunk-index", str(chunk_index).encode()))
+    status, state, data, got, streamed = 0, "", None, (), False
+    sent = time.monotonic()
+    try:
+        async with client.request("POST", url + path, headers=headers, body=body) as response:
+            status, state = response.status, (response.header(b"x-cache") or b"").decode()
+            got = tuple(response.headers)
+            streamed = (response.header(b"content-type") or b"").startswith(b"text/event-stream")
+            pieces = [piece async for piece in response.iter_chunks()]
+            data = b"".join(pieces)
+    finally:
+        received = time.monotonic()
+        answer = Answer(rank, doc_id, rollout_idx, path, body, streamed, state, status, data, sent, received, got)
+        ledger.answers.append(answer)
+    return answer
+
+
+@dataclass
+class RankJob:
+    """One rank of a batch job: for each document of its input not yet done (as `/resume` says), its
+    rollouts through `/v1/*`, then the document to `/documents` (through `app.client.ProxyJob`, batching
+    as `run_job` does). Its last chunk is left open (`Run.finish` completes it).
+
+    When the proxy dies under it, a job that `restarts` starts over from `/resume` (as a job killed with
+    its proxy is restarted); the others ride through, each call retried (as the job client retries).
+    """
+
+    url: str
+    ledger: Ledger
+    rank: int
+    restarts: bool
+    refusals: Counter[int] = field(default_factory=Counter)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self._pass()
+                return
+            except* ProxyDied:
+                pass  # started over from /resume once the proxy answers again
+
+    async def _pass(self) -> None:
+        retries = 0 if self.restarts else 12
+        async with http_client(read_timeout=60) as client:
+            job = ProxyJob(self.url, self.rank, retries=retries, client=client)
+            try:
+                resume = await self._call(lambda: resume_of(job, self.ledger, self.rank))
+                inputs = self.ledger.inputs[self.rank]
+                slots = asyncio.Semaphore(CONCURRENCY)
+                async with asyncio.TaskGroup() as tasks:
+                    for position, doc_id in enumerate(inputs):
+                        if position >= resume.docs_to_skip and doc_id not in resume.processed_ids:
+                            await slots.acquire()
+                            tasks.create_task(self._document(client, job, position, doc_id, slots))
+            finally:
+                await job.close()
+
+    async def _document(
+        self, client: HTTPClient, job: ProxyJob, position: int, doc_id: str, slots: asyncio.Semaphore
+    ) -> None:
+        try:
+            chunk = position // self.ledger.records_per_chunk
+            texts = await asyncio.gather(*(self._rollout(client, doc_id, r, position) for r in range(ROLLOUTS)))
+            document = {"id": doc_id, "text": f"text of {doc_id}", "metadata": {"rollouts": list(texts)}}
+            retried = False
+            while True:
+                try:
+                    await self._call(lambda: job.write_document(document, chunk))
+                    break
+                except ProxyJobError as refused:
+                    if await self._stored_all_the_same(job, refused, doc_id, retried):
+                        break
+                    retried = True
+                    await asyncio.sleep(0.1)  # the disk may be full, or failing
+            self.ledger.acknowledge(self.rank, doc_id)
+        finally:
+            slots.release()
+
+    async def _stored_all_the_same(self, job: ProxyJob, refused: ProxyJobError, doc_id: str, retried: bool) -> bool:
+        """Whether a refused document is stored all the same (else it is sent again): the proxy says so (a
+        chunk it completed could not be published), or, for a 409 to a document sent before, `/resume`
+        says its chunk is done (as `ProxyJob` takes a 409 to a retry). Where the proxy says nothing of it
+        was written, `/resume` must agree."""
+        if refused.status == 409 and retried:
+            return await self._done(job, doc_id)
+        if refused.status not in (500, 507):
+            raise refused
+        self.refusals[refused.status] += 1
+        if "the documents are stored" in refused.message:
+            return True
+        if "nothing of this request was written" in refused.message and await self._done(job, doc_id):
+            self.ledger.violations.append(
+                f"rank {self.rank}: {doc_id!r} was refused with {refused.status} ({refused.message}) "
+                f"but /resume counts it done"
+            )
+        return False
+
+    async def _done(self, job: ProxyJob, doc_id: str) -> bool:
+        resume = await self._call(lambda: resume_of(job, self.ledger, self.rank))
+        return self.ledger.positions[self.rank][doc_id] < resume.docs_to_skip or doc_id in resume.processed_ids
+
+    async def _rollout(self, client: HTTPClient, doc_id: str, rollout_idx: int, position: int) -> str:
+        path, body = rollout_request(doc_id, rollout_idx, position)
+        chunk = position // self.ledger.records_per_chunk
+        raw = orjson.dumps(body)
+        answer = await self._call(
+            lambda: ask(client, self.ledger, self.url, self.rank, doc_id, rollout_idx, path, raw, chunk)
+        )
+        assert answer.status == 200, f"{doc_id} rollout {rollout_idx}: {answer}"
+        assert answer.data is not None
+        return answer.data[-40:].decode("utf-8", "replace")
+
+    async def _call(self, call: Callable[[], Any]) -> Any:
+        """`call()`; when the connection breaks, `ProxyDied` for a job that restarts, else retried (a proxy
+        restarts in well under the job client's retry budget)."""
+        delay = 0.05
+        deadline = time.monotonic() + READY_S
+        while True:
+            try:
+                return await call()
+            except HTTPClientError as exc:
+                if self.restarts:
+                    raise ProxyDied(str(exc)) from exc
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"rank {self.rank}: the proxy did not come back: {exc}") from exc
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 1.0)
+
+
+async def resume_of(job: ProxyJob, ledger: Ledger, rank: int) -> Resume:
+    """`GET /resume`, checked against what was acknowledged before it was asked."""
+    sent = time.monotonic()
+    resume = await job.resume()
+    ledger.check_resume(rank, resume, sent, time.monotonic())
+    return resume
+
+
+async def watch_resume(url: str, ledger: Ledger, rank: int, stop: asyncio.Event) -> None:
+    """Ask `/resume` again and again (each after the last was answered), for the ledger's checks."""
+    async with http_client(read_timeout=30) as client:
+        job = ProxyJob(url, rank, retries=0, client=client)
+        while not stop.is_set():
+            with contextlib.suppress(HTTPClientError):  # the proxy is being restarted
+                await resume_of(job, ledger, rank)
+            await asyncio.sleep(0.05)
+
+
+@dataclass
+class Run:
+    """One scenario's run: the proxy, the ledger, the ranks' jobs and what was found wrong so far."""
+
+    proxy: ProxyProcess
+    ledger: Ledger
+    jobs: list[RankJob]
+    problems: list[str] = field(default_factory=list)
+    _stop_watching: asyncio.Event = field(default_factory=asyncio.Event)
+    _tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    _jobs: asyncio.Future[list[None]] | None = None
+
+    def start_jobs(self) -> None:
+        self._tasks = [
+            asyncio.create_task(watch_resume(self.proxy.url, self.ledger, job.rank, self._stop_watching))
+            for job in self.jobs
+        ]
+        self._jobs = asyncio.gather(*(job.run() for job in self.jobs))
+
+    def jobs_done(self) -> bool:
+        """Whether every job is done (a job that failed raises its error here)."""
+        assert self._jobs is not None
+        if self._jobs.done():
+            self._jobs.result()
+            return True
+        return False
+
+    async def until(self, condition: Callable[[], bool], what: str) -> None:
+        """Wait for `condition` while the jobs run (a readiness wait, with a generous deadline)."""
+        deadline = time.monotonic() + READY_S * 2
+        while not condition():
+            assert not self.jobs_done(), f"the jobs ended before {what}"
+            assert time.monotonic() < deadline, f"no {what} in {READY_S * 2} s:\n{self.proxy.log_tail()}"
+            await asyncio.sleep(0.005)
+
+    async def jobs_finished(self) -> None:
+        assert self._jobs is not None
+        await self._jobs
+
+    def died(self, at: float) -> None:
+        """The proxy died at `at`: what is on disk must hold now, before anything is restored."""
+        self.ledger.deaths.append(at)
+        for rank in self.ledger.inputs:
+            now = time.monotonic()
+            self.ledger.observe(rank, read_last_chunk(self.proxy.checkpoints, rank), now, now, "the last_chunk file")
+        found = check_at_rest(self.ledger, self.proxy.checkpoints, self.proxy.output)
+        self.problems += [f"after death {len(self.ledger.deaths)}: {problem}" for problem in found]
+
+    async def restart(self) -> None:
+        self.proxy.start()
+        await self.proxy.ready()
+
+    async def kill_and_restart(self, *, power_cut: bool = False) -> None:
+        self.died(self.proxy.cut_power() if power_cut else self.proxy.kill())
+        await self.restart()
+
+    async def finish(self) -> None:
+        """End the run and check everything.
+
+        The jobs are done, their last chunks open. Once every answer is older than the replay window,
+        the proxy is killed a last time and restarted: each rank's `/resume` must count every document
+        done, and every answer of an open chunk must replay byte for byte. Then the last chunks are
+        completed, the proxy stopped (exit 0), and the output must hold every document once.
+        """
+        await self.jobs_finished()
+        self._stop_watching.set()
+        await asyncio.gather(*self._tasks)
+        await asyncio.sleep(self.ledger.replay_window_s)
+        await self.kill_and_restart()
+        replayed = 0
+        async with http_client(read_timeout=60) as client:
+            for job in self.jobs:
+                proxy_job = ProxyJob(self.proxy.url, job.rank, retries=0, client=client)
+                resume = await resume_of(proxy_job, self.ledger, job.rank)
+                for answer in latest_stored_answers(self.ledger, job.rank):
+                    if self.ledger.chunk_of(job.rank, answer.doc_id) > resume.last_chunk_index:
+                        await ask(
+                            client,
+                            self.ledger,
+                            self.proxy.url,
+                            job.rank,
+                            answer.doc_id,
+                            answer.rollout_idx,
+                            answer.path,
+                            answer.body,
+                        )
+                        replayed += 1
+                await proxy_job.complete_chunk(self.ledger.last_chunk(job.rank))
+                await resume_of(proxy_job, self.ledger, job.rank)
+        assert replayed, "nothing was left to replay: the last chunks should have stayed open"
+        assert self.proxy.stop() == 0, f"SIGTERM did not exit 0:\n{self.proxy.log_tail()}"
+        self.problems += check_at_rest(self.ledger, self.proxy.checkpoints, self.proxy.output, finished=True)
+        assert_invariants(self.ledger, self.problems)
+
+    async def close(self) -> None:
+        """Whatever happened: no task, no process left behind."""
+        self._stop_watching.set()
+        pending = [*self._tasks, *([self._jobs] if self._jobs is not None else [])]
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        self.proxy.close()
+
+
+@contextlib.asynccontextmanager
+async def chaos_run(
+    proxy: ProxyProcess, ledger: Ledger, jobs: list[RankJob], fault: str = "none"
+) -> AsyncIterator[Run]:
+    """A `Run` with the proxy started (with `fault`, see `faulty_serve`) and the jobs running; everything
+    stopped at the end."""
+    run = Run(proxy, ledger, jobs)
+    try:
+        proxy.start(fault)
+        await proxy.ready()
+        run.start_jobs()
+        yield run
+    finally:
+        await run.close()
+
+
+def latest_stored_answers(ledger: Ledger, rank: int) -> list[Answer]:
+    """The last answer of each of the rank's keys that the proxy must have stored (or replayed)."""
+    latest: dict[tuple[int, str, int, str, bytes], Answer] = {}
+    for answer in sorted(ledger.answers, key=lambda a: a.received_at):
+        if answer.rank == rank and answer.state in GENERATED | REPLAYED and answer.why_not_storable() is None:
+            latest[answer.key] = answer
+    return list(latest.values())

@@ -1,0 +1,40 @@
+"""Faults tests inject: a crash at a chosen step, a disk that really fills up."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+#: The steps of chunk completion at which `CheckpointManager`'s `fault` hook is called, in order.
+CHUNK_COMPLETION_STEPS = ("output_closed", "last_chunk_written", "chunk_file_deleted", "cache_rows_dropped")
+
+
+class SimulatedCrash(BaseException):
+    """A BaseException, like the process dying: no `except Exception` swallows it."""
+
+
+@contextlib.contextmanager
+def small_disk(where: Path, size: str = "1m") -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `where` (created): a disk that really fills up. Needs root, as CI and
+    developers run here."""
+    where.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+def fill_disk(disk: Path, leave: int = 0) -> Path:
+    """Fill the file system of `disk` with one file, leaving about `leave` bytes free; return the file
+    (remove it to give the space back)."""
+    filler = disk / "filler"
+    stat = os.statvfs(disk)
+    # Unbuffered: others write to the disk meanwhile, and what does not fit must not wait in a buffer
+    # for the close to fail on it.
+    with open(filler, "wb", buffering=0) as f, contextlib.suppress(OSError):  # ENOSPC: full
+        f.write(b"\0" * max(stat.f_bavail * stat.f_frsize - leave, 0))
+    return filler
