@@ -274,6 +274,7 @@ def serve(args: argparse.Namespace) -> int:
     except OSError as exc:  # the checkpoints or output dir cannot be created, read or written
         print(f"inferproxy serve: could not start: {exc}", file=sys.stderr)
         return 1
+    logging.getLogger("app.cli").info("stopped: every cache flushed, every rank released")
     return 0
 
 

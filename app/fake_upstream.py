@@ -31,6 +31,7 @@ import itertools
 import random
 import time
 from collections import Counter
+from http import HTTPStatus
 from typing import Any
 
 import orjson
@@ -174,7 +175,7 @@ class FakeUpstream:
             if "retry_after" in fault:
                 headers.append((b"retry-after", str(fault["retry_after"]).encode()))
             await send_bytes(
-                send, status, headers, vllm_error(f"injected failure {status}", "InternalServerError", status)
+                send, status, headers, vllm_error(f"injected failure {status}", error_type(status), status)
             )
             return
         error = self.validate(path, body)
@@ -308,6 +309,15 @@ class FakeUpstream:
             "usage": {**self.usage(body, 0), "completion_tokens": 0},
         }
         return orjson.dumps(answer)
+
+
+def error_type(status: int) -> str:
+    """The `type` vLLM gives an error of this status: its exception's name."""
+    if status >= 500:
+        return "InternalServerError"
+    return {400: "BadRequestError", 404: "NotFoundError"}.get(status) or HTTPStatus(status).phrase.replace(
+        " ", ""
+    ) + "Error"
 
 
 def vllm_error(message: str, type_: str, code: int) -> bytes:

@@ -181,7 +181,8 @@ class InferProxy:
             nonlocal status, outcome
             if message["type"] == "http.response.start":
                 status = message["status"]
-                outcome = cache_outcome(message.get("headers") or ())
+                if scope.get(ROUTE) in CACHEABLE_PATHS:  # a forwarded answer's X-Cache is another cache's
+                    outcome = cache_outcome(message.get("headers") or ())
             await send(message)
 
         try:

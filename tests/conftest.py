@@ -29,6 +29,15 @@ def http_server(request: pytest.FixtureRequest) -> Iterator[str]:
         HTTP_SERVER["name"] = "builtin"
 
 
+@pytest.fixture(autouse=True)
+def default_output(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that does not name `output` publishes into a folder of its own, not into
+    `inferproxy-data/output` of the working directory, where a README example (or another test) may have
+    left chunks that the proxy would take for this rank's published ones."""
+    if "INFERPROXY_OUTPUT" not in os.environ:
+        monkeypatch.setenv("INFERPROXY_OUTPUT", str(tmp_path_factory.mktemp("default-output")))
+
+
 @pytest.fixture
 def writer() -> RecordingWriter:
     return RecordingWriter()

@@ -106,6 +106,7 @@ async def test_past_the_slots_and_the_queue_a_request_gets_429_with_retry_after(
     assert "max_inflight_per_upstream" in busy.json()["error"]["message"]
     assert upstream.generations == 2
     assert stats["queued"] == 0
+    assert stats["totals"]["misses"] == 2  # a request refused with 429 was not generated: no miss
 
 
 async def test_the_openai_client_honours_the_429_and_every_request_gets_its_answer(tmp_path: Path) -> None:

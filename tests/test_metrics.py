@@ -20,7 +20,7 @@ from app.documents import DocumentLike
 from app.fake_upstream import FakeUpstream
 from app.settings import Settings
 from tests.factories import chat_request, doc_headers
-from tests.servers import fake_upstream, serve_proxy
+from tests.servers import fake_upstream, serve_in_loop, serve_proxy
 
 pytestmark = pytest.mark.usefixtures("http_server")
 
@@ -310,3 +310,43 @@ def test_nothing_a_client_sends_cuts_or_forges_a_log_line(log_format: str, capsy
     else:
         assert "doc-é-日本" in written
         assert "forged" in written  # shown, escaped, on the request's own line
+
+
+async def test_an_upstreams_own_x_cache_on_a_forwarded_route_is_not_counted_as_the_proxys(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cache in front of the upstream may say X-Cache: HIT; only the proxy's own outcomes are counted
+    (and only its own hits are logged 1 in log_hits_every)."""
+
+    async def cache_upstream(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        headers = [(b"content-type", b"application/json"), (b"x-cache", b"HIT")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    caplog.set_level(logging.INFO, logger="inferproxy.access")
+    async with serve_in_loop(cache_upstream) as url:
+        settings = Settings(upstream=[url], checkpoints_dir=tmp_path / "ckpt", log_hits_every=0)
+        async with serve_proxy(settings) as proxy, httpx.AsyncClient(base_url=proxy) as client:
+            forwarded = await client.get("/version")
+            scraped = (await client.get("/metrics")).text
+    assert forwarded.headers["x-cache"] == "HIT"  # passed on as it came
+    assert 'cache="HIT"' not in scraped
+    assert 'inferproxy_requests_total{cache="",route="/{path...}",status="200"} 1.0' in scraped
+    assert [getattr(r, "request")["path"] for r in caplog.records if r.name == "inferproxy.access"] == [  # noqa: B009
+        "/version",
+        "/metrics",
+    ]
+
+
+async def test_a_finished_job_whose_last_chunk_is_short_shows_its_total_done_not_a_full_chunk_more(env: Env) -> None:
+    """The README walk-through: 500 documents in chunks of 6000 showed `6k / 500`."""
+    documents = [{"id": f"d{i}", "text": "t"} for i in range(10)]
+    report = await run_job(documents, env.rollout, base_url=env.proxy, records_per_chunk=4, concurrency=2)
+    assert report.written == 10
+    await env.client.get("/resume", headers={"X-Total-Documents": "10"})  # a rerun asks where to resume
+    view = next(r for r in (await env.stats())["ranks"] if r["rank"] == 0)
+    assert view["done_documents"] == 10
+    assert view["progress"] == 1.0
+    assert view["last_chunk_index"] == 2

@@ -232,9 +232,10 @@ async def get_resume(services: Services, scope: Scope, receive: Receive) -> dict
         records_per_chunk, last = services.settings.records_per_chunk, await registry.last_chunk(rank)
         skip, processed = docs_to_skip(last, records_per_chunk), set()
         counters = services.metrics.rank(rank)
-        if not counters.known:
+        if not counters.known:  # else counted as it was written: a finished job's last chunk may be short
             counters.known, counters.known_at, counters.known_done = True, time.time(), skip
-        counters.last_chunk_index, counters.done_documents = last, skip
+            counters.done_documents = skip
+        counters.last_chunk_index = last
     keep_total(services, rank, total)
     return {
         "rank": rank,

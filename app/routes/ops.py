@@ -155,7 +155,9 @@ def rank_view(
     rank: int, counters: RankCounters, owned: bool, rate: float | None, size: tuple[int | None, int] | None
 ) -> dict[str, Any]:
     total = counters.total_documents
-    done = counters.done_documents
+    # Chunks published before this process counted are taken as full: a finished job's short last chunk
+    # would make more done than it has.
+    done = counters.done_documents if total is None else min(counters.done_documents, total)
     progress = min(done / total, 1.0) if total else (1.0 if total == 0 else None)
     eta = None
     if total is not None and rate:

@@ -156,11 +156,6 @@ async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive
             await send_answer(send, stored_answer(hit, b"HIT", digest))
             return
     state = b"REFRESH" if key.no_cache else b"MISS"
-    counters = services.metrics.rank(key.rank)
-    if key.no_cache:
-        counters.refreshed += 1
-    else:
-        counters.misses += 1
     future: asyncio.Future[StoredResponse | None] = asyncio.get_running_loop().create_future()
     # A no-store request does not lead: its followers' answer would never be stored.
     if not key.no_cache and not key.no_store:
@@ -230,6 +225,12 @@ async def forward_answer(
             "POST", scope["path"], headers=pool.upstream_headers(scope["headers"]), body=body
         ) as upstream:
             scope[REPLICA] = upstream.replica.url
+            if key.doc_id is not None:  # generated upstream (not refused, not queued past the limit)
+                counters = services.metrics.rank(key.rank)
+                if key.no_cache:
+                    counters.refreshed += 1
+                else:
+                    counters.misses += 1
             content_type = upstream.content_type
             headers: Headers = [(b"content-type", content_type.encode("latin-1")), *ours]
             headers += [(k, v) for k, v in response_headers(upstream.headers) if k in _PASSED_ON]
@@ -383,6 +384,7 @@ async def _pass_on(services: Services, scope: Scope, send: Send, body: bytes) ->
                 size += len(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except HTTPClientError as exc:
-            logger.warning("the upstream's answer to %s broke off after %d bytes: %s", target, size, exc)
+            # the path without its query, which may hold what is not for the log
+            logger.warning("the upstream's answer to %s broke off after %d bytes: %s", scope["path"], size, exc)
             raise StreamBrokeOff from exc
         await send({"type": "http.response.body", "body": b"", "more_body": False})

@@ -200,6 +200,7 @@ def test_a_second_sigint_cuts_the_requests_in_flight_and_exits_without_a_traceba
         with pytest.raises((openai.APIStatusError, openai.APIConnectionError)):
             stuck.result(timeout=30)
     assert "SIGINT again" in log[-1]
+    assert log[-1].rstrip().endswith("stopped: every cache flushed, every rank released")  # a last word
     assert "Traceback" not in "".join(log)
     assert "Error" not in "".join(log)
 
