@@ -56,7 +56,7 @@ from app.routes.proxy import (
     lookup,
     stored_answer,
 )
-from app.routing import NEVER_SERVED, OTHER, Route, Router, resolve_dot_segments
+from app.routing import NEVER_SERVED, OTHER, Handler, Route, Router, resolve_dot_segments
 from app.services import CacheRegistry, CheckpointRegistry, RankActivity, Services
 from app.settings import Settings
 from app.upstream import UpstreamPool
@@ -186,7 +186,21 @@ class InferProxy:
             await send(message)
 
         try:
-            await self.route(services, scope, receive, tracking_send)
+            found = await self.route(services, scope, tracking_send)
+            if found is not None:
+                route, handler = found
+                try:
+                    await handler(services, scope, receive, tracking_send)
+                except ClientGone:
+                    logger.debug("client left before its request was read: %s", scope["path"])
+                except Exception as exc:
+                    if status != CLIENT_LEFT:
+                        raise  # mid-answer: all that is left is to cut the connection
+                    if not isinstance(exc, ProxyError):
+                        logger.exception("%s %s failed", scope["method"], scope["path"])
+                    reason = f"inferproxy failed on this request: {type(exc).__name__}: {exc}"
+                    failure = exc if isinstance(exc, ProxyError) else ProxyError(reason)
+                    await send_error(tracking_send, failure, route.error_headers)
         finally:
             services.metrics.request(scope.get(ROUTE, "-"), outcome, status)
             log = self.request_log
@@ -195,18 +209,19 @@ class InferProxy:
                 replica = scope.get(REPLICA)
                 log.write(scope["method"], scope["path"], status, outcome, scope["headers"], replica, seconds)
 
-    async def route(self, services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+    async def route(self, services: Services, scope: Scope, send: Send) -> tuple[Route, Handler] | None:
+        """The request's route and handler, or None once a refusal is sent (404, 405, 401, ...)."""
         if "/." in scope["path"]:
             try:
                 resolve_dot_segments(scope)
             except BadRequest as error:
                 await send_error(send, error)
-                return
+                return None
         path: str = scope["path"]
         method: str = scope["method"]
         if method in NEVER_SERVED:  # under uvicorn; the built-in server refuses them itself
             await send_error(send, MethodNotSupported(f"{method} is not supported by this server"))
-            return
+            return None
         found = self.router.find(path)
         route = found[0] if found is not None else None
         if route is not None and route.path == FORWARDED and path.split("/", 2)[1] in OWN_SEGMENTS:
@@ -217,38 +232,20 @@ class InferProxy:
             refusal = self.authenticate(scope["headers"]) if fast is None else None  # the fast path checked it
             if refusal is not None:
                 await send_error(send, refusal)
-                return
+                return None
         if route is None:
             await send_error(send, NotFound(f"no route {method} {path}: see docs/contract.md for the routes served"))
-            return
+            return None
         handler = route.handler(method)
         if handler is None:
             allow = route.allow()
             not_allowed = MethodNotAllowed(f"{method} {path} is not served: only {allow.decode() or 'nothing'}")
             await send_error(send, not_allowed, [(b"allow", allow)])
-            return
+            return None
         scope[ROUTE] = route.path
         if found is not None and found[1] is not None:
             scope["path_params"] = found[1]
-        started = False
-
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await handler(services, scope, receive, tracking_send)
-        except ClientGone:
-            logger.debug("client left before its request was read: %s", path)
-        except Exception as exc:
-            if started:
-                raise  # mid-answer: all that is left is to cut the connection
-            if not isinstance(exc, ProxyError):
-                logger.exception("%s %s failed", method, path)
-            reason = f"inferproxy failed on this request: {type(exc).__name__}: {exc}"
-            failure = exc if isinstance(exc, ProxyError) else ProxyError(reason)
-            await send_error(send, failure, route.error_headers)
+        return route, handler
 
     async def run_lifespan(self, receive: Receive, send: Send) -> None:
         """The ASGI lifespan protocol around `lifespan()`."""

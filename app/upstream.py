@@ -287,64 +287,59 @@ class UpstreamPool:
         (kept if the body was read to its end, closed otherwise) and its slot."""
         await self.slots.acquire()  # `UpstreamBusy` (429) when the queue for a slot is full
         try:
-            async with self._attempts(method, path, headers=headers, body=body) as answer:
-                yield answer
+            attempt = 0
+            while True:
+                replica = self.pick()
+                replica.in_flight += 1
+                replica.requests += 1
+                raw: Response | None = None
+                sent = [*headers, *replica.auth] if replica.auth else headers
+                sent_at = time.monotonic()
+                try:
+                    async with self._client.request(method, replica.base + path, headers=sent, body=body) as raw:
+                        replica.latency.observe(time.monotonic() - sent_at)
+                        if raw.status >= 500:
+                            replica.errors += 1
+                        if raw.status not in RETRY_STATUSES or attempt >= self.retries:
+                            yield UpstreamResponse(raw, replica, self.max_response_bytes)
+                            return
+                        retry_in = self._retry_after(raw) or self._backoff(attempt)
+                        logger.info("upstream %s answered %d; retrying in %.2f s", replica.url, raw.status, retry_in)
+                    # the retried answer is left unread: its connection is closed
+                except ReadTimeout as exc:
+                    if raw is not None:
+                        raise  # the caller's, from its block
+                    replica.errors += 1
+                    raise UpstreamTimeout(
+                        f"the upstream {replica.url} sent nothing for {self.read_timeout_s:g} s (read_timeout_s)"
+                    ) from exc
+                except (ConnectError, ConnectionLost) as exc:
+                    if raw is not None:
+                        raise
+                    replica.errors += 1
+                    self._mark_failed(replica, exc)
+                    if attempt >= self.retries:
+                        tries = f"after {attempt + 1} tries"
+                        if isinstance(exc, ConnectTimeout):
+                            raise UpstreamTimeout(
+                                f"the upstream {replica.url} is not answering {tries}: {exc}"
+                            ) from exc
+                        raise UpstreamUnreachable(f"the upstream {replica.url} is unreachable {tries}: {exc}") from exc
+                    retry_in = self._backoff(attempt)
+                except InvalidResponse as exc:
+                    if raw is not None:
+                        raise
+                    replica.errors += 1
+                    # Not HTTP as the client takes it (a 101, a status outside 100-599, a head over the limits):
+                    # the same request would only get the same answer.
+                    raise UpstreamUnreachable(f"the upstream {replica.url} sent an invalid answer: {exc}") from exc
+                finally:
+                    replica.in_flight -= 1  # however the attempt ends: answer done, error, retry, cancellation
+                replica.retries += 1
+                await asyncio.sleep(retry_in)
+                attempt += 1
         finally:
             self.slots.release()
-
-    @contextlib.asynccontextmanager
-    async def _attempts(
-        self, method: str, path: str, *, headers: list[tuple[bytes, bytes]], body: bytes
-    ) -> AsyncIterator[UpstreamResponse]:
-        attempt = 0
-        while True:
-            replica = self.pick()
-            replica.in_flight += 1
-            replica.requests += 1
-            raw: Response | None = None
-            sent = [*headers, *replica.auth] if replica.auth else headers
-            sent_at = time.monotonic()
-            try:
-                async with self._client.request(method, replica.base + path, headers=sent, body=body) as raw:
-                    replica.latency.observe(time.monotonic() - sent_at)
-                    if raw.status >= 500:
-                        replica.errors += 1
-                    if raw.status not in RETRY_STATUSES or attempt >= self.retries:
-                        yield UpstreamResponse(raw, replica, self.max_response_bytes)
-                        return
-                    retry_in = self._retry_after(raw) or self._backoff(attempt)
-                    logger.info("upstream %s answered %d; retrying in %.2f s", replica.url, raw.status, retry_in)
-                # the retried answer is left unread: its connection is closed
-            except ReadTimeout as exc:
-                if raw is not None:
-                    raise  # the caller's, from its block
-                replica.errors += 1
-                raise UpstreamTimeout(
-                    f"the upstream {replica.url} sent nothing for {self.read_timeout_s:g} s (read_timeout_s)"
-                ) from exc
-            except (ConnectError, ConnectionLost) as exc:
-                if raw is not None:
-                    raise
-                replica.errors += 1
-                self._mark_failed(replica, exc)
-                if attempt >= self.retries:
-                    tries = f"after {attempt + 1} tries"
-                    if isinstance(exc, ConnectTimeout):
-                        raise UpstreamTimeout(f"the upstream {replica.url} is not answering {tries}: {exc}") from exc
-                    raise UpstreamUnreachable(f"the upstream {replica.url} is unreachable {tries}: {exc}") from exc
-                retry_in = self._backoff(attempt)
-            except InvalidResponse as exc:
-                if raw is not None:
-                    raise
-                replica.errors += 1
-                # Not HTTP as the client takes it (a 101, a status outside 100-599, a head over the limits):
-                # the same request would only get the same answer.
-                raise UpstreamUnreachable(f"the upstream {replica.url} sent an invalid answer: {exc}") from exc
-            finally:
-                replica.in_flight -= 1  # however the attempt ends: answer done, error, retry, cancellation
-            replica.retries += 1
-            await asyncio.sleep(retry_in)
-            attempt += 1
 
     async def probe(self, replica: Replica, timeout_s: float = 5.0) -> bool:
         """`GET /v1/models` on one replica; updates its health."""
