@@ -18,6 +18,27 @@ one run gets a fresh generation. `replay_same_run=True`, which the proxy
 uses, also serves answers stored in this run, at once, before they are
 committed: the same key then always gets the same answer.
 - the schema grows only through the named migrations in `MIGRATIONS`.
+
+Which documents have answers is SQLite's to say, through the primary key's
+index, not a copy in memory: datatrove loads every doc id into a Python set
+(~95 bytes an id, and seconds to load for millions of answers), so that a
+document with no answer is a miss without a query. Here that miss costs one
+index probe of a few µs (bench/README.md), next to the upstream call it
+leads to, and the cache costs no memory and no start-up time per answer,
+whatever its size. Two things remain, exactly and without hashing (a hash
+that collides may cost a query, but must never serve an answer it should not):
+
+- the ids marked complete (`mark_document_complete`) that have answers:
+  lookups for them are misses without a query until an answer is stored for
+  them again (with `replay_same_run`). Ids without answers are not kept, and
+  a dropped chunk takes its documents' ids along, so this set holds at most
+  the documents of the open chunks, not the cache;
+- without `replay_same_run`, "present when `initialize` ran" is a rowid
+  bound: rows inserted later get larger rowids (SQLite gives a new row the
+  largest rowid plus one; the bound is lowered when a drop removes the
+  largest rows, so none is reused below it), and a document is served only
+  while it has a row at or below the bound. This assumes one writer per
+  file, as the proxy's rank ownership and datatrove's one task per rank do.
 """
 
 from __future__ import annotations
@@ -81,6 +102,14 @@ _INSERT = (
     "result, error_message, status_code, content_type, streamed) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _SELECT = "SELECT result, error_message FROM request_cache WHERE doc_id = ? AND rollout_idx = ? AND payload_hash = ?"
+# Covered by the primary key's index (its entries hold the rowid): no table page is read.
+_HAS_ROWS = "SELECT 1 FROM request_cache WHERE doc_id = ? LIMIT 1"
+_HAS_ROWS_BEFORE = "SELECT 1 FROM request_cache WHERE doc_id = ? AND rowid <= ? LIMIT 1"
+# The documents of a chunk with no answer in another one: a drop leaves them none.
+_ONLY_IN_CHUNK = (
+    "SELECT DISTINCT doc_id FROM request_cache AS a WHERE chunk_index = ?1 AND NOT EXISTS "
+    "(SELECT 1 FROM request_cache AS b WHERE b.doc_id = a.doc_id AND b.chunk_index <> ?1)"
+)
 _SELECT_RESPONSE = (
     "SELECT result, error_message, status_code, content_type, streamed FROM request_cache "
     "WHERE doc_id = ? AND rollout_idx = ? AND payload_hash = ?"
@@ -161,7 +190,10 @@ class RequestCache:
         self._reader: sqlite3.Connection | None = None
         self._writer: sqlite3.Connection | None = None
         self._lookup: sqlite3.Cursor
-        self._doc_ids_in_cache: set[str] = set()
+        # Marked complete and with answers: misses without a query (the module's docstring).
+        self._complete: set[str] = set()
+        # Without replay_same_run: the largest rowid of a row present when initialize ran.
+        self._before = 0
         # Stored but not yet committed, and being committed: lookups see both.
         self._pending: dict[_Key, _Row] = {}
         self._committing: dict[_Key, _Row] = {}
@@ -177,7 +209,7 @@ class RequestCache:
         rank_dir = os.path.join(self.base_dir, f"{rank:05d}")
         await asyncio.to_thread(make_dirs_durable, rank_dir)
         self.db_path = os.path.join(rank_dir, DB_FILENAME)
-        writer, reader, self._doc_ids_in_cache = await asyncio.to_thread(_open, self.db_path)
+        writer, reader, self._before = await asyncio.to_thread(_open, self.db_path)
         self._writer, self._reader = writer, reader
         self._lookup = reader.cursor()  # reused by every lookup: no cursor object per query
         self._writer_task = asyncio.create_task(self._writer_loop(), name=f"request-cache-writer-{rank}")
@@ -206,7 +238,7 @@ class RequestCache:
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(self.db_path + suffix)
             self.db_path = None
-            self._doc_ids_in_cache.clear()
+            self._complete.clear()
             self._pending.clear()
 
     def prepare_payload(self, payload: dict[str, Any]) -> str:
@@ -217,7 +249,7 @@ class RequestCache:
         self, doc_id: str, rollout_idx: int, *, payload_hash: str
     ) -> tuple[dict[str, Any] | None, str | None]:
         """`(result, None)`, `(None, error_message)`, or `(None, None)` on a miss."""
-        if self._reader is None or doc_id not in self._doc_ids_in_cache:
+        if self._reader is None or doc_id in self._complete or not self._replays(doc_id):
             return None, None
         key = (doc_id, rollout_idx, payload_hash)
         row = self._pending.get(key) or self._committing.get(key)
@@ -252,7 +284,7 @@ class RequestCache:
 
     def get_response(self, doc_id: str, rollout_idx: int, payload_hash: str) -> StoredResponse | None:
         """The proxy's lookup: the stored HTTP answer for the key, or None. Synchronous: one point query."""
-        if self._reader is None or doc_id not in self._doc_ids_in_cache:
+        if self._reader is None or doc_id in self._complete or not self._replays(doc_id):
             return None
         key = (doc_id, rollout_idx, payload_hash)
         row = (self._pending.get(key) if self._pending else None) or (
@@ -310,10 +342,18 @@ class RequestCache:
         await self._commit(drop_chunk=chunk_index)
 
     async def mark_document_complete(self, doc_id: str) -> None:
-        """The document is finished: later lookups for it are misses without a query."""
-        if not self.enabled:
+        """The document is finished: later lookups for it are misses (without a query: the module's docstring)."""
+        if self._reader is None or doc_id in self._complete:
             return
-        self._doc_ids_in_cache.discard(doc_id)
+        if self._reader.execute(_HAS_ROWS, (doc_id,)).fetchall() or any(
+            key[0] == doc_id for rows in (self._pending, self._committing) for key in rows
+        ):
+            self._complete.add(doc_id)
+
+    def _replays(self, doc_id: str) -> bool:
+        """Whether answers for the document may be served: always with `replay_same_run`, else only
+        while it has one that was stored before `initialize` (one more index probe)."""
+        return self.replay_same_run or bool(self._lookup.execute(_HAS_ROWS_BEFORE, (doc_id, self._before)).fetchall())
 
     def _queue(self, row: _Row) -> None:
         _check_row(row)
@@ -321,7 +361,7 @@ class RequestCache:
         self._pending.pop(key, None)  # re-insert so the dict keeps store order
         self._pending[key] = row
         if self.replay_same_run:
-            self._doc_ids_in_cache.add(row.doc_id)
+            self._complete.discard(row.doc_id)  # answered again: served again
         self._has_pending.set()
 
     async def _commit(self, *, drop_chunk: int | None) -> None:
@@ -344,7 +384,11 @@ class RequestCache:
                     break
             self._committing = {}
             error = work.exception()
-            if error is not None:
+            if error is None:
+                gone, largest = work.result()
+                self._complete.difference_update(gone)
+                self._before = min(self._before, largest)
+            else:
                 # Keep the rows for the next attempt; anything stored since is newer and wins.
                 self._pending = batch | self._pending
                 if self._pending:
@@ -392,7 +436,7 @@ def _check_row(row: _Row) -> None:
         raise TypeError(f"error_message must be a str, got {type(row.error_message).__name__}")
 
 
-def _open(db_path: str) -> tuple[sqlite3.Connection, sqlite3.Connection, set[str]]:
+def _open(db_path: str) -> tuple[sqlite3.Connection, sqlite3.Connection, int]:
     # isolation_level=None: transactions are explicit, one BEGIN/COMMIT per batch.
     writer = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False, timeout=30.0)
     try:
@@ -405,11 +449,11 @@ def _open(db_path: str) -> tuple[sqlite3.Connection, sqlite3.Connection, set[str
         # query over a big cache then costs no read() system calls.
         reader.execute(f"PRAGMA mmap_size={READER_MMAP_BYTES}")
         reader.execute(f"PRAGMA cache_size=-{READER_CACHE_KIB}")
-        doc_ids = {row[0] for row in reader.execute("SELECT DISTINCT doc_id FROM request_cache")}
+        largest = reader.execute("SELECT max(rowid) FROM request_cache").fetchone()[0] or 0
     except BaseException:
         writer.close()
         raise
-    return writer, reader, doc_ids
+    return writer, reader, largest
 
 
 def count_entries(db_path: str) -> int:
@@ -471,15 +515,22 @@ def _insert_rows(conn: sqlite3.Connection, rows: list[_Row]) -> None:
             start += size
 
 
-def _write_batch(conn: sqlite3.Connection, rows: list[_Row], drop_chunk: int | None) -> None:
+def _write_batch(conn: sqlite3.Connection, rows: list[_Row], drop_chunk: int | None) -> tuple[list[str], int]:
+    """Insert `rows`, then delete the chunk `drop_chunk`, in one transaction. Returns the documents the
+    drop left without an answer and the largest rowid after it (2**63 without a drop)."""
+    gone: list[str] = []
+    largest = 2**63
     conn.execute("BEGIN")
     try:
         if rows:
             _insert_rows(conn, rows)
         if drop_chunk is not None:
+            gone = [doc_id for (doc_id,) in conn.execute(_ONLY_IN_CHUNK, (drop_chunk,))]
             conn.execute("DELETE FROM request_cache WHERE chunk_index = ?", (drop_chunk,))
+            largest = conn.execute("SELECT max(rowid) FROM request_cache").fetchone()[0] or 0
         conn.execute("COMMIT")
     except BaseException:
         with contextlib.suppress(sqlite3.Error):
             conn.execute("ROLLBACK")
         raise
+    return gone, largest
