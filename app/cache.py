@@ -350,6 +350,16 @@ class RequestCache:
         ):
             self._complete.add(doc_id)
 
+    def _forget_complete(self, doc_ids: list[str]) -> None:
+        """Forget completed ids left without answers; a set never shrinks its table, so it is
+        copied once it has lost half its ids (amortised: a copy per halving)."""
+        if not doc_ids or not self._complete:
+            return
+        before = len(self._complete)
+        self._complete.difference_update(doc_ids)
+        if len(self._complete) <= before // 2:
+            self._complete = set(self._complete)
+
     def _replays(self, doc_id: str) -> bool:
         """Whether answers for the document may be served: always with `replay_same_run`, else only
         while it has one that was stored before `initialize` (one more index probe)."""
@@ -386,7 +396,7 @@ class RequestCache:
             error = work.exception()
             if error is None:
                 gone, largest = work.result()
-                self._complete.difference_update(gone)
+                self._forget_complete(gone)
                 self._before = min(self._before, largest)
             else:
                 # Keep the rows for the next attempt; anything stored since is newer and wins.
