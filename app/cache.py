@@ -10,35 +10,36 @@ the other. What differs is how it gets there:
   crash loses at most the last window (`flush_interval_ms`, default 50 ms)
   and never corrupts the file; `flush()` and `close()` return only once
   everything stored before them is durable (`synchronous=FULL`);
-- lookups are a direct `sqlite3` point query on the caller's thread.
+- lookups are a direct `sqlite3` point query on the caller's thread;
+- the schema grows only through the named migrations in `MIGRATIONS`.
 
 Like datatrove's, a lookup only serves answers a previous run stored (the
 doc ids present when `initialize` ran), so a job that repeats a request in
 one run gets a fresh generation. `replay_same_run=True`, which the proxy
 uses, also serves answers stored in this run, at once, before they are
 committed: the same key then always gets the same answer.
-- the schema grows only through the named migrations in `MIGRATIONS`.
 
-Which documents have answers is SQLite's to say, through the primary key's
-index, not a copy in memory: datatrove loads every doc id into a Python set
-(~95 bytes an id, and seconds to load for millions of answers), so that a
-document with no answer is a miss without a query. Here that miss costs one
-index probe of a few µs (bench/README.md), next to the upstream call it
-leads to, and the cache costs no memory and no start-up time per answer,
-whatever its size. Two things remain, exactly and without hashing (a hash
-that collides may cost a query, but must never serve an answer it should not):
+Which documents have answers is for SQLite's primary key index to say, not
+for a copy of their ids in memory. datatrove loads every doc id into a
+Python set at start (~95 bytes an id; a 10M-answer cache took seconds and
+gigabytes before its rank could answer), so that a document without answers
+is a miss without a query. A table of 64-bit hashes of the ids would still
+cost ~16 bytes an id, a load at start, and collisions to settle; the index
+costs nothing and loads nothing, and a miss pays one index probe of a few µs
+(bench/README.md) before the upstream call it leads to anyway. What remains
+in memory is exact, never hashed:
 
 - the ids marked complete (`mark_document_complete`) that have answers:
-  lookups for them are misses without a query until an answer is stored for
-  them again (with `replay_same_run`). Ids without answers are not kept, and
-  a dropped chunk takes its documents' ids along, so this set holds at most
-  the documents of the open chunks, not the cache;
-- without `replay_same_run`, "present when `initialize` ran" is a rowid
-  bound: rows inserted later get larger rowids (SQLite gives a new row the
-  largest rowid plus one; the bound is lowered when a drop removes the
-  largest rows, so none is reused below it), and a document is served only
-  while it has a row at or below the bound. This assumes one writer per
-  file, as the proxy's rank ownership and datatrove's one task per rank do.
+  lookups for them are misses without a query, until an answer is stored
+  for them again (with `replay_same_run`). An id without answers is not
+  kept, and dropping a chunk forgets the ids it leaves without answers, so
+  these are at most the documents of the open chunks, not the cache's;
+- without `replay_same_run`, what was present when `initialize` ran is a
+  rowid bound: SQLite gives a new row the largest rowid plus one, the bound
+  is lowered when a drop removes the largest rows (so none is reused below
+  it), and a document is served only while it has a row at or below the
+  bound. This assumes one writer per file, as the proxy's rank ownership and
+  datatrove's one task per rank ensure.
 """
 
 from __future__ import annotations

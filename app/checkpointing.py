@@ -27,7 +27,10 @@ Where datatrove can lose or repeat work, these do not:
   *before* its chunk file and cache rows are deleted, so a crash between
   steps never makes the job generate a finished chunk again;
 - resuming with another `records_per_chunk` fails with a clear error
-  instead of silently shifting every chunk boundary.
+  instead of silently shifting every chunk boundary;
+- resuming validates every unfinished chunk file before anything is written
+  or counted, reading it line by line and keeping ids, not documents; only
+  a writer that needs the documents again gets them, one chunk at a time.
 """
 
 from __future__ import annotations

@@ -159,6 +159,31 @@ class ChunkScan(NamedTuple):
 def read_chunk_ids(path: str, records_per_chunk: int) -> ChunkScan:
     """Validate one unfinished chunk file line by line, holding one document at a time, and cut off a
     torn last line. Raises as `decode_chunk` does."""
+    scan = _whole_chunk_ids(path)
+    if scan is None:  # something to repair or refuse: read again, line by careful line
+        scan = _careful_chunk_ids(path)
+    _check_distinct(path, len(scan.ids), records_per_chunk)
+    return scan
+
+
+def _whole_chunk_ids(path: str) -> ChunkScan | None:
+    """The common case, with the loop over lines in C (a fifth of the time of a resume): every line a
+    JSON object with a string id, the last one whole. None for anything else."""
+    with open(path, "rb") as f:
+        try:
+            ids = set(map(operator.itemgetter("id"), map(orjson.loads, f)))
+        except (orjson.JSONDecodeError, KeyError, TypeError):  # not JSON, or not an object with an id
+            return None
+        if not ids:
+            return ChunkScan(ids, None)
+        f.seek(-1, os.SEEK_END)
+        if f.read(1) != b"\n" or set(map(type, ids)) != {str}:  # a torn last line, or an id not a string
+            return None
+        f.seek(0)
+        return ChunkScan(ids, orjson.loads(f.readline()))
+
+
+def _careful_chunk_ids(path: str) -> ChunkScan:
     lines = JsonlLines(path)
     ids: set[str] = set()
     first: dict[str, Any] | None = None
@@ -173,7 +198,6 @@ def read_chunk_ids(path: str, records_per_chunk: int) -> ChunkScan:
     lines.repair()  # before refusing the file, as `read_chunk_file` does
     if bad is not None:
         raise _not_a_document(path, *bad)
-    _check_distinct(path, len(ids), records_per_chunk)
     return ChunkScan(ids, first)
 
 

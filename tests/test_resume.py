@@ -19,6 +19,7 @@ from app.documents import Document
 from app.durable import CorruptFileError
 from app.inspect import inspect_dir
 from app.publish import ChunkPublisher
+from app.resume import read_chunk_file, read_chunk_ids
 from app.settings import Settings
 from tests.factories import RecordingWriter, chunk_ids, chunk_path, last_chunk_path, manager, write_chunk_file
 from tests.servers import proxy_client
@@ -157,3 +158,37 @@ async def test_restoring_for_the_publisher_holds_ids_not_documents(tmp_path: Pat
     # (what restoring held before) is over 1 KiB.
     assert held / count < 200, f"{held / count:.0f} bytes held per document"
     assert peak / count < 250, f"{peak / count:.0f} bytes at the peak per document"
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b"",
+        line("a") + line("b") + line("a"),  # an id twice
+        line("a") + b"\n  \n" + b' {"id": "b", "text": "t"} \r\n',  # blank lines, blanks around a record
+        line("a") + b'{"id": "b", "text": "t"}',  # a last line that parses but has no newline: torn
+        line("a") + b'{"id": "b", "te',  # torn mid-line
+        line("a") + b"\0\0\0",  # garbage a power cut left
+        line("a") + b'{"id": 7}\n',  # an id that is not a string
+        line("a") + b"[1, 2]\n",  # a record that is not an object
+        line("a") + b'{"text": "no id"}\n' + line("b"),
+        line("a") + b"not json\n" + line("b"),  # not a torn append: refused
+    ],
+)
+def test_reading_a_chunk_for_its_ids_agrees_with_decoding_its_documents(tmp_path: Path, content: bytes) -> None:
+    def outcome(read: Any, name: str) -> Any:
+        path = str(tmp_path / name)
+        Path(path).write_bytes(content)
+        try:
+            return read(path)
+        except ValueError as exc:
+            return type(exc), str(exc).replace(path, "<chunk file>")
+
+    documents = outcome(lambda path: read_chunk_file(path, 3, Document.from_dict), "documents")
+    scan = outcome(lambda path: read_chunk_ids(path, 3), "ids")
+    if isinstance(documents, tuple):
+        assert scan == documents  # the same error, the same message
+    else:
+        assert scan.ids == {document.id for document in documents}
+        assert (scan.first or {}).get("id") == (documents[0].id if documents else None)
+    assert (tmp_path / "ids").read_bytes() == (tmp_path / "documents").read_bytes()  # the same repair
