@@ -29,11 +29,13 @@ costs nothing and loads nothing, and a miss pays one index probe of a few µs
 (bench/README.md) before the upstream call it leads to anyway. What remains
 in memory is exact, never hashed:
 
-- the ids marked complete (`mark_document_complete`) that have answers:
-  lookups for them are misses without a query, until an answer is stored
-  for them again (with `replay_same_run`). An id without answers is not
-  kept, and dropping a chunk forgets the ids it leaves without answers, so
-  these are at most the documents of the open chunks, not the cache's;
+- the ids marked complete (`mark_document_complete`): lookups for them are
+  misses without a query, until an answer is stored for them again (with
+  `replay_same_run`). Those without answers (none stored, or their chunk
+  dropped) need not be remembered: once the set has doubled since it was
+  last looked over, the writer looks its ids up in SQLite in one go (a set
+  insertion a mark, amortised) and forgets those. So it holds at most about
+  twice the completed documents with answers, those of the open chunks;
 - without `replay_same_run`, what was present when `initialize` ran is a
   rowid bound: SQLite gives a new row the largest rowid plus one, the bound
   is lowered when a drop removes the largest rows (so none is reused below
@@ -52,6 +54,7 @@ import shutil
 import sqlite3
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -104,13 +107,10 @@ _INSERT = (
 )
 _SELECT = "SELECT result, error_message FROM request_cache WHERE doc_id = ? AND rollout_idx = ? AND payload_hash = ?"
 # Covered by the primary key's index (its entries hold the rowid): no table page is read.
-_HAS_ROWS = "SELECT 1 FROM request_cache WHERE doc_id = ? LIMIT 1"
 _HAS_ROWS_BEFORE = "SELECT 1 FROM request_cache WHERE doc_id = ? AND rowid <= ? LIMIT 1"
-# The documents of a chunk with no answer in another one: a drop leaves them none.
-_ONLY_IN_CHUNK = (
-    "SELECT DISTINCT doc_id FROM request_cache AS a WHERE chunk_index = ?1 AND NOT EXISTS "
-    "(SELECT 1 FROM request_cache AS b WHERE b.doc_id = a.doc_id AND b.chunk_index <> ?1)"
-)
+_IDS_PER_QUERY = 500  # under SQLite's limit on bound parameters
+#: Completed ids kept before the first look for those without answers.
+SWEEP_COMPLETE_FROM = 4096
 _SELECT_RESPONSE = (
     "SELECT result, error_message, status_code, content_type, streamed FROM request_cache "
     "WHERE doc_id = ? AND rollout_idx = ? AND payload_hash = ?"
@@ -191,8 +191,9 @@ class RequestCache:
         self._reader: sqlite3.Connection | None = None
         self._writer: sqlite3.Connection | None = None
         self._lookup: sqlite3.Cursor
-        # Marked complete and with answers: misses without a query (the module's docstring).
+        # Marked complete: misses without a query (the module's docstring).
         self._complete: set[str] = set()
+        self._sweep_at = SWEEP_COMPLETE_FROM
         # Without replay_same_run: the largest rowid of a row present when initialize ran.
         self._before = 0
         # Stored but not yet committed, and being committed: lookups see both.
@@ -334,7 +335,7 @@ class RequestCache:
         """
         if self._writer is None:
             return
-        await self._commit(drop_chunk=None)
+        await self._commit()
 
     async def drop_chunk(self, chunk_index: int) -> None:
         """Delete every entry of a chunk, including ones stored but not yet committed."""
@@ -343,18 +344,19 @@ class RequestCache:
         await self._commit(drop_chunk=chunk_index)
 
     async def mark_document_complete(self, doc_id: str) -> None:
-        """The document is finished: later lookups for it are misses (without a query: the module's docstring)."""
-        if self._reader is None or doc_id in self._complete:
+        """The document is finished: later lookups for it are misses without a query, until an answer
+        is stored for it again (with `replay_same_run`)."""
+        if self._reader is None:
             return
-        if self._reader.execute(_HAS_ROWS, (doc_id,)).fetchall() or any(
-            key[0] == doc_id for rows in (self._pending, self._committing) for key in rows
-        ):
-            self._complete.add(doc_id)
+        self._complete.add(doc_id)
+        if len(self._complete) > self._sweep_at:
+            self._has_pending.set()  # the writer's next commit forgets those without answers
 
-    def _forget_complete(self, doc_ids: list[str]) -> None:
-        """Forget completed ids left without answers; a set never shrinks its table, so it is
-        copied once it has lost half its ids (amortised: a copy per halving)."""
-        if not doc_ids or not self._complete:
+    def _forget(self, doc_ids: list[str]) -> None:
+        """Forget completed ids found without answers. One answered since was taken out when it was
+        stored (with `replay_same_run`; without, an answer of this run is not served anyway).
+        A set never shrinks its table: it is copied once it has lost half its ids."""
+        if not doc_ids:
             return
         before = len(self._complete)
         self._complete.difference_update(doc_ids)
@@ -375,14 +377,19 @@ class RequestCache:
             self._complete.discard(row.doc_id)  # answered again: served again
         self._has_pending.set()
 
-    async def _commit(self, *, drop_chunk: int | None) -> None:
+    async def _commit(self, *, drop_chunk: int | None = None) -> None:
         async with self._write_lock:
             writer = self._writer
-            if writer is None or (not self._pending and drop_chunk is None):
+            # Completed ids, once they are more than twice those that had answers at the last
+            # sweep, are looked up here: amortised, a mark costs a set insertion.
+            sweep = list(self._complete) if len(self._complete) > self._sweep_at else []
+            if writer is None or (not self._pending and drop_chunk is None and not sweep):
                 return  # closed meanwhile, or nothing to do
             batch, self._pending = self._pending, {}
             self._committing = batch
-            work = asyncio.ensure_future(asyncio.to_thread(_write_batch, writer, list(batch.values()), drop_chunk))
+            work = asyncio.ensure_future(
+                asyncio.to_thread(_write_batch, writer, list(batch.values()), drop_chunk, sweep)
+            )
             cancelled = False
             # The thread cannot be cancelled: hold the lock until it is done, so
             # that no second commit ever runs on the same connection.
@@ -396,9 +403,11 @@ class RequestCache:
             self._committing = {}
             error = work.exception()
             if error is None:
-                gone, largest = work.result()
-                self._forget_complete(gone)
+                unanswered, largest = work.result()
+                self._forget(unanswered)
                 self._before = min(self._before, largest)
+                if sweep:
+                    self._sweep_at = max(SWEEP_COMPLETE_FROM, 2 * len(self._complete))
             else:
                 # Keep the rows for the next attempt; anything stored since is newer and wins.
                 self._pending = batch | self._pending
@@ -419,7 +428,7 @@ class RequestCache:
             await asyncio.sleep(backoff)
             self._has_pending.clear()
             try:
-                await self._commit(drop_chunk=None)
+                await self._commit()
             except Exception:  # the writer must outlive any one failure
                 logger.exception("request cache commit failed; retrying in %.2f s", backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -526,22 +535,36 @@ def _insert_rows(conn: sqlite3.Connection, rows: list[_Row]) -> None:
             start += size
 
 
-def _write_batch(conn: sqlite3.Connection, rows: list[_Row], drop_chunk: int | None) -> tuple[list[str], int]:
-    """Insert `rows`, then delete the chunk `drop_chunk`, in one transaction. Returns the documents the
-    drop left without an answer and the largest rowid after it (2**63 without a drop)."""
-    gone: list[str] = []
+def _write_batch(
+    conn: sqlite3.Connection, rows: list[_Row], drop_chunk: int | None = None, sweep: Sequence[str] = ()
+) -> tuple[list[str], int]:
+    """Insert `rows`, then delete the chunk `drop_chunk`, in one transaction. Returns the documents of
+    `sweep` without any answer then, and the largest rowid after the drop (2**63 without one)."""
     largest = 2**63
     conn.execute("BEGIN")
     try:
         if rows:
             _insert_rows(conn, rows)
         if drop_chunk is not None:
-            gone = [doc_id for (doc_id,) in conn.execute(_ONLY_IN_CHUNK, (drop_chunk,))]
             conn.execute("DELETE FROM request_cache WHERE chunk_index = ?", (drop_chunk,))
             largest = conn.execute("SELECT max(rowid) FROM request_cache").fetchone()[0] or 0
+        unanswered = _without_answers(conn, sweep)
         conn.execute("COMMIT")
     except BaseException:
         with contextlib.suppress(sqlite3.Error):
             conn.execute("ROLLBACK")
         raise
-    return gone, largest
+    return unanswered, largest
+
+
+def _without_answers(conn: sqlite3.Connection, doc_ids: Sequence[str]) -> list[str]:
+    """The documents of `doc_ids` that have no answer, a few hundred index probes a query."""
+    answered: set[str] = set()
+    for start in range(0, len(doc_ids), _IDS_PER_QUERY):
+        part = doc_ids[start : start + _IDS_PER_QUERY]
+        marks = ", ".join("?" * len(part))
+        answered.update(
+            doc_id
+            for (doc_id,) in conn.execute(f"SELECT DISTINCT doc_id FROM request_cache WHERE doc_id IN ({marks})", part)
+        )
+    return [doc_id for doc_id in doc_ids if doc_id not in answered]

@@ -10,6 +10,9 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+import app.cache
 from app.cache import DB_FILENAME, RequestCache, StoredResponse, apply_migrations
 from app.hashing import payload_hash
 
@@ -59,8 +62,8 @@ async def test_a_document_marked_complete_is_a_miss_without_a_query(tmp_path: Pa
     for doc_id in ("committed", "pending"):
         assert cache.get_response(doc_id, 0, H) is None
         assert await cache.get_cached_response(doc_id, 0, payload_hash=H) == (None, None)
+    assert cache.get_response("never-answered", 0, H) is None
     assert seen == []
-    assert cache.get_response("never-answered", 0, H) is None  # one index probe, and still a miss
     await cache.close()
 
 
@@ -84,17 +87,40 @@ async def test_a_document_answered_again_after_it_was_marked_complete_is_served_
     await cache.close()
 
 
-async def test_dropping_a_chunk_keeps_a_completed_document_with_answers_elsewhere_a_miss(tmp_path: Path) -> None:
-    cache = await opened(tmp_path, replay_same_run=True)
+async def test_completed_documents_without_answers_are_forgotten_those_with_answers_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(app.cache, "SWEEP_COMPLETE_FROM", 0)  # every commit looks them over
+    cache = await opened(tmp_path, replay_same_run=True, flush_interval_ms=60_000)
     cache.store_response(1, "both", 0, H, ANSWER)
     cache.store_response(-1, "both", 1, H, ANSWER)  # sent without X-Chunk-Index: no chunk drops it
     cache.store_response(1, "only", 0, H, ANSWER)
-    for doc_id in ("both", "only"):
+    for doc_id in ("both", "only", "unanswered", "answered-later"):
         await cache.mark_document_complete(doc_id)
     await cache.drop_chunk(1)
-    assert cache._complete == {"both"}  # "only" has no answer left: nothing to remember it for
-    assert cache.get_response("both", 1, H) is None
-    assert cache.get_response("only", 0, H) is None
+    cache.store_response(0, "answered-later", 0, H, ANSWER)  # not committed yet
+    await cache.mark_document_complete("answered-later")
+    await cache.drop_chunk(2)  # a commit: it looks them over
+    # "only" and "unanswered" have no answer (left): nothing to remember them for
+    assert cache._complete == {"both", "answered-later"}
+    for doc_id, rollout in (("both", 1), ("only", 0), ("answered-later", 0)):
+        assert cache.get_response(doc_id, rollout, H) is None
+    await cache.close()
+
+
+async def test_the_writer_looks_completed_documents_over_on_its_own_once_they_pile_up(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(app.cache, "SWEEP_COMPLETE_FROM", 2)
+    cache = await opened(tmp_path, replay_same_run=True, flush_interval_ms=1)
+    for doc_id in ("a", "b", "c"):  # none answered: a job that uses the checkpoints alone
+        await cache.mark_document_complete(doc_id)
+    for _ in range(500):  # bounded: the writer wakes within its flush interval
+        if not cache._complete:
+            break
+        await asyncio.sleep(0.01)
+    assert cache._complete == set()
+    assert cache.get_response("a", 0, H) is None
     await cache.close()
 
 
@@ -135,24 +161,20 @@ async def test_the_cache_holds_no_memory_per_answer_and_completed_ids_only_until
     """Memory, not time, with tracemalloc: datatrove's set of doc ids costs ~95 bytes an answer."""
     entries, completed = 200_000, 50_000
     ids = fill(tmp_path, entries, chunk_of=lambda i: 0 if i < completed else 1)
-    absent = [f"absent-{i}" for i in range(completed)]
+    chunk = ids[:completed] + [f"unanswered-{i}" for i in range(completed)]  # chunk 0's documents
     tracemalloc.start()
     try:
         cache = await opened(tmp_path, replay_same_run=True)
         opened_bytes = tracemalloc.get_traced_memory()[0]
-        for doc_id in absent:
-            await cache.mark_document_complete(doc_id)
-        no_answers = tracemalloc.get_traced_memory()[0]
-        for doc_id in ids[:completed]:
+        for doc_id in chunk:
             await cache.mark_document_complete(doc_id)
         marked = tracemalloc.get_traced_memory()[0]
-        await cache.drop_chunk(0)
+        await cache.drop_chunk(0)  # they have no answers left: the commit looks them over and forgets them
         await asyncio.sleep(0)  # the commit's finished future, still in the loop's queue, holds its result
         dropped = tracemalloc.get_traced_memory()[0]
         await cache.close()
     finally:
         tracemalloc.stop()
     assert opened_bytes / entries < 30, f"{opened_bytes / entries:.1f} bytes an answer"
-    assert (no_answers - opened_bytes) / completed < 1  # documents without answers are not remembered
-    assert (marked - no_answers) / completed < 60  # a set slot each: the ids are the caller's strings
-    assert (dropped - opened_bytes) / completed < 1
+    assert (marked - opened_bytes) / len(chunk) < 60  # a set slot each: the ids are the caller's strings
+    assert (dropped - opened_bytes) / len(chunk) < 1
