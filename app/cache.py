@@ -106,15 +106,15 @@ _INSERT = (
     "result, error_message, status_code, content_type, streamed) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _SELECT = "SELECT result, error_message FROM request_cache WHERE doc_id = ? AND rollout_idx = ? AND payload_hash = ?"
+_SELECT_RESPONSE = (
+    "SELECT result, error_message, status_code, content_type, streamed FROM request_cache "
+    "WHERE doc_id = ? AND rollout_idx = ? AND payload_hash = ?"
+)
 # Covered by the primary key's index (its entries hold the rowid): no table page is read.
 _HAS_ROWS_BEFORE = "SELECT 1 FROM request_cache WHERE doc_id = ? AND rowid <= ? LIMIT 1"
 _IDS_PER_QUERY = 500  # under SQLite's limit on bound parameters
 #: Completed ids kept before the first look for those without answers.
 SWEEP_COMPLETE_FROM = 4096
-_SELECT_RESPONSE = (
-    "SELECT result, error_message, status_code, content_type, streamed FROM request_cache "
-    "WHERE doc_id = ? AND rollout_idx = ? AND payload_hash = ?"
-)
 
 
 class StoredResponse(NamedTuple):

@@ -167,8 +167,8 @@ def read_chunk_ids(path: str, records_per_chunk: int) -> ChunkScan:
 
 
 def _whole_chunk_ids(path: str) -> ChunkScan | None:
-    """The common case, with the loop over lines in C (a fifth of the time of a resume): every line a
-    JSON object with a string id, the last one whole. None for anything else."""
+    """The common case, with the loop over lines in C (a fifth less CPU than `_careful_chunk_ids`):
+    every line a JSON object with a string id, the last one whole. None for anything else."""
     with open(path, "rb") as f:
         try:
             ids = set(map(operator.itemgetter("id"), map(orjson.loads, f)))
