@@ -10,14 +10,38 @@ the other. What differs is how it gets there:
   crash loses at most the last window (`flush_interval_ms`, default 50 ms)
   and never corrupts the file; `flush()` and `close()` return only once
   everything stored before them is durable (`synchronous=FULL`);
-- lookups are a direct `sqlite3` point query on the caller's thread.
+- lookups are a direct `sqlite3` point query on the caller's thread;
+- the schema grows only through the named migrations in `MIGRATIONS`.
 
 Like datatrove's, a lookup only serves answers a previous run stored (the
 doc ids present when `initialize` ran), so a job that repeats a request in
 one run gets a fresh generation. `replay_same_run=True`, which the proxy
 uses, also serves answers stored in this run, at once, before they are
 committed: the same key then always gets the same answer.
-- the schema grows only through the named migrations in `MIGRATIONS`.
+
+Which documents have answers is for SQLite's primary key index to say, not
+for a copy of their ids in memory. datatrove loads every doc id into a
+Python set at start (~95 bytes an id; a 10M-answer cache took seconds and
+gigabytes before its rank could answer), so that a document without answers
+is a miss without a query. A table of 64-bit hashes of the ids would still
+cost ~16 bytes an id, a load at start, and collisions to settle; the index
+costs nothing and loads nothing, and a miss pays one index probe of a few µs
+(bench/README.md) before the upstream call it leads to anyway. What remains
+in memory is exact, never hashed:
+
+- the ids marked complete (`mark_document_complete`): lookups for them are
+  misses without a query, until an answer is stored for them again (with
+  `replay_same_run`). Those without answers (none stored, or their chunk
+  dropped) need not be remembered: once the set has doubled since it was
+  last looked over, the writer looks its ids up in SQLite in one go (a set
+  insertion a mark, amortised) and forgets those. So it holds at most about
+  twice the completed documents with answers, those of the open chunks;
+- without `replay_same_run`, what was present when `initialize` ran is a
+  rowid bound: SQLite gives a new row the largest rowid plus one, the bound
+  is lowered when a drop removes the largest rows (so none is reused below
+  it), and a document is served only while it has a row at or below the
+  bound. This assumes one writer per file, as the proxy's rank ownership and
+  datatrove's one task per rank ensure.
 """
 
 from __future__ import annotations
@@ -30,6 +54,7 @@ import shutil
 import sqlite3
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -85,6 +110,11 @@ _SELECT_RESPONSE = (
     "SELECT result, error_message, status_code, content_type, streamed FROM request_cache "
     "WHERE doc_id = ? AND rollout_idx = ? AND payload_hash = ?"
 )
+# Covered by the primary key's index (its entries hold the rowid): no table page is read.
+_HAS_ROWS_BEFORE = "SELECT 1 FROM request_cache WHERE doc_id = ? AND rowid <= ? LIMIT 1"
+_IDS_PER_QUERY = 500  # under SQLite's limit on bound parameters
+#: Completed ids kept before the first look for those without answers.
+SWEEP_COMPLETE_FROM = 4096
 
 
 class StoredResponse(NamedTuple):
@@ -161,7 +191,11 @@ class RequestCache:
         self._reader: sqlite3.Connection | None = None
         self._writer: sqlite3.Connection | None = None
         self._lookup: sqlite3.Cursor
-        self._doc_ids_in_cache: set[str] = set()
+        # Marked complete: misses without a query (the module's docstring).
+        self._complete: set[str] = set()
+        self._sweep_at = SWEEP_COMPLETE_FROM
+        # Without replay_same_run: the largest rowid of a row present when initialize ran.
+        self._before = 0
         # Stored but not yet committed, and being committed: lookups see both.
         self._pending: dict[_Key, _Row] = {}
         self._committing: dict[_Key, _Row] = {}
@@ -177,7 +211,7 @@ class RequestCache:
         rank_dir = os.path.join(self.base_dir, f"{rank:05d}")
         await asyncio.to_thread(make_dirs_durable, rank_dir)
         self.db_path = os.path.join(rank_dir, DB_FILENAME)
-        writer, reader, self._doc_ids_in_cache = await asyncio.to_thread(_open, self.db_path)
+        writer, reader, self._before = await asyncio.to_thread(_open, self.db_path)
         self._writer, self._reader = writer, reader
         self._lookup = reader.cursor()  # reused by every lookup: no cursor object per query
         self._writer_task = asyncio.create_task(self._writer_loop(), name=f"request-cache-writer-{rank}")
@@ -206,7 +240,7 @@ class RequestCache:
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(self.db_path + suffix)
             self.db_path = None
-            self._doc_ids_in_cache.clear()
+            self._complete.clear()
             self._pending.clear()
 
     def prepare_payload(self, payload: dict[str, Any]) -> str:
@@ -217,7 +251,7 @@ class RequestCache:
         self, doc_id: str, rollout_idx: int, *, payload_hash: str
     ) -> tuple[dict[str, Any] | None, str | None]:
         """`(result, None)`, `(None, error_message)`, or `(None, None)` on a miss."""
-        if self._reader is None or doc_id not in self._doc_ids_in_cache:
+        if self._reader is None or doc_id in self._complete or not self._replays(doc_id):
             return None, None
         key = (doc_id, rollout_idx, payload_hash)
         row = self._pending.get(key) or self._committing.get(key)
@@ -252,7 +286,7 @@ class RequestCache:
 
     def get_response(self, doc_id: str, rollout_idx: int, payload_hash: str) -> StoredResponse | None:
         """The proxy's lookup: the stored HTTP answer for the key, or None. Synchronous: one point query."""
-        if self._reader is None or doc_id not in self._doc_ids_in_cache:
+        if self._reader is None or doc_id in self._complete or not self._replays(doc_id):
             return None
         key = (doc_id, rollout_idx, payload_hash)
         row = (self._pending.get(key) if self._pending else None) or (
@@ -301,7 +335,7 @@ class RequestCache:
         """
         if self._writer is None:
             return
-        await self._commit(drop_chunk=None)
+        await self._commit()
 
     async def drop_chunk(self, chunk_index: int) -> None:
         """Delete every entry of a chunk, including ones stored but not yet committed."""
@@ -310,10 +344,29 @@ class RequestCache:
         await self._commit(drop_chunk=chunk_index)
 
     async def mark_document_complete(self, doc_id: str) -> None:
-        """The document is finished: later lookups for it are misses without a query."""
-        if not self.enabled:
+        """The document is finished: later lookups for it are misses without a query, until an answer
+        is stored for it again (with `replay_same_run`)."""
+        if self._reader is None:
             return
-        self._doc_ids_in_cache.discard(doc_id)
+        self._complete.add(doc_id)
+        if len(self._complete) > self._sweep_at:
+            self._has_pending.set()  # the writer's next commit forgets those without answers
+
+    def _forget(self, doc_ids: list[str]) -> None:
+        """Forget completed ids found without answers. One answered since was taken out when it was
+        stored (with `replay_same_run`; without, an answer of this run is not served anyway).
+        A set never shrinks its table: it is copied once it has lost half its ids."""
+        if not doc_ids:
+            return
+        before = len(self._complete)
+        self._complete.difference_update(doc_ids)
+        if len(self._complete) <= before // 2:
+            self._complete = set(self._complete)
+
+    def _replays(self, doc_id: str) -> bool:
+        """Whether answers for the document may be served: always with `replay_same_run`, else only
+        while it has one that was stored before `initialize` (one more index probe)."""
+        return self.replay_same_run or bool(self._lookup.execute(_HAS_ROWS_BEFORE, (doc_id, self._before)).fetchall())
 
     def _queue(self, row: _Row) -> None:
         _check_row(row)
@@ -321,17 +374,22 @@ class RequestCache:
         self._pending.pop(key, None)  # re-insert so the dict keeps store order
         self._pending[key] = row
         if self.replay_same_run:
-            self._doc_ids_in_cache.add(row.doc_id)
+            self._complete.discard(row.doc_id)  # answered again: served again
         self._has_pending.set()
 
-    async def _commit(self, *, drop_chunk: int | None) -> None:
+    async def _commit(self, *, drop_chunk: int | None = None) -> None:
         async with self._write_lock:
             writer = self._writer
-            if writer is None or (not self._pending and drop_chunk is None):
+            # Completed ids, once they are more than twice those that had answers at the last
+            # sweep, are looked up here: amortised, a mark costs a set insertion.
+            sweep = list(self._complete) if len(self._complete) > self._sweep_at else []
+            if writer is None or (not self._pending and drop_chunk is None and not sweep):
                 return  # closed meanwhile, or nothing to do
             batch, self._pending = self._pending, {}
             self._committing = batch
-            work = asyncio.ensure_future(asyncio.to_thread(_write_batch, writer, list(batch.values()), drop_chunk))
+            work = asyncio.ensure_future(
+                asyncio.to_thread(_write_batch, writer, list(batch.values()), drop_chunk, sweep)
+            )
             cancelled = False
             # The thread cannot be cancelled: hold the lock until it is done, so
             # that no second commit ever runs on the same connection.
@@ -344,7 +402,13 @@ class RequestCache:
                     break
             self._committing = {}
             error = work.exception()
-            if error is not None:
+            if error is None:
+                unanswered, largest = work.result()
+                self._forget(unanswered)
+                self._before = min(self._before, largest)
+                if sweep:
+                    self._sweep_at = max(SWEEP_COMPLETE_FROM, 2 * len(self._complete))
+            else:
                 # Keep the rows for the next attempt; anything stored since is newer and wins.
                 self._pending = batch | self._pending
                 if self._pending:
@@ -364,7 +428,7 @@ class RequestCache:
             await asyncio.sleep(backoff)
             self._has_pending.clear()
             try:
-                await self._commit(drop_chunk=None)
+                await self._commit()
             except Exception:  # the writer must outlive any one failure
                 logger.exception("request cache commit failed; retrying in %.2f s", backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -392,7 +456,7 @@ def _check_row(row: _Row) -> None:
         raise TypeError(f"error_message must be a str, got {type(row.error_message).__name__}")
 
 
-def _open(db_path: str) -> tuple[sqlite3.Connection, sqlite3.Connection, set[str]]:
+def _open(db_path: str) -> tuple[sqlite3.Connection, sqlite3.Connection, int]:
     # isolation_level=None: transactions are explicit, one BEGIN/COMMIT per batch.
     writer = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False, timeout=30.0)
     try:
@@ -405,11 +469,11 @@ def _open(db_path: str) -> tuple[sqlite3.Connection, sqlite3.Connection, set[str
         # query over a big cache then costs no read() system calls.
         reader.execute(f"PRAGMA mmap_size={READER_MMAP_BYTES}")
         reader.execute(f"PRAGMA cache_size=-{READER_CACHE_KIB}")
-        doc_ids = {row[0] for row in reader.execute("SELECT DISTINCT doc_id FROM request_cache")}
+        largest = reader.execute("SELECT max(rowid) FROM request_cache").fetchone()[0] or 0
     except BaseException:
         writer.close()
         raise
-    return writer, reader, doc_ids
+    return writer, reader, largest
 
 
 def count_entries(db_path: str) -> int:
@@ -471,15 +535,36 @@ def _insert_rows(conn: sqlite3.Connection, rows: list[_Row]) -> None:
             start += size
 
 
-def _write_batch(conn: sqlite3.Connection, rows: list[_Row], drop_chunk: int | None) -> None:
+def _write_batch(
+    conn: sqlite3.Connection, rows: list[_Row], drop_chunk: int | None = None, sweep: Sequence[str] = ()
+) -> tuple[list[str], int]:
+    """Insert `rows`, then delete the chunk `drop_chunk`, in one transaction. Returns the documents of
+    `sweep` without any answer then, and the largest rowid after the drop (2**63 without one)."""
+    largest = 2**63
     conn.execute("BEGIN")
     try:
         if rows:
             _insert_rows(conn, rows)
         if drop_chunk is not None:
             conn.execute("DELETE FROM request_cache WHERE chunk_index = ?", (drop_chunk,))
+            largest = conn.execute("SELECT max(rowid) FROM request_cache").fetchone()[0] or 0
+        unanswered = _without_answers(conn, sweep)
         conn.execute("COMMIT")
     except BaseException:
         with contextlib.suppress(sqlite3.Error):
             conn.execute("ROLLBACK")
         raise
+    return unanswered, largest
+
+
+def _without_answers(conn: sqlite3.Connection, doc_ids: Sequence[str]) -> list[str]:
+    """The documents of `doc_ids` that have no answer, a few hundred index probes a query."""
+    answered: set[str] = set()
+    for start in range(0, len(doc_ids), _IDS_PER_QUERY):
+        part = doc_ids[start : start + _IDS_PER_QUERY]
+        marks = ", ".join("?" * len(part))
+        answered.update(
+            doc_id
+            for (doc_id,) in conn.execute(f"SELECT DISTINCT doc_id FROM request_cache WHERE doc_id IN ({marks})", part)
+        )
+    return [doc_id for doc_id in doc_ids if doc_id not in answered]

@@ -27,7 +27,10 @@ Where datatrove can lose or repeat work, these do not:
   *before* its chunk file and cache rows are deleted, so a crash between
   steps never makes the job generate a finished chunk again;
 - resuming with another `records_per_chunk` fails with a clear error
-  instead of silently shifting every chunk boundary.
+  instead of silently shifting every chunk boundary;
+- resuming validates every unfinished chunk file before anything is written
+  or counted, reading it line by line and keeping ids, not documents; only
+  a writer that needs the documents again gets them, one chunk at a time.
 """
 
 from __future__ import annotations
@@ -49,12 +52,14 @@ from app.durable import atomic_write_bytes
 from app.layout import META_FILENAME, CheckpointsLayout, RankPaths
 from app.publish import PublishError
 from app.resume import (
+    ChunkScan,
     RecordsPerChunkMismatch,
     check_records_per_chunk,
     docs_to_skip,
-    processed_ids,
     read_chunk_file,
+    read_chunk_ids,
     read_last_chunk,
+    sorted_processed_ids,
 )
 
 __all__ = [
@@ -260,9 +265,10 @@ class CheckpointManager:
             or any(lock.locked() for lock in self.file_locks.values())
         )
 
-    def resume_state(self) -> tuple[int, set[str]]:
-        """`(docs_to_skip, processed_ids)` as `parse_existing_checkpoints` would return them now."""
-        return docs_to_skip(self.last_chunk_index, self.records_per_chunk), processed_ids(
+    def resume_state(self) -> tuple[int, list[str]]:
+        """`(docs_to_skip, processed_ids)` as `parse_existing_checkpoints` would return them now, the ids
+        sorted (as `GET /resume` lists them)."""
+        return docs_to_skip(self.last_chunk_index, self.records_per_chunk), sorted_processed_ids(
             self.last_chunk_index, self._chunk_ids
         )
 
@@ -323,31 +329,43 @@ class CheckpointManager:
         Returns `(documents_to_skip, processed_ids)`: skip the first
         `documents_to_skip` input documents, and every later one whose id is
         in `processed_ids`. Same numbers as datatrove's.
+
+        Every unfinished chunk file is read line by line and validated before
+        anything is written or counted, keeping only its ids. A writer with
+        `needs_documents = False` (`ChunkPublisher`, which renders a chunk
+        from its checkpoint file when it publishes it) gets nothing more;
+        any other (a datatrove `JsonlWriter`) then gets each chunk's
+        documents again, one chunk in memory at a time.
         """
         all_ids: set[str] = set()
         if not self.checkpoints_local_dir:
             return 0, all_ids
         self._chunk_files.check_usable()
         self._ensure_meta()
+        rewrite = getattr(output_writer_context, "needs_documents", True)
         async with self.checkpoint_file_lock:
             self.last_chunk_index = max(self.last_chunk_index, self._read_last_chunk(rank))
-            chunks = await asyncio.to_thread(self._read_chunks, rank)
-            for chunk_index, documents in chunks:
+            chunks = await asyncio.to_thread(self._scan_chunks, rank)
+            for chunk_index, path, scan in chunks:
                 async with self.file_locks[chunk_index]:
-                    ids = self._chunk_ids[chunk_index]
-                    for document in documents:
-                        if document.id in ids:
-                            continue
-                        if not is_removed(document):
-                            output_writer_context.write(document, rank=rank, chunk_index=chunk_index)
-                        if chunk_index not in self._outputs:
-                            name = output_writer_context._get_output_filename(document, rank, chunk_index=chunk_index)
-                            self._outputs[chunk_index] = (output_writer_context, name)
-                        ids.add(document.id)
-                        all_ids.add(document.id)
-                        self.per_chunk_counts[chunk_index] += 1
-                        if self.per_chunk_counts[chunk_index] == self.records_per_chunk:
-                            self._ready.add(chunk_index)
+                    known = self._chunk_ids[chunk_index]
+                    fresh = scan.ids - known if known else scan.ids
+                    if not fresh:
+                        continue
+                    if rewrite:
+                        await self._rewrite(rank, chunk_index, path, fresh, output_writer_context)
+                    elif chunk_index not in self._outputs and scan.first is not None:
+                        first = self.document_factory(scan.first)
+                        name = output_writer_context._get_output_filename(first, rank, chunk_index=chunk_index)
+                        self._outputs[chunk_index] = (output_writer_context, name)
+                    if known:
+                        known |= fresh
+                    else:
+                        self._chunk_ids[chunk_index] = fresh
+                    all_ids |= fresh
+                    self.per_chunk_counts[chunk_index] += len(fresh)
+                    if self.per_chunk_counts[chunk_index] >= self.records_per_chunk:
+                        self._ready.add(chunk_index)
         if self.request_cache is not None and self.last_chunk_index >= 0:
             # A crash between deleting the last chunk's file and dropping its
             # cache rows leaves those rows behind; nothing will ask for them.
@@ -356,16 +374,31 @@ class CheckpointManager:
             await asyncio.shield(self._publish_ready(rank))
         return docs_to_skip(self.last_chunk_index, self.records_per_chunk), all_ids
 
-    def _read_chunks(self, rank: int) -> list[tuple[int, list[DocumentLike]]]:
-        """Decode the rank's unfinished chunk files, validating all before anything is written."""
-        chunks: list[tuple[int, list[DocumentLike]]] = []
+    async def _rewrite(
+        self, rank: int, chunk_index: int, path: str, fresh: set[str], output_writer_context: OutputWriter
+    ) -> None:
+        """Write the first occurrence of each of `fresh`'s ids in the chunk file to the output, as datatrove does."""
+        waiting = set(fresh)
+        for document in await asyncio.to_thread(read_chunk_file, path, self.records_per_chunk, self.document_factory):
+            if document.id not in waiting:
+                continue
+            waiting.discard(document.id)
+            if not is_removed(document):
+                output_writer_context.write(document, rank=rank, chunk_index=chunk_index)
+            if chunk_index not in self._outputs:
+                name = output_writer_context._get_output_filename(document, rank, chunk_index=chunk_index)
+                self._outputs[chunk_index] = (output_writer_context, name)
+
+    def _scan_chunks(self, rank: int) -> list[tuple[int, str, ChunkScan]]:
+        """Validate the rank's unfinished chunk files, all before anything is written; keep their ids."""
+        chunks: list[tuple[int, str, ChunkScan]] = []
         for chunk_index, path in self._paths(rank).chunk_files():
             if chunk_index <= self.last_chunk_index:
                 # Left by a crash after last_chunk moved past it: already published.
                 logger.info("Removing %s: chunk %d is already complete", path, chunk_index)
                 os.remove(path)
                 continue
-            chunks.append((chunk_index, read_chunk_file(path, self.records_per_chunk, self.document_factory)))
+            chunks.append((chunk_index, path, read_chunk_ids(path, self.records_per_chunk)))
         return chunks
 
     def _read_last_chunk(self, rank: int) -> int:

@@ -56,7 +56,10 @@ class DocumentLike(Protocol):
 class OutputWriter(Protocol):
     """The three methods of datatrove's `DiskWriter` that checkpointing calls.
 
-    A real datatrove `JsonlWriter` (used as a context manager) fits.
+    A real datatrove `JsonlWriter` (used as a context manager) fits. A writer
+    may also set `needs_documents = False` when it reads a chunk's documents
+    from its checkpoint file itself: restoring checkpoints then keeps ids
+    only, instead of writing every document of every unfinished chunk again.
     """
 
     def write(self, document: Any, rank: int = 0, **kwargs: Any) -> None: ...

@@ -90,6 +90,10 @@ def is_remote(output: str) -> bool:
 
 
 class ChunkPublisher:
+    #: A chunk is rendered from its checkpoint file when it is published: a manager restoring
+    #: checkpoints need not hand this writer their documents again (`write` ignores them).
+    needs_documents = False
+
     def __init__(self, output: str, checkpoints_dir: str, output_filename: str = DEFAULT_OUTPUT_FILENAME) -> None:
         self.output = output.removeprefix("file://")
         self.layout = CheckpointsLayout(checkpoints_dir)

@@ -1,25 +1,35 @@
-"""The checkpoint service's write path and resume, against datatrove's CheckpointManager.
+"""The checkpoint service's write path and resume, against datatrove's CheckpointManager; resume and
+cache hits at scale.
 
-    python bench/bench_documents.py [--duration 8]
+    python bench/bench_documents.py [--duration 8] [--parts writes,resume,cache]
+        [--open-documents 100000,1000000] [--cached-answers 1000000,10000000]
+        [--hit-entries 10000,1000000,10000000]
 
 Measured in one run:
-- documents/s through `POST /documents` to `inferproxy serve` (fsync "always": each answer
+- writes: documents/s through `POST /documents` to `inferproxy serve` (fsync "always": each answer
   after its documents are fsynced), with wrk: single-document posts at concurrency 64, and
-  batches of 100 documents; chunks of 1,000;
-- the baseline: datatrove's `CheckpointManager.write_document` in-process (no fsync, no HTTP),
-  64 concurrent writers, the same documents, a real datatrove JsonlWriter as its output;
-- resume: a checkpoint dir of 100 open chunks x 1,000 documents (100k documents): the time
-  from starting `inferproxy serve` on it to its first `/resume` answer, and the time of the
-  same `parse_existing_checkpoints` in-process for datatrove.
+  batches of 100 documents; chunks of 1,000. The baseline: datatrove's
+  `CheckpointManager.write_document` in-process (no fsync, no HTTP), 64 concurrent writers, the
+  same documents, a real datatrove JsonlWriter as its output;
+- resume: checkpoint dirs of open chunks of 1,000 documents (100k and 1M documents): the time from
+  starting `inferproxy serve` on one to its first `/resume` answer, and the serve process's peak
+  RSS (VmHWM); datatrove's `parse_existing_checkpoints` in-process at 100k for comparison;
+- cache: rank-0 cache files of 10k, 1M and 10M answers (written straight into SQLite): start to
+  first `/resume` and peak RSS as above, and the CPU per cache hit in-process (`profile_hit.py`'s
+  harness), the hits spread over 64,000 documents drawn from the whole cache.
+The data goes under the current directory (10M answers take ~2.7 GB).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import platform
+import random
 import shutil
+import sqlite3
 import subprocess
 import sys
 import tempfile
@@ -29,8 +39,16 @@ from pathlib import Path
 
 import orjson
 
+from app.cache import DB_FILENAME, apply_migrations
+from app.hashing import payload_hash
+from app.http.connection import HTTPConnection
+from app.main import create_server
+from app.settings import Settings
+
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_proxy import free_port, inferproxy, wait_until_up, wrk
+from bench_proxy import cpu_seconds, free_port, inferproxy, wait_until_up, wrk
+from profile_hit import ANSWER, CountingTransport
+from profile_hit import BODY as HIT_BODY
 
 TEXT = "lorem ipsum " * 45  # ~540 bytes, like a document with its rollouts
 
@@ -87,20 +105,61 @@ async def datatrove_write_rate(n_docs: int) -> float:
             return n_docs / (time.perf_counter() - start)
 
 
-def make_open_chunks(root: Path, chunks: int = 100, per_chunk: int = 1000) -> None:
+def make_open_chunks(root: Path, documents: int, per_chunk: int = 1000) -> None:
+    """`documents` documents of ~560 bytes in open chunk files of `per_chunk` each, rank 0."""
     rank_dir = root / "00000"
     rank_dir.mkdir(parents=True)
-    for c in range(chunks):
+    for c in range(-(-documents // per_chunk)):
         lines = b"".join(
             orjson.dumps(
                 {"text": TEXT, "id": f"c{c}-{i}", "media": [], "metadata": {}}, option=orjson.OPT_APPEND_NEWLINE
             )
-            for i in range(per_chunk)
+            for i in range(min(per_chunk, documents - c * per_chunk))
         )
         (rank_dir / f"chunk_{c:05d}.jsonl").write_bytes(lines)
 
 
-def serve_resume_seconds(checkpoints: Path, output: Path, records_per_chunk: int) -> tuple[float, int]:
+def make_cache(root: Path, entries: int) -> None:
+    """A rank-0 cache file of `entries` answers, one a document, written straight into SQLite in big
+    transactions (ids in key order, so the primary key index only appends): ~270 bytes an entry on disk."""
+    rank_dir = root / "00000"
+    rank_dir.mkdir(parents=True)
+    conn = sqlite3.connect(rank_dir / DB_FILENAME, isolation_level=None)
+    conn.execute("PRAGMA journal_mode=OFF")  # a file built for the benchmark: no rollback needed
+    conn.execute("PRAGMA synchronous=OFF")
+    conn.execute("PRAGMA cache_size=-262144")
+    apply_migrations(conn)
+    digest = payload_hash(orjson.loads(HIT_BODY))
+    # The rows are generated inside SQLite (no Python per row), in key order, so every index only appends.
+    insert = (
+        "WITH RECURSIVE n(i) AS (SELECT ?1 UNION ALL SELECT i + 1 FROM n WHERE i + 1 < ?2) "
+        "INSERT INTO request_cache (chunk_index, doc_id, rollout_idx, payload_hash, result, status_code, "
+        "content_type) SELECT i / 1000, printf('bench-%08d', i), 0, ?3, ?4, 200, 'application/json' FROM n"
+    )
+    step = 1_000_000
+    for start in range(0, entries, step):
+        conn.execute("BEGIN")
+        conn.execute(insert, (start, min(entries, start + step), digest, ANSWER))
+        conn.execute("COMMIT")
+    conn.close()
+
+
+def hit_doc(i: int) -> str:
+    return f"bench-{i:08d}"
+
+
+def vm_hwm_mib(pid: int) -> float:
+    """The process's peak resident memory (VmHWM), MiB."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmHWM in /proc/{pid}/status")
+
+
+def serve_resume(checkpoints: Path, output: Path, records_per_chunk: int) -> tuple[float, float, int, float]:
+    """(seconds from starting `inferproxy serve` to its first /resume answer, the CPU seconds the server
+    used meanwhile, the processed ids listed, its peak RSS in MiB)."""
     port = free_port()
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -120,12 +179,73 @@ def serve_resume_seconds(checkpoints: Path, output: Path, records_per_chunk: int
     )
     try:
         wait_until_up(f"http://127.0.0.1:{port}/healthz", timeout=120)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/resume", timeout=60) as answer:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/resume", timeout=600) as answer:
             processed = len(orjson.loads(answer.read())["processed_ids"])
-        return time.monotonic() - start, processed
+        seconds = time.monotonic() - start
+        return seconds, cpu_seconds(proc.pid), processed, vm_hwm_mib(proc.pid)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def hit_costs(checkpoints: Path, entries: int, requests: int = 200_000) -> tuple[float, float, float, float]:
+    """CPU µs per cache hit in-process (as `profile_hit.py` measures it), the hits spread over 64,000
+    documents drawn at random from all `entries`; and the CPU µs of the cache's own lookup
+    (`RequestCache.get_response`): a stored answer among those 64,000, among 1,000 of them (their
+    pages stay in the CPU's caches), and a document with none."""
+    import uvloop
+
+    return uvloop.run(_hit_costs(checkpoints, entries, requests))
+
+
+async def _hit_costs(checkpoints: Path, entries: int, requests: int) -> tuple[float, float, float, float]:
+    settings = Settings(
+        checkpoints_dir=checkpoints, upstream=["http://127.0.0.1:9"], rank_idle_s=0, port=0, records_per_chunk=2000
+    )
+    server = create_server(settings)
+    await server.start()
+    services = server.app.services  # type: ignore[attr-defined]
+    cache = await services.caches.get(0)
+    rng = random.Random(0)
+    docs = [rng.randrange(entries) for _ in range(64_000)]
+    batch = 32  # requests per read, as wrk's 64 connections deliver them
+    reads = [b"".join(hit_request(doc) for doc in docs[i : i + batch]) for i in range(0, len(docs), batch)]
+    conn = HTTPConnection(server)  # type: ignore[arg-type]
+    conn.connection_made(CountingTransport())
+    for data in reads:  # warm up: every document once
+        conn.data_received(data)
+        await asyncio.sleep(0)
+    hits_before = services.metrics.rank(0).hits
+    start = time.process_time()
+    done = 0
+    while done < requests:
+        conn.data_received(reads[(done // batch) % len(reads)])
+        await asyncio.sleep(0)
+        done += batch
+    hit = (time.process_time() - start) / done * 1e6
+    hits = services.metrics.rank(0).hits - hits_before
+    assert hits == done, f"{hits} hits of {done} requests"
+    digest = payload_hash(orjson.loads(HIT_BODY))
+    lookups = []
+    spread, hot, absent = (
+        [hit_doc(doc) for doc in docs],
+        [hit_doc(doc) for doc in docs[:1000]] * 64,
+        ["absent"] * 64_000,
+    )
+    for ids, expected in ((spread, True), (hot, True), (absent, False)):
+        start = time.process_time()
+        found = sum(cache.get_response(doc_id, 0, digest) is not None for doc_id in ids)
+        lookups.append((time.process_time() - start) / len(ids) * 1e6)
+        assert found == (len(ids) if expected else 0)
+    await server.shutdown()
+    return hit, lookups[0], lookups[1], lookups[2]
+
+
+def hit_request(doc: int) -> bytes:
+    return (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nContent-Type: application/json\r\n"
+        b"X-Doc-Id: %b\r\nContent-Length: %d\r\n\r\n%b" % (hit_doc(doc).encode(), len(HIT_BODY), HIT_BODY)
+    )
 
 
 async def datatrove_resume_seconds(checkpoints: Path, output: Path, records_per_chunk: int) -> float:
@@ -139,57 +259,130 @@ async def datatrove_resume_seconds(checkpoints: Path, output: Path, records_per_
     return time.monotonic() - start
 
 
+def sizes(text: str) -> list[int]:
+    return [int(n) for n in text.split(",") if n]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=int, default=8)
+    parser.add_argument("--parts", default="writes,resume,cache", help="which parts to run, comma-separated")
+    parser.add_argument("--open-documents", type=sizes, default=[100_000, 1_000_000])
+    parser.add_argument("--cached-answers", type=sizes, default=[1_000_000, 10_000_000])
+    parser.add_argument("--hit-entries", type=sizes, default=[10_000, 1_000_000, 10_000_000])
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
+    import datatrove.pipeline.inference.checkpointing  # noqa: F401 (adds its log sink on import: removed next)
     from loguru import logger
 
     logger.remove()
+    logging.disable(logging.WARNING)  # the in-process server's warnings about the unreachable upstream
     d = args.duration
-    data = Path(tempfile.mkdtemp(prefix="bench-documents-"))
+    data = Path(tempfile.mkdtemp(prefix="bench-documents-", dir="."))
+    print(f"# bench_documents: Python {platform.python_version()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}")
     try:
-        baseline = asyncio.run(datatrove_write_rate(10_000))
-        rates = {}
-        for name, script, per_request in (("single", SINGLE, 1), ("batch", BATCH, 100)):
-            port = free_port()
-            with inferproxy(
-                "serve",
-                f"--port={port}",
-                "--upstream=http://127.0.0.1:9",
-                f"--checkpoints-dir={data}/{name}",
-                f"--output={data}/{name}-out",
-                "--records-per-chunk=1000",
-                "--log-level=warning",
-            ):
-                wait_until_up(f"http://127.0.0.1:{port}/healthz")
-                result = wrk(f"http://127.0.0.1:{port}/documents", script, connections=64, duration=d)
-                rates[name] = result["rps"] * per_request
-        make_open_chunks(data / "resume")
-        shutil.copytree(data / "resume", data / "resume-dt")
-        ours, processed = serve_resume_seconds(data / "resume", data / "resume-out", 2000)
-        theirs = asyncio.run(datatrove_resume_seconds(data / "resume-dt", data / "resume-dt-out", 2000))
+        if "writes" in parts:
+            print(write_rates(data, d))
+        if "resume" in parts:
+            print(open_chunk_resumes(data, args.open_documents))
+        if "cache" in parts:
+            print(cache_resumes_and_hits(data, args.cached_answers, args.hit_entries))
     finally:
         shutil.rmtree(data, ignore_errors=True)
 
-    print(f"# bench_documents: Python {platform.python_version()}, {os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}")
-    print(f"wrk -t1 -c64 -d{d}s; chunks of 1,000; fsync always")
-    print()
-    print("| measure | documents/s | ratio to datatrove in-process | target |")
-    print("| --- | ---: | ---: | ---: |")
-    print(f"| datatrove write_document, in-process, 64 writers | {baseline:,.0f} | 1.0x | |")
+
+def write_rates(data: Path, d: int) -> str:
+    baseline = asyncio.run(datatrove_write_rate(10_000))
+    rates = {}
+    for name, script, per_request in (("single", SINGLE, 1), ("batch", BATCH, 100)):
+        port = free_port()
+        with inferproxy(
+            "serve",
+            f"--port={port}",
+            "--upstream=http://127.0.0.1:9",
+            f"--checkpoints-dir={data}/{name}",
+            f"--output={data}/{name}-out",
+            "--records-per-chunk=1000",
+            "--log-level=warning",
+        ):
+            wait_until_up(f"http://127.0.0.1:{port}/healthz")
+            result = wrk(f"http://127.0.0.1:{port}/documents", script, connections=64, duration=d, cpu_of={})
+            rates[name] = result["rps"] * per_request
+    lines = [
+        f"wrk -t1 -c64 -d{d}s; chunks of 1,000; fsync always",
+        "",
+        "| measure | documents/s | ratio to datatrove in-process | target |",
+        "| --- | ---: | ---: | ---: |",
+        f"| datatrove write_document, in-process, 64 writers | {baseline:,.0f} | 1.0x | |",
+    ]
     for name, label, target in (
         ("single", "POST /documents, 1 document, 64 concurrent", 2),
         ("batch", "POST /documents, batches of 100, 64 concurrent", 10),
     ):
         ratio = rates[name] / baseline
-        print(f"| {label} | {rates[name]:,.0f} | {ratio:.1f}x | >= {target}x {'ok' if ratio >= target else 'MISSED'} |")
-    print()
-    print("| resume of 100 open chunks x 1,000 documents | seconds | target |")
-    print("| --- | ---: | ---: |")
-    verdict = "ok" if ours < 5 else "MISSED"
-    print(f"| inferproxy serve: start to first /resume answer ({processed:,} ids) | {ours:.2f} | < 5 s {verdict} |")
-    print(f"| datatrove parse_existing_checkpoints, in-process | {theirs:.2f} | |")
+        verdict = "ok" if ratio >= target else "MISSED"
+        lines.append(f"| {label} | {rates[name]:,.0f} | {ratio:.1f}x | >= {target}x {verdict} |")
+    return "\n".join(lines) + "\n"
+
+
+def open_chunk_resumes(data: Path, counts: list[int]) -> str:
+    lines = [
+        "| resume of open chunks of 1,000 documents (records_per_chunk 2,000) | seconds | server CPU s "
+        "| peak RSS MiB | target |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for documents in counts:
+        where = data / f"open-{documents}"
+        make_open_chunks(where, documents)
+        os.sync()  # the files' write-back must not overlap the measurement
+        if documents <= 100_000:  # datatrove holds every document in memory at once: 1M takes minutes
+            shutil.copytree(where, data / "open-dt")
+            theirs = asyncio.run(datatrove_resume_seconds(data / "open-dt", data / "open-dt-out", 2000))
+            shutil.rmtree(data / "open-dt")
+            lines.append(
+                f"| datatrove parse_existing_checkpoints, in-process, {documents:,} documents | {theirs:.2f} | | | |"
+            )
+        seconds, cpu, processed, rss = serve_resume(where, data / f"open-{documents}-out", 2000)
+        assert processed == documents, f"/resume listed {processed} ids of {documents}"
+        verdict = "ok" if seconds < 2 and rss < 200 else "MISSED"
+        target = f"< 2 s, < 200 MiB {verdict}" if documents >= 1_000_000 else ""
+        lines.append(
+            f"| inferproxy serve: start to first /resume answer, {documents:,} documents | {seconds:.2f} | {cpu:.2f} "
+            f"| {rss:.0f} | {target} |"
+        )
+        shutil.rmtree(where)
+    return "\n".join(lines) + "\n"
+
+
+def cache_resumes_and_hits(data: Path, answers: list[int], hit_entries: list[int]) -> str:
+    lines = [
+        "| cache of N answers (one a document) | build s | file MiB | serve: start to /resume s | server CPU s "
+        "| peak RSS MiB | CPU µs a hit | µs a lookup: hit, 64k docs | hit, 1k docs | miss |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for entries in sorted(set(answers) | set(hit_entries)):
+        where = data / f"cache-{entries}"
+        free = shutil.disk_usage(data).free
+        if free < entries * 400:
+            raise SystemExit(
+                f"{entries:,} cache entries need ~{entries * 300 / 2**30:.1f} GiB, {free / 2**30:.1f} free"
+            )
+        started = time.monotonic()
+        make_cache(where, entries)
+        build = time.monotonic() - started
+        os.sync()
+        size = sum(f.stat().st_size for f in (where / "00000").iterdir()) / 2**20
+        seconds = cpu = rss = float("nan")
+        if entries in answers:
+            seconds, cpu, _, rss = serve_resume(where, data / "cache-out", 2000)
+        costs = hit_costs(where, entries) if entries in hit_entries else (float("nan"),) * 4
+        lines.append(
+            f"| {entries:,} | {build:.1f} | {size:,.0f} | {seconds:.2f} | {cpu:.2f} | {rss:.0f} | "
+            + " | ".join(f"{cost:.2f}" for cost in costs)
+            + " |"
+        )
+        shutil.rmtree(where)
+    return "\n".join(lines).replace("| nan ", "| ") + "\n"
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ async def main(requests: int, documents: int, profile: bool) -> None:
     for data in reads[:20]:  # warm up
         conn.data_received(data)
         await asyncio.sleep(0)
-    hits_before = services.stats["hit"]
+    hits_before = services.metrics.rank(0).hits
     profiler = cProfile.Profile() if profile else None
     start = time.process_time()
     if profiler:
@@ -99,7 +99,7 @@ async def main(requests: int, documents: int, profile: bool) -> None:
     if profiler:
         profiler.disable()
     elapsed = time.process_time() - start
-    hits = services.stats["hit"] - hits_before
+    hits = services.metrics.rank(0).hits - hits_before
     assert hits == done, f"{hits} hits of {done} requests: not all were answered on the fast path"
     print(f"{elapsed / done * 1e6:.2f} µs CPU per hit ({done} hits, {transport.bytes / done:.0f} bytes each)")
     await server.shutdown()

@@ -86,9 +86,9 @@ async def test_stores_between_flushes_are_committed_in_one_transaction(
     batches: list[int] = []
     real = app.cache._write_batch
 
-    def counting(conn: sqlite3.Connection, batch: list[Any], drop_chunk: int | None) -> None:
+    def counting(conn: sqlite3.Connection, batch: list[Any], *drop: Any) -> Any:
         batches.append(len(batch))
-        real(conn, batch, drop_chunk)
+        return real(conn, batch, *drop)
 
     monkeypatch.setattr(app.cache, "_write_batch", counting)
     cache = await opened(tmp_path, flush_interval_ms=60_000)
@@ -146,12 +146,12 @@ async def test_flush_failure_raises_and_keeps_the_rows_for_the_next_attempt(
     real = app.cache._write_batch
     calls = 0
 
-    def failing_once(conn: sqlite3.Connection, batch: list[Any], drop_chunk: int | None) -> None:
+    def failing_once(conn: sqlite3.Connection, batch: list[Any], *drop: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == 1:
             raise sqlite3.OperationalError("database or disk is full")
-        real(conn, batch, drop_chunk)
+        return real(conn, batch, *drop)
 
     monkeypatch.setattr(app.cache, "_write_batch", failing_once)
     cache = await opened(tmp_path, flush_interval_ms=60_000)
@@ -270,12 +270,12 @@ async def test_any_failure_in_a_commit_keeps_the_rows_and_the_writer(
     real = app.cache._write_batch
     calls = 0
 
-    def flaky(conn: sqlite3.Connection, batch: list[Any], drop_chunk: int | None) -> None:
+    def flaky(conn: sqlite3.Connection, batch: list[Any], *drop: Any) -> Any:
         nonlocal calls
         calls += 1
         if calls == 1:
             raise RuntimeError("something unexpected")
-        real(conn, batch, drop_chunk)
+        return real(conn, batch, *drop)
 
     monkeypatch.setattr(app.cache, "_write_batch", flaky)
     cache = await opened(tmp_path, flush_interval_ms=1)
@@ -300,13 +300,15 @@ async def test_a_cancelled_flush_keeps_the_lock_until_its_commit_ends(
     overlap = False
     gate = threading.Event()
 
-    def slow(conn: sqlite3.Connection, batch: list[Any], drop_chunk: int | None) -> None:
+    def slow(conn: sqlite3.Connection, batch: list[Any], *drop: Any) -> Any:
         nonlocal running, overlap
         running += 1
         overlap = overlap or running > 1
         gate.wait(2)
-        real(conn, batch, drop_chunk)
-        running -= 1
+        try:
+            return real(conn, batch, *drop)
+        finally:
+            running -= 1
 
     monkeypatch.setattr(app.cache, "_write_batch", slow)
     cache = await opened(tmp_path, flush_interval_ms=60_000)

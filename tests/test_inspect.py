@@ -111,7 +111,7 @@ async def test_inspect_writes_nothing_and_predicts_what_a_restore_resumes_from(
     assert (rank.resume.last_chunk_index, rank.resume.docs_to_skip, rank.resume.processed_ids) == (
         restored.last_chunk_index,
         skip,
-        processed,
+        frozenset(processed),
     )
     for chunk in rank.chunks:
         path = chunk_path(root, chunk.chunk_index)

@@ -230,7 +230,7 @@ async def get_resume(services: Services, scope: Scope, receive: Receive) -> dict
     else:
         # Nothing in progress for this rank: answer from last_chunk (or the output) alone, opening nothing.
         records_per_chunk, last = services.settings.records_per_chunk, await registry.last_chunk(rank)
-        skip, processed = docs_to_skip(last, records_per_chunk), set()
+        skip, processed = docs_to_skip(last, records_per_chunk), []
         counters = services.metrics.rank(rank)
         if not counters.known:  # else counted as it was written: a finished job's last chunk may be short
             counters.known, counters.known_at, counters.known_done = True, time.time(), skip
@@ -242,7 +242,7 @@ async def get_resume(services: Services, scope: Scope, receive: Receive) -> dict
         "records_per_chunk": records_per_chunk,
         "last_chunk_index": last,
         "docs_to_skip": skip,
-        "processed_ids": sorted(processed),
+        "processed_ids": processed,  # sorted already
         "output": public_output(services.settings.output),
         "output_filename": services.settings.output_filename,
     }
