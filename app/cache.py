@@ -200,6 +200,8 @@ class RequestCache:
         self._pending: dict[_Key, _Row] = {}
         self._committing: dict[_Key, _Row] = {}
         self._has_pending = asyncio.Event()
+        #: answers stored so far: a lookup that missed is still a miss while this has not moved
+        self.stores = 0
         self._write_lock = asyncio.Lock()
         self._writer_task: asyncio.Task[None] | None = None
 
@@ -370,6 +372,7 @@ class RequestCache:
 
     def _queue(self, row: _Row) -> None:
         _check_row(row)
+        self.stores += 1
         key = (row.doc_id, row.rollout_idx, row.payload_hash)
         self._pending.pop(key, None)  # re-insert so the dict keeps store order
         self._pending[key] = row

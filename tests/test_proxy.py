@@ -618,6 +618,26 @@ async def test_every_route_not_the_proxys_is_forwarded_unchanged(env: Env) -> No
     assert "x-cache" not in health.headers
 
 
+async def test_a_miss_looks_in_the_cache_once_when_nothing_was_stored_since(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Looking again right before leading (an identical request may have been answered meanwhile) costs a
+    SQLite probe; when the rank's cache stored nothing since the first look, that look still holds."""
+    from app.cache import RequestCache
+
+    await env.chat(**doc_headers("opens-the-rank"))
+    looks: list[str] = []
+    real = RequestCache.get_response
+
+    def counting(self: RequestCache, doc_id: str, rollout_idx: int, payload_hash: str) -> StoredResponse | None:
+        looks.append(doc_id)
+        return real(self, doc_id, rollout_idx, payload_hash)
+
+    monkeypatch.setattr(RequestCache, "get_response", counting)
+    assert (await env.chat(**doc_headers("new"))).headers["x-cache"] == "MISS"
+    assert looks == ["new"]
+
+
 async def test_a_request_is_parsed_and_hashed_once_whichever_path_answers_it(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -58,6 +58,9 @@ class Lookup(NamedTuple):
     digest: str
     hit: StoredResponse | None
     looked: bool
+    #: the cache looked in and its `stores` then: no answer stored in it since means the look still holds
+    cache: RequestCache | None = None
+    stores: int = -1
 
 
 #: The scope extension under which the fast path leaves its `Lookup` for the ASGI path (and says that the
@@ -78,7 +81,8 @@ def lookup(services: Services, headers: Headers, body: bytes) -> Lookup:
     cache = services.caches.opened_cache(key.rank)
     if cache is None:
         return Lookup(key, body, digest, None, False)  # not looked: the cache is not open
-    return Lookup(key, body, digest, cache.get_response(key.doc_id, key.rollout_idx, digest), True)
+    hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
+    return Lookup(key, body, digest, hit, True, cache, cache.stores)
 
 
 def stored_answer(answer: StoredResponse, state: bytes, digest: str) -> Answer:
@@ -134,15 +138,16 @@ async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive
     cache = services.caches.opened_cache(key.rank) or await services.caches.get(key.rank)
     flight_key = (key.rank, key.doc_id, key.rollout_idx, digest)
     if not key.no_cache:
-        hit = found.hit
+        hit, looked_at = found.hit, found.stores if found.cache is cache else -1
         while hit is None:
             flight = services.flights.get(flight_key)
             if flight is None:
                 # The lookup may be an earlier turn's (the fast path's, before this task ran, or
                 # one from before a leader failed): an identical request may have been answered
                 # and stored since. Look again now, with nothing awaited between this look and
-                # leading, or the key is generated twice.
-                hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
+                # leading, or the key is generated twice; unless nothing at all was stored since.
+                if cache.stores != looked_at:
+                    hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
                 break
             # shield: a follower whose client leaves must not cancel the leader's future
             shared = await asyncio.shield(flight)
