@@ -18,6 +18,7 @@ import errno
 import logging
 import os
 import secrets
+import stat
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -138,7 +139,7 @@ class AppendFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self.fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         self.size = os.fstat(self.fd).st_size
         self._pins = 0
         self._close_requested = False
@@ -251,15 +252,91 @@ def _fsync_all(fds: Iterable[int]) -> None:
     FSYNC_SECONDS.observe(time.monotonic() - started)
 
 
+#: The most read of a file that holds a few bytes (checkpoint_meta.json, a last_chunk file, an owner lock):
+#: anything larger is not one of them.
+SMALL_FILE_BYTES = 4096
+
+
 class CorruptFileError(ValueError):
     """A JSONL file damaged before its last line: not a torn append, so not repaired silently."""
+
+
+class UnsafeFileError(OSError):
+    """A checkpoint path that is a symbolic link, or not a regular file (a FIFO, a device, a folder).
+
+    Never opened: whoever can write in a shared checkpoints dir could otherwise make a proxy read,
+    cut or overwrite the file a link points to (as root, any file), or hang on a FIFO.
+    """
+
+
+_KINDS = {
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFDIR: "a folder",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a device",
+    stat.S_IFBLK: "a device",
+}
+
+
+def _check_mode(path: str, mode: int, *, folder: bool = False) -> None:
+    if stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode):
+        return
+    kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    expected = "a folder" if folder else "a regular file"
+    raise UnsafeFileError(
+        f"{path} is {kind}, not {expected}: inferproxy opens nothing in a checkpoints dir through a link or of "
+        f"another kind (it could be made to read, cut or overwrite another file). Remove it, or put the "
+        f"{'folder' if folder else 'file'} itself there, then retry"
+    )
+
+
+def check_safe(path: str, *, folder: bool = False) -> None:
+    """Raise `UnsafeFileError` if `path` is a symbolic link or anything but a regular file (a real folder,
+    with `folder`); nothing there is fine. For what others open (SQLite) and what is created later."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    _check_mode(path, mode, folder=folder)
+
+
+def open_regular(path: str, flags: int) -> int:
+    """`os.open` of the regular file at `path` (created with mode 0644 if `flags` says so), never through a
+    symbolic link and never of a FIFO or a device: `UnsafeFileError` for those, which are not opened.
+
+    Checked before the open (opening a device can act on it), and on the open descriptor (a link put
+    there in between is refused by `O_NOFOLLOW`; a FIFO, opened without blocking, by `fstat`).
+    """
+    check_safe(path)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # swapped in since the check
+            check_safe(path)
+        raise
+    try:
+        _check_mode(path, os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str, *, limit: int | None = None) -> bytes:
+    """The content of the regular file at `path` (`open_regular`); with `limit`, `ValueError` for a file
+    larger than `limit` bytes, of which no more than that is read."""
+    with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:
+        data = f.read() if limit is None else f.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise ValueError(f"more than {limit} bytes")
+    return data
 
 
 def read_jsonl_whole_lines(path: str) -> list[Any]:
     """Decode the whole lines of a JSONL file, leaving a torn tail (and the file) alone: for readers
     that must not cut what a concurrent writer may be appending."""
-    with open(path, "rb") as f:
-        data = f.read()
+    data = read_regular(path)
     end = data.rfind(b"\n") + 1
     return [orjson.loads(line) for line in data[:end].split(b"\n") if line.strip(b" \t\r\0")]
 
@@ -282,8 +359,10 @@ def scan_jsonl(path: str) -> JsonlScan:
     its offset is `torn_at`. A bad line followed by good ones is not a torn
     append: that raises `CorruptFileError` naming the file and line.
     """
-    with open(path, "rb") as f:
-        data = f.read()
+    return _scan(path, read_regular(path))
+
+
+def _scan(path: str, data: bytes) -> JsonlScan:
     records: list[Any] = []
     offset = 0
     torn_at: int | None = None
@@ -314,16 +393,17 @@ def scan_jsonl(path: str) -> JsonlScan:
 
 def read_jsonl_repairing_tail(path: str) -> list[Any]:
     """Decode every line of an append-only JSONL file (`scan_jsonl`), cutting a torn tail off the file,
-    so that later appends never glue onto it."""
-    scan = scan_jsonl(path)
-    if scan.torn_at is not None:
-        logger.warning(
-            "%s: dropping a torn last line (%d bytes from line %d), left by a crash mid-append",
-            path,
-            scan.size - scan.torn_at,
-            scan.torn_line,
-        )
-        with open(path, "r+b") as f:
+    so that later appends never glue onto it. Read and cut through one descriptor: the file cut is the
+    file read."""
+    with os.fdopen(open_regular(path, os.O_RDWR), "r+b") as f:
+        scan = _scan(path, f.read())
+        if scan.torn_at is not None:
+            logger.warning(
+                "%s: dropping a torn last line (%d bytes from line %d), left by a crash mid-append",
+                path,
+                scan.size - scan.torn_at,
+                scan.torn_line,
+            )
             f.truncate(scan.torn_at)
             f.flush()
             os.fsync(f.fileno())

@@ -58,6 +58,11 @@ class RankPaths:
     def owner_file(self) -> str:
         return os.path.join(self.root, "owners", f"{self.name}.lock")
 
+    @property
+    def folders(self) -> tuple[str, str, str]:
+        """The folders holding the rank's files: its own, `last_chunk/` and `owners/`."""
+        return self.rank_dir, os.path.dirname(self.last_chunk_file), os.path.dirname(self.owner_file)
+
     def chunk_file(self, chunk_index: int) -> str:
         return os.path.join(self.rank_dir, f"chunk_{chunk_index:05d}.jsonl")
 

@@ -81,6 +81,10 @@ def only_a_last_chunk_file(root: Path) -> None:
     checkpoints(root, "4")
 
 
+def a_last_chunk_file_beyond_any_chunk_index(root: Path) -> None:
+    checkpoints(root, "9" * 29, {0: ["a"]})
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -91,6 +95,7 @@ def only_a_last_chunk_file(root: Path) -> None:
         a_document_written_twice,
         an_empty_last_chunk_file,
         only_a_last_chunk_file,
+        a_last_chunk_file_beyond_any_chunk_index,
     ],
 )
 async def test_inspect_writes_nothing_and_predicts_what_a_restore_resumes_from(
@@ -378,3 +383,13 @@ def test_a_rank_without_checkpoints_resumes_after_the_chunks_the_output_lists(tm
     (unchecked,) = to_json(inspect_dir(str(root)))["ranks"]
     assert unchecked["resume"]["source"] == "unchecked_output"
     assert unchecked["resume"]["last_chunk_index"] == -1
+
+
+def test_a_last_chunk_file_beyond_any_chunk_index_is_reported_as_a_restore_reads_it(tmp_path: Path) -> None:
+    root = checkpoints(tmp_path / "checkpoints", str(2**31), {0: ["a"]})
+    (rank,) = inspect_dir(str(root)).ranks
+    assert rank.last_chunk_index == -1
+    assert rank.resume is not None
+    assert (rank.resume.last_chunk_index, rank.resume.docs_to_skip) == (-1, 0)
+    (problem,) = rank.problems
+    assert f"is empty or unreadable ('{2**31}'): not a chunk index from -1 to {2**31 - 1}" in problem
