@@ -239,6 +239,7 @@ GC_YOUNG_THRESHOLD = 20_000
 def serve(args: argparse.Namespace) -> int:
     import uvloop
 
+    from app.durable import UnsafeFileError
     from app.http.server import CannotListen
     from app.main import create_server
     from app.output_check import check_output
@@ -253,7 +254,7 @@ def serve(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"inferproxy serve: invalid settings:\n{describe_errors(exc, config_file, flags)}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, UnsafeFileError) as exc:
         print(f"inferproxy serve: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)

@@ -270,6 +270,7 @@ class UnsafeFileError(OSError):
 
 
 _KINDS = {
+    stat.S_IFREG: "a file",
     stat.S_IFLNK: "a symbolic link",
     stat.S_IFDIR: "a folder",
     stat.S_IFIFO: "a FIFO",

@@ -478,7 +478,8 @@ async def test_a_corrupt_meta_file_says_how_to_repair_it(tmp_path: Path) -> None
 
 async def test_a_meta_file_that_is_a_link_or_a_fifo_is_refused_unread(tmp_path: Path) -> None:
     meta = tmp_path / META_FILENAME
-    meta.symlink_to("/dev/zero")  # read whole: memory filled at gigabytes a second
+    (tmp_path / "elsewhere.json").write_text('{"records_per_chunk": 3}')
+    meta.symlink_to(tmp_path / "elsewhere.json")  # to /dev/zero, read whole: memory filled in seconds
     with pytest.raises(UnsafeFileError, match=rf"^{meta} is a symbolic link, not a regular file"):
         await manager(tmp_path, 3).parse_existing_checkpoints(0, RecordingWriter())
     meta.unlink()
