@@ -59,6 +59,16 @@ def _milliseconds(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -223,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     status_parser.add_argument("--json", action="store_true", help="print /stats' JSON as it comes, once")
     status_parser.add_argument(
         "--api-key", default=None, help="the key the proxy was started with (default: $INFERPROXY_API_KEY)"
+    )
+    status_parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=status.TIMEOUT_S,
+        metavar="SECONDS",
+        help="the most one fetch of /stats may take (connecting, the answer and its body)",
     )
     status_parser.add_argument(
         "--sort",
@@ -400,7 +417,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return inspect(args)
     if args.command == "status":
         api_key = args.api_key or os.environ.get("INFERPROXY_API_KEY") or None
-        return status.main(args.url, api_key=api_key, once=args.once, raw=args.json, sort=args.sort)
+        return status.main(
+            args.url, api_key=api_key, once=args.once, raw=args.json, sort=args.sort, timeout_s=args.timeout
+        )
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     common = {
         "documents": args.documents,
