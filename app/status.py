@@ -66,7 +66,7 @@ def _half_up(x: float, digits: int) -> str:
 
 
 def count(n: float | None) -> str:
-    """950, 1.2k, 34.5k, 123k, 3.4M: three significant figures at most (1e+21 past the units)."""
+    """950, 1.2k, 34.5k, 123k, 3.4M: three significant figures at most (1e+18 from there on)."""
     if n is None:
         return "—"
     if n >= 1e18:
