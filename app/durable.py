@@ -7,7 +7,10 @@ Rules these helpers keep, so callers do not have to:
 - a replaced file is written under a temporary name, fsynced, renamed over
   the old one with `os.replace`, and the directory is fsynced;
 - a writer waiting for durability waits for an fsync that started after its
-  write, and concurrent writers share it (group commit).
+  write, and concurrent writers share it (group commit);
+- a checkpoint file is opened only if it is a regular file, never through a
+  symbolic link (`open_regular`): a shared checkpoints dir is writable by
+  others, and a link planted there must not make a proxy cut another file.
 """
 
 from __future__ import annotations
