@@ -60,12 +60,14 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from app.durable import make_dirs_durable
+from app.durable import check_safe, make_dirs_durable
 from app.hashing import payload_hash
 
 logger = logging.getLogger(__name__)
 
 DB_FILENAME = "replay.sqlite3"
+#: The cache file and those SQLite keeps beside it (its WAL, the WAL's index, a rollback journal).
+SQLITE_SUFFIXES = ("", "-wal", "-shm", "-journal")
 READER_MMAP_BYTES = 1 << 30
 READER_CACHE_KIB = 64 * 1024
 
@@ -238,7 +240,7 @@ class RequestCache:
                         conn.close()
             self._reader = self._writer = None
             if delete_file and self.db_path:
-                for suffix in ("", "-wal", "-shm"):
+                for suffix in SQLITE_SUFFIXES:
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(self.db_path + suffix)
             self.db_path = None
@@ -460,6 +462,9 @@ def _check_row(row: _Row) -> None:
 
 
 def _open(db_path: str) -> tuple[sqlite3.Connection, sqlite3.Connection, int]:
+    # SQLite follows links, and writes its WAL and index beside the file: none may be a link.
+    for suffix in SQLITE_SUFFIXES:
+        check_safe(db_path + suffix)
     # isolation_level=None: transactions are explicit, one BEGIN/COMMIT per batch.
     writer = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False, timeout=30.0)
     try:

@@ -59,6 +59,16 @@ def _milliseconds(text: str) -> float:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
+
+
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -225,6 +235,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", default=None, help="the key the proxy was started with (default: $INFERPROXY_API_KEY)"
     )
     status_parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=status.TIMEOUT_S,
+        metavar="SECONDS",
+        help="the most one fetch of /stats may take (connecting, the answer and its body)",
+    )
+    status_parser.add_argument(
         "--sort",
         choices=list(status.SORTS),
         default="rank",
@@ -239,6 +256,7 @@ GC_YOUNG_THRESHOLD = 20_000
 def serve(args: argparse.Namespace) -> int:
     import uvloop
 
+    from app.durable import UnsafeFileError
     from app.http.server import CannotListen
     from app.main import create_server
     from app.output_check import check_output
@@ -253,7 +271,7 @@ def serve(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"inferproxy serve: invalid settings:\n{describe_errors(exc, config_file, flags)}", file=sys.stderr)
         return 2
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, UnsafeFileError) as exc:
         print(f"inferproxy serve: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)
@@ -400,7 +418,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return inspect(args)
     if args.command == "status":
         api_key = args.api_key or os.environ.get("INFERPROXY_API_KEY") or None
-        return status.main(args.url, api_key=api_key, once=args.once, raw=args.json, sort=args.sort)
+        return status.main(
+            args.url, api_key=api_key, once=args.once, raw=args.json, sort=args.sort, timeout_s=args.timeout
+        )
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     common = {
         "documents": args.documents,

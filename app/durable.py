@@ -7,7 +7,10 @@ Rules these helpers keep, so callers do not have to:
 - a replaced file is written under a temporary name, fsynced, renamed over
   the old one with `os.replace`, and the directory is fsynced;
 - a writer waiting for durability waits for an fsync that started after its
-  write, and concurrent writers share it (group commit).
+  write, and concurrent writers share it (group commit);
+- a checkpoint file is opened only if it is a regular file, never through a
+  symbolic link (`open_regular`): a shared checkpoints dir is writable by
+  others, and a link planted there must not make a proxy cut another file.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import errno
 import logging
 import os
 import secrets
+import stat
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -130,7 +134,7 @@ class AppendFile:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o644)
+        self.fd = open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
         self.size = os.fstat(self.fd).st_size
         self._pins = 0
         self._close_requested = False
@@ -243,15 +247,92 @@ def _fsync_all(fds: Iterable[int]) -> None:
     FSYNC_SECONDS.observe(time.monotonic() - started)
 
 
+#: The most read of a file that holds a few bytes (checkpoint_meta.json, a last_chunk file, an owner lock):
+#: anything larger is not one of them.
+SMALL_FILE_BYTES = 4096
+
+
 class CorruptFileError(ValueError):
     """A JSONL file damaged before its last line: not a torn append, so not repaired silently."""
+
+
+class UnsafeFileError(OSError):
+    """A checkpoint path that is a symbolic link, or not a regular file (a FIFO, a device, a folder).
+
+    Never opened: whoever can write in a shared checkpoints dir could otherwise make a proxy read,
+    cut or overwrite the file a link points to (as root, any file), or hang on a FIFO.
+    """
+
+
+_KINDS = {
+    stat.S_IFREG: "a file",
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFDIR: "a folder",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a device",
+    stat.S_IFBLK: "a device",
+}
+
+
+def _check_mode(path: str, mode: int, *, folder: bool = False) -> None:
+    if stat.S_ISDIR(mode) if folder else stat.S_ISREG(mode):
+        return
+    kind = _KINDS.get(stat.S_IFMT(mode), "not a regular file")
+    expected = "a folder" if folder else "a regular file"
+    raise UnsafeFileError(
+        f"{path} is {kind}, not {expected}: inferproxy opens nothing in a checkpoints dir through a link or of "
+        f"another kind (it could be made to read, cut or overwrite another file). Remove it, or put the "
+        f"{'folder' if folder else 'file'} itself there, then retry"
+    )
+
+
+def check_safe(path: str, *, folder: bool = False) -> None:
+    """Raise `UnsafeFileError` if `path` is a symbolic link or anything but a regular file (a real folder,
+    with `folder`); nothing there is fine. For what others open (SQLite) and what is created later."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    _check_mode(path, mode, folder=folder)
+
+
+def open_regular(path: str, flags: int) -> int:
+    """`os.open` of the regular file at `path` (created with mode 0644 if `flags` says so), never through a
+    symbolic link and never of a FIFO or a device: `UnsafeFileError` for those, which are not opened.
+
+    Checked before the open (opening a device can act on it), and on the open descriptor (a link put
+    there in between is refused by `O_NOFOLLOW`; a FIFO, opened without blocking, by `fstat`).
+    """
+    check_safe(path)
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.ENXIO, errno.EISDIR):  # swapped in since the check
+            check_safe(path)
+        raise
+    try:
+        _check_mode(path, os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular(path: str, *, limit: int | None = None) -> bytes:
+    """The content of the regular file at `path` (`open_regular`); with `limit`, `ValueError` for a file
+    larger than `limit` bytes, of which no more than that is read."""
+    with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:
+        data = f.read() if limit is None else f.read(limit + 1)
+    if limit is not None and len(data) > limit:
+        raise ValueError(f"more than {limit} bytes")
+    return data
 
 
 def read_jsonl_whole_lines(path: str) -> list[Any]:
     """Decode the whole lines of a JSONL file, leaving a torn tail (and the file) alone: for readers
     that must not cut what a concurrent writer may be appending."""
-    with open(path, "rb") as f:
-        data = f.read()
+    data = read_regular(path)
     end = data.rfind(b"\n") + 1
     return [orjson.loads(line) for line in data[:end].split(b"\n") if line.strip(b" \t\r\0")]
 
@@ -288,7 +369,7 @@ class JsonlLines:
         # only for a bad line (a million lines a second matter on resume, bench/README.md).
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         torn_at: int | None = None
-        with open(self.path, "rb") as f:
+        with os.fdopen(open_regular(self.path, os.O_RDONLY), "rb") as f:  # never through a link
             for line in f:
                 try:
                     record = loads(line)  # the newline and the blanks around a record are JSON whitespace
@@ -311,7 +392,7 @@ class JsonlLines:
 
     def _line_at(self, offset: int) -> int:
         """The number of the line that starts at `offset`."""
-        with open(self.path, "rb") as f:
+        with os.fdopen(open_regular(self.path, os.O_RDONLY), "rb") as f:
             return f.read(offset).count(b"\n") + 1
 
     def repair(self) -> None:
@@ -324,7 +405,7 @@ class JsonlLines:
             self.size - self.torn_at,
             self.torn_line,
         )
-        with open(self.path, "r+b") as f:
+        with os.fdopen(open_regular(self.path, os.O_RDWR), "r+b") as f:  # never through a link
             f.truncate(self.torn_at)
             f.flush()
             os.fsync(f.fileno())

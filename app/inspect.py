@@ -7,7 +7,10 @@ cache, its owner lock, and what `GET /resume` will answer once a restarted
 proxy has restored it. Every number comes from the code the proxy restores a
 rank with (`app.resume`, `app.durable.scan_jsonl`, `app.cache.count_entries`,
 `app.ownership.probe_owner`), in their read-only forms: nothing is created,
-modified or truncated, SQLite's WAL and index included.
+modified or truncated, SQLite's WAL and index included. Only real folders and
+regular files are opened, as the proxy opens them (a link or a FIFO there is a
+problem line), small files are read with a bound, and what a file says is
+escaped before it is printed.
 
 A live proxy's files move while they are read: its numbers are a moment's,
 and a line it is appending may show as torn.
@@ -21,9 +24,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from app.cache import count_entries
+from app.cache import SQLITE_SUFFIXES, count_entries
 from app.documents import Document
-from app.durable import CorruptFileError, scan_jsonl
+from app.durable import CorruptFileError, UnsafeFileError, check_safe, scan_jsonl
 from app.layout import DEFAULT_OUTPUT_FILENAME, META_FILENAME, CheckpointsLayout, RankPaths
 from app.ownership import OwnerLock, probe_owner
 from app.publish import ChunkPublisher
@@ -36,6 +39,7 @@ from app.resume import (
     recorded_records_per_chunk,
     resume_after_restore,
 )
+from app.terminal import printable
 
 ChunkState = Literal["open", "full", "published"]
 #: Where a rank's resume point comes from: its checkpoints; or, for a rank without any, the
@@ -118,7 +122,20 @@ def inspect_dir(
     publisher = ChunkPublisher(output, root, output_filename or DEFAULT_OUTPUT_FILENAME) if output else None
     rpc = recorded if recorded is not None else records_per_chunk
     chosen = layout.known_ranks() if ranks is None else sorted(set(ranks))
-    return DirReport(root, recorded, [_rank_report(layout.rank(rank), rpc, publisher) for rank in chosen], problems)
+    shared = layout.rank(0).folders[1:]  # last_chunk/ and owners/
+    refused = [f"a restarted proxy refuses every rank: {why}" for folder in shared if (why := _unsafe(folder, True))]
+    problems += refused
+    reports = [_rank_report(layout.rank(rank), rpc, publisher, refused=bool(refused)) for rank in chosen]
+    return DirReport(root, recorded, reports, problems)
+
+
+def _unsafe(path: str, folder: bool = False) -> UnsafeFileError | None:
+    """Why the proxy would refuse to open `path` (a link, a FIFO, ...), if it would."""
+    try:
+        check_safe(path, folder=folder)
+    except UnsafeFileError as exc:
+        return exc
+    return None
 
 
 def _check_dir(root: str) -> list[str]:
@@ -139,20 +156,40 @@ def _check_dir(root: str) -> list[str]:
     return names
 
 
-def _rank_report(paths: RankPaths, records_per_chunk: int | None, publisher: ChunkPublisher | None) -> RankReport:
-    last = read_last_chunk_file(paths.last_chunk_file)
-    report = RankReport(paths.rank, last.value)
-    if last.problem is not None:
-        report.problems.append(last.problem)
-    restorable = _read_chunks(paths, records_per_chunk, report)
-    _read_cache(paths, report)
+def _rank_report(
+    paths: RankPaths, records_per_chunk: int | None, publisher: ChunkPublisher | None, *, refused: bool
+) -> RankReport:
+    """What a restore of the rank finds. A proxy refuses a rank with a link or a special file among its
+    entries (`UnsafeFileError`): then nothing of it is predicted, and a linked folder is not read."""
+    report = RankReport(paths.rank, -1)
+    unsafe_dir = _unsafe(paths.rank_dir, True)
+    if refused or unsafe_dir is not None:
+        if unsafe_dir is not None:
+            report.problems.append(f"a restarted proxy refuses this rank: {unsafe_dir}")
+        return report
     try:
-        report.owner = probe_owner(paths.owner_file)
+        last = read_last_chunk_file(paths.last_chunk_file)
+    except UnsafeFileError as exc:
+        report.problems.append(f"a restarted proxy refuses this rank: {exc}")
+        refused = True
+    else:
+        report.last_chunk_index = last.value
+        if last.problem is not None:
+            report.problems.append(last.problem)
+    restorable = _read_chunks(paths, records_per_chunk, report)
+    refused = not _read_cache(paths, report) or refused
+    try:
+        owner = probe_owner(paths.owner_file)
+    except UnsafeFileError as exc:
+        report.problems.append(f"a restarted proxy refuses this rank: {exc}")
+        refused = True
     except OSError as exc:
         report.problems.append(f"cannot read {paths.owner_file}: {exc}")
-    if records_per_chunk is None or restorable is None:
+    else:
+        report.owner = None if owner is None else _checked_owner(paths.owner_file, owner, report)
+    if records_per_chunk is None or restorable is None or refused:
         return report
-    start = last.value
+    start = report.last_chunk_index
     if not paths.has_checkpoints():
         # A restarted proxy first recovers such a rank's last chunk from the output's listing.
         report.resume_source = "unchecked_output"
@@ -164,6 +201,30 @@ def _rank_report(paths: RankPaths, records_per_chunk: int | None, publisher: Chu
                 report.problems.append(f"cannot list the output {publisher.output}: {exc}")
     report.resume = resume_after_restore(start, restorable, records_per_chunk)
     return report
+
+
+#: What an owner lock file holds, as inferproxy writes it: (key, types, what it is).
+_OWNER_FIELDS: tuple[tuple[str, tuple[type, ...], str], ...] = (
+    ("host", (str,), "a host name"),
+    ("pid", (int,), "a process id"),
+    ("port", (int,), "a port"),
+    ("since", (int, float), "a time"),
+)
+
+
+def _checked_owner(path: str, lock: OwnerLock, report: RankReport) -> OwnerLock:
+    """The lock with only what inferproxy could have written in it (`host` made printable); anything else is
+    a problem line and left out, so that `--json` keeps its types."""
+    kept: dict[str, object] = {}
+    for key, types, what in _OWNER_FIELDS:
+        value = lock.owner.get(key)
+        if value is None:
+            continue
+        if isinstance(value, types) and not isinstance(value, bool):
+            kept[key] = printable(value) if isinstance(value, str) else value
+        else:
+            report.problems.append(f"{path} names no {key} ({what}): it holds {printable(repr(value)[:80])}")
+    return OwnerLock(lock.held, kept)
 
 
 def _read_chunks(paths: RankPaths, records_per_chunk: int | None, report: RankReport) -> dict[int, set[str]] | None:
@@ -178,7 +239,7 @@ def _read_chunks(paths: RankPaths, records_per_chunk: int | None, report: RankRe
         published = chunk_index <= report.last_chunk_index  # a restart deletes it unread
         size, documents, torn_at = 0, None, None
         try:
-            size = os.path.getsize(path)
+            size = os.lstat(path).st_size
             scan = scan_jsonl(path)
             torn_at = scan.torn_at
             ids = {document.id for document in decode_chunk(path, scan.records, records_per_chunk, Document.from_dict)}
@@ -198,16 +259,22 @@ def _read_chunks(paths: RankPaths, records_per_chunk: int | None, report: RankRe
     return restorable
 
 
-def _read_cache(paths: RankPaths, report: RankReport) -> None:
+def _read_cache(paths: RankPaths, report: RankReport) -> bool:
+    """Fill the rank's cache numbers; False where a proxy would refuse to open the cache."""
+    for suffix in SQLITE_SUFFIXES:
+        unsafe = _unsafe(paths.cache_file + suffix)
+        if unsafe is not None:
+            report.problems.append(f"a restarted proxy refuses this rank: {unsafe}")
+            return False
     try:
-        size = os.path.getsize(paths.cache_file)
+        size = os.lstat(paths.cache_file).st_size
     except FileNotFoundError:
-        return
+        return True
     except OSError as exc:
         report.problems.append(f"cannot read {paths.cache_file}: {exc}")
-        return
+        return True
     try:
-        wal = os.path.getsize(paths.cache_file + "-wal")
+        wal = os.lstat(paths.cache_file + "-wal").st_size
     except FileNotFoundError:
         wal = 0
     report.cache_bytes = size + wal
@@ -215,6 +282,7 @@ def _read_cache(paths: RankPaths, report: RankReport) -> None:
         report.cache_entries = count_entries(paths.cache_file)
     except (sqlite3.Error, OSError) as exc:
         report.problems.append(f"cannot read the request cache {paths.cache_file}: {exc}")
+    return True
 
 
 # ----------------------------------------------------------------------- output
@@ -225,7 +293,7 @@ def to_json(report: DirReport) -> dict[str, Any]:
     return {
         "checkpoints_dir": report.root,
         "records_per_chunk": report.records_per_chunk,
-        "problems": report.problems,
+        "problems": [printable(problem) for problem in report.problems],
         "ranks": [
             {
                 "rank": rank.rank,
@@ -258,7 +326,7 @@ def to_json(report: DirReport) -> dict[str, Any]:
                     "processed_id_count": len(rank.resume.processed_ids),
                     "source": rank.resume_source,
                 },
-                "problems": rank.problems,
+                "problems": [printable(problem) for problem in rank.problems],
             }
             for rank in report.ranks
         ],
@@ -294,7 +362,7 @@ def render(report: DirReport) -> str:
         lines.append("")
     lines.extend(notes)
     lines.extend(f"problem: {problem}" for problem in problems)
-    return "\n".join(lines)
+    return "\n".join(printable(line) for line in lines)
 
 
 def _row(rank: RankReport) -> tuple[str, ...]:

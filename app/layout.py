@@ -58,6 +58,11 @@ class RankPaths:
     def owner_file(self) -> str:
         return os.path.join(self.root, "owners", f"{self.name}.lock")
 
+    @property
+    def folders(self) -> tuple[str, str, str]:
+        """The folders holding the rank's files: its own, `last_chunk/` and `owners/`."""
+        return self.rank_dir, os.path.dirname(self.last_chunk_file), os.path.dirname(self.owner_file)
+
     def chunk_file(self, chunk_index: int) -> str:
         return os.path.join(self.rank_dir, f"chunk_{chunk_index:05d}.jsonl")
 
@@ -100,16 +105,14 @@ class CheckpointsLayout:
         return os.path.join(self.root, META_FILENAME)
 
     def known_ranks(self) -> list[int]:
-        """Ranks with anything in the checkpoints dir: a rank folder, a last_chunk file or an owner lock file."""
-        ranks = {
-            int(name)
-            for name in _names(self.root)
-            if _RANK_NAME.match(name) and os.path.isdir(os.path.join(self.root, name))
-        }
+        """Ranks with anything in the checkpoints dir: a rank folder (or anything named as one), a last_chunk
+        file or an owner lock file; `last_chunk/` and `owners/` are not listed where they are links."""
+        ranks = {int(name) for name in _names(self.root) if _RANK_NAME.match(name)}
         for folder, suffix in (("last_chunk", ".txt"), ("owners", ".lock")):
+            path = os.path.join(self.root, folder)
             ranks.update(
                 int(name.removesuffix(suffix))
-                for name in _names(os.path.join(self.root, folder))
+                for name in ([] if os.path.islink(path) else _names(path))
                 if name.endswith(suffix) and _RANK_NAME.match(name.removesuffix(suffix))
             )
         return sorted(ranks)

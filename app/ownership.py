@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from app.durable import make_dirs_durable
+from app.durable import check_safe, make_dirs_durable, open_regular
 from app.errors import RankOwned
 from app.layout import CheckpointsLayout
 
@@ -53,13 +53,17 @@ class RankOwnership:
 
         Synchronous and short (an open, an flock and a write): callers claim
         before they read anything of the rank, and a cancelled caller
-        cannot leave the lock half-taken.
+        cannot leave the lock half-taken. A rank whose folders (its own,
+        `last_chunk/`, `owners/`) are links is refused (`UnsafeFileError`).
         """
         if rank in self._fds:
             return
-        path = self.layout.rank(rank).owner_file
+        paths = self.layout.rank(rank)
+        for folder in paths.folders:  # a link there would make this proxy write where it points
+            check_safe(folder, folder=True)
+        path = paths.owner_file
         make_dirs_durable(os.path.dirname(path))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = open_regular(path, os.O_RDWR | os.O_CREAT)
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -117,7 +121,7 @@ def probe_owner(path: str) -> OwnerLock | None:
     claims the rank in that instant answers 409, which job clients retry.
     """
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = open_regular(path, os.O_RDONLY)
     except FileNotFoundError:
         return None
     try:

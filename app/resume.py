@@ -28,11 +28,15 @@ import orjson
 
 from app.documents import DocumentLike
 from app.durable import (
+    SMALL_FILE_BYTES,
     CorruptFileError,
     JsonlLines,
+    UnsafeFileError,
     create_exclusive_bytes,
     make_dirs_durable,
+    open_regular,
     read_jsonl_repairing_tail,
+    read_regular,
 )
 from app.layout import CheckpointsLayout
 
@@ -88,8 +92,7 @@ def recorded_records_per_chunk(layout: CheckpointsLayout) -> int | None:
     """
     path = layout.meta_file
     try:
-        with open(path, "rb") as f:
-            recorded = orjson.loads(f.read())["records_per_chunk"]
+        recorded = orjson.loads(read_regular(path, limit=SMALL_FILE_BYTES))["records_per_chunk"]
         if not isinstance(recorded, int) or isinstance(recorded, bool) or recorded <= 0:
             raise ValueError(f"records_per_chunk is {recorded!r}")
     except (FileNotFoundError, NotADirectoryError):
@@ -109,18 +112,27 @@ class LastChunkFile(NamedTuple):
     problem: str | None  # why its value could not be read, if it could not
 
 
+#: The largest `last_chunk` a file may hold. It moves one completed chunk at a time, so no job gets
+#: near; and `docs_to_skip` then stays within the 64 bits SQLite and JSON carry (records_per_chunk < 2^32).
+MAX_LAST_CHUNK = 2**31 - 1
+
+
 def read_last_chunk_file(path: str) -> LastChunkFile:
-    """Read a `last_chunk/<rank>.txt` file, saying what is wrong with it rather than logging it."""
+    """Read a `last_chunk/<rank>.txt` file, saying what is wrong with it rather than logging it.
+
+    `UnsafeFileError` for a link or a special file there: nothing is read.
+    """
     try:
-        with open(path) as f:
-            text = f.read()
+        text = read_regular(path, limit=SMALL_FILE_BYTES).decode("ascii", "replace")
     except FileNotFoundError:
         return LastChunkFile(-1, None)
-    except OSError as exc:
+    except UnsafeFileError:
+        raise
+    except (OSError, ValueError) as exc:
         text = f"<unreadable: {exc}>"
     try:
         value = int(text.strip())
-        if value < -1:
+        if not -1 <= value <= MAX_LAST_CHUNK:
             raise ValueError(value)
     except ValueError:
         # Left by a writer that truncated the file and died before writing
@@ -129,9 +141,9 @@ def read_last_chunk_file(path: str) -> LastChunkFile:
         # are generated again and their outputs rewritten, none is lost.
         return LastChunkFile(
             -1,
-            f"{path} is empty or unreadable ({text[:80]!r}), probably left by a crash while it was rewritten "
-            f"in place; resuming as if no chunk were complete: chunks already published will be generated "
-            f"again and their output files rewritten",
+            f"{path} is empty or unreadable ({text[:80]!r}): not a chunk index from -1 to {MAX_LAST_CHUNK}, "
+            f"probably left by a crash while it was rewritten in place; resuming as if no chunk were complete: "
+            f"chunks already published will be generated again and their output files rewritten",
         )
     return LastChunkFile(value, None)
 
@@ -169,7 +181,7 @@ def read_chunk_ids(path: str, records_per_chunk: int) -> ChunkScan:
 def _whole_chunk_ids(path: str) -> ChunkScan | None:
     """The common case, with the loop over lines in C (a fifth less CPU than `_careful_chunk_ids`):
     every line a JSON object with a string id, the last one whole. None for anything else."""
-    with open(path, "rb") as f:
+    with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:  # never through a link, never a FIFO
         try:
             ids = set(map(operator.itemgetter("id"), map(orjson.loads, f)))
         except (orjson.JSONDecodeError, KeyError, TypeError):  # not JSON, or not an object with an id

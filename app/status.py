@@ -1,9 +1,13 @@
 """`inferproxy status [URL]`: a running proxy's `/stats` in the terminal (docs/contract.md §10).
 
 On a terminal the screen is cleared and redrawn every `REFRESH_S` until Ctrl-C; with `--once`, or
-where stdout is not a terminal, one snapshot is printed; `--json` prints `/stats` as it came. An
+where stdout is not a terminal, one snapshot is printed; `--json` prints `/stats`' JSON object. An
 unreachable proxy is one line and exit code 1 for a single snapshot, and "retrying" above the last
 numbers while refreshing. A missing or refused API key ends either (trying again cannot help).
+
+Whatever answers at the URL is not trusted: a redirect is not followed (the API key would go
+along), a fetch has a deadline and a size bound, an answer that is not `/stats` is one line saying
+what is wrong with it, and every string shown has its control characters escaped.
 
 The numbers are formatted as the live page formats them (1.2k, 3.4M, 62.3%, 2h 03m): its JavaScript
 (app/static/page.html) has the same rules, and both round halves up, so that they show the same text.
@@ -11,20 +15,25 @@ The numbers are formatted as the live page formats them (1.2k, 3.4M, 62.3%, 2h 0
 
 from __future__ import annotations
 
+import asyncio
+import json
 import math
 import shutil
 import sys
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from typing import Any, TextIO
 
 import orjson
 
+from app.terminal import printable
+
 DEFAULT_URL = "http://127.0.0.1:8080"
 REFRESH_S = 2.0
-TIMEOUT_S = 5.0
+#: The whole of one fetch of /stats: connecting, the answer's head and its body.
+TIMEOUT_S = 10.0
+#: A /stats body larger than this is not one (a proxy's is a few KiB per rank).
+MAX_BODY_BYTES = 64 * 1024 * 1024
 #: Cursor home, then erase the screen.
 CLEAR = "\x1b[H\x1b[2J"
 BAR_WIDTH = 20
@@ -57,9 +66,11 @@ def _half_up(x: float, digits: int) -> str:
 
 
 def count(n: float | None) -> str:
-    """950, 1.2k, 34.5k, 123k, 3.4M: three significant figures at most."""
+    """950, 1.2k, 34.5k, 123k, 3.4M: three significant figures at most (1e+18 from there on)."""
     if n is None:
         return "—"
+    if n >= 1e18:
+        return f"{n:.3g}"
     text = _half_up(n, 0)
     if float(text) < 1000:
         return text
@@ -75,14 +86,21 @@ def count(n: float | None) -> str:
 
 
 def percent(ratio: float | None) -> str:
-    return "—" if ratio is None else _half_up(ratio * 100, 1) + "%"
+    """62.3%, of a ratio taken between 0 and 1."""
+    return "—" if ratio is None else _half_up(min(max(ratio, 0.0), 1.0) * 100, 1) + "%"
+
+
+#: Durations from this on are shown as "> 999d".
+LONGEST_S = 1000 * 86400
 
 
 def duration(seconds: float | None) -> str:
-    """42s, 12m 05s, 2h 03m, 3d 04h."""
+    """42s, 12m 05s, 2h 03m, 3d 04h, > 999d."""
     if seconds is None:
         return "—"
-    t = math.floor(seconds + 0.5)
+    if seconds >= LONGEST_S:
+        return "> 999d"
+    t = math.floor(max(seconds, 0.0) + 0.5)
     if t < 60:
         return f"{t}s"
     if t < 3600:
@@ -97,16 +115,19 @@ def rate(per_second: float | None) -> str:
     if per_second is None:
         return "—"
     for digits, below in ((2, 10), (1, 100)):
-        text = _half_up(per_second, digits)
-        if float(text) < below:
-            return text
+        if per_second < below:
+            text = _half_up(per_second, digits)
+            if float(text) < below:
+                return text
     return count(per_second)
 
 
 def latency(seconds: float | None) -> str:
-    """25 ms, 2.5 s."""
+    """25 ms, 2.5 s (and as a duration from 1000 s on)."""
     if seconds is None:
         return "—"
+    if seconds >= 1000:
+        return duration(seconds)
     milliseconds = _half_up(seconds * 1000, 0)
     if float(milliseconds) < 1000:
         return milliseconds + " ms"
@@ -127,37 +148,119 @@ def stats_url(url: str) -> str:
     return url.rstrip("/") + "/stats"
 
 
-def fetch(url: str, api_key: str | None) -> bytes:
+def fetch(url: str, api_key: str | None, timeout_s: float = TIMEOUT_S) -> bytes:
     """`/stats`' body, or `StatusError` saying what went wrong in one line."""
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return asyncio.run(_fetch(url, api_key, timeout_s))
+
+
+async def _fetch(url: str, api_key: str | None, timeout_s: float) -> bytes:
+    from app.http.client import HTTPClient, HTTPClientError, ResponseTooLarge
+
+    target = stats_url(url)
+    headers = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
+    client = HTTPClient(
+        connect_timeout=timeout_s, read_timeout=timeout_s, max_idle=0, max_response_bytes=MAX_BODY_BYTES
+    )
     try:
-        with urllib.request.urlopen(
-            urllib.request.Request(stats_url(url), headers=headers), timeout=TIMEOUT_S
-        ) as answer:
-            body: bytes = answer.read()
-            return body
-    except urllib.error.HTTPError as exc:
-        exc.close()
-        if exc.code == 401 and api_key:
-            raise StatusError(f"{url} refused the API key given (401)", final=True) from None
-        if exc.code == 401:
-            raise StatusError(
-                f"{url} needs its API key (401): pass --api-key or set INFERPROXY_API_KEY", final=True
-            ) from None
-        raise StatusError(f"GET {stats_url(url)} answered {exc.code}: is {url} an inferproxy?") from None
-    except (urllib.error.URLError, OSError) as exc:
-        reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
-        raise StatusError(f"cannot reach {url}: {reason}") from None
+        async with asyncio.timeout(timeout_s), client.request("GET", target, headers=headers) as answer:
+            if answer.status == 200:
+                return await answer.read()
+            status, location = answer.status, answer.header(b"location")
+    except TimeoutError:
+        raise StatusError(f"{url} did not answer within {timeout_s:g} s (--timeout)") from None
+    except ResponseTooLarge:
+        raise StatusError(
+            f"{url} did not answer with inferproxy's /stats: a body over {MAX_BODY_BYTES} bytes"
+        ) from None
+    except (HTTPClientError, ValueError) as exc:  # ValueError: not an http(s) URL
+        raise StatusError(f"cannot reach {url}: {exc}", final=isinstance(exc, ValueError)) from None
+    finally:
+        await client.close()
+    if status == 401 and api_key:
+        raise StatusError(f"{url} refused the API key given (401)", final=True)
+    if status == 401:
+        raise StatusError(f"{url} needs its API key (401): pass --api-key or set INFERPROXY_API_KEY", final=True)
+    if 300 <= status < 400:
+        to = location.decode("latin-1")[:200] if location else "nowhere"
+        raise StatusError(
+            f"GET {target} answered {status}, a redirect to {to}: not followed (the API key would go along); "
+            f"give the proxy's own URL",
+            final=True,
+        )
+    raise StatusError(f"GET {target} answered {status}: is {url} an inferproxy?")
+
+
+#: The shape of `/stats` as `render` reads it (docs/contract.md §10); other keys are let through.
+#: A key whose value may be null may also be missing.
+NUMBER, NUMBER_OR_NULL = "a number >= 0", "a number >= 0 or null"
+_UPSTREAM = {
+    "url": str,
+    "healthy": bool,
+    **dict.fromkeys(("in_flight", "requests", "errors", "retries"), NUMBER),
+    **dict.fromkeys(("latency_p50_s", "latency_p99_s"), NUMBER_OR_NULL),
+}
+_RANK = {
+    "rank": int,
+    **dict.fromkeys(("hits", "coalesced", "misses", "tokens_saved", "chunks_published"), NUMBER),
+    **dict.fromkeys(("done_documents", "total_documents", "progress", "eta_s", "documents_per_s"), NUMBER_OR_NULL),
+}
+STATS_SHAPE: dict[str, Any] = {
+    "version": str,
+    **dict.fromkeys(("now", "uptime_s", "in_flight"), NUMBER),
+    "totals": {**dict.fromkeys(("hits", "coalesced", "tokens_saved"), NUMBER), "hit_ratio": NUMBER_OR_NULL},
+    "rates": dict.fromkeys(("requests_per_s", "documents_per_s"), NUMBER_OR_NULL),
+    "upstreams": [_UPSTREAM],
+    "ranks": [_RANK],
+}
 
 
 def decode(body: bytes, url: str) -> dict[str, Any]:
+    """`/stats` checked against `STATS_SHAPE`, or `StatusError` saying what is wrong with it."""
     try:
         stats = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        stats = None
-    if not isinstance(stats, dict) or "totals" not in stats:
-        raise StatusError(f"GET {stats_url(url)} did not answer inferproxy's JSON: is {url} an inferproxy?")
+        _check(stats, STATS_SHAPE, "")
+    except (orjson.JSONDecodeError, _Wrong) as exc:
+        wrong = f"not JSON ({exc})" if isinstance(exc, orjson.JSONDecodeError) else str(exc)
+        raise StatusError(f"{url} did not answer with inferproxy's /stats: {wrong}") from None
+    assert isinstance(stats, dict)
     return stats
+
+
+class _Wrong(ValueError):
+    """What in an answer is not as `/stats` has it."""
+
+
+def _check(value: Any, shape: Any, where: str) -> None:
+    if isinstance(shape, dict):
+        if not isinstance(value, dict):
+            raise _Wrong(f"{where or 'the answer'} is {_shown(value)}, not an object")
+        for key, inner in shape.items():
+            inside = f"{where}.{key}" if where else key
+            if key in value:
+                _check(value[key], inner, inside)
+            elif inner != NUMBER_OR_NULL:
+                raise _Wrong(f"{inside} is missing")
+    elif isinstance(shape, list):
+        if not isinstance(value, list):
+            raise _Wrong(f"{where} is {_shown(value)}, not a list")
+        for i, item in enumerate(value):
+            _check(item, shape[0], f"{where}[{i}]")
+    elif shape in (NUMBER, NUMBER_OR_NULL):
+        if value is None and shape == NUMBER_OR_NULL:
+            return
+        if not isinstance(value, int | float) or isinstance(value, bool) or not 0 <= value < math.inf:
+            raise _Wrong(f"{where} is {_shown(value)}, not {shape}")
+    elif not isinstance(value, shape) or (shape is int and isinstance(value, bool)):
+        raise _Wrong(f"{where} is {_shown(value)}, not {_KINDS[shape]}")
+
+
+_KINDS = {str: "text", bool: "true or false", int: "an integer"}
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, dict | list):
+        return "an object" if isinstance(value, dict) else "a list"
+    return orjson.dumps(value).decode()[:40]
 
 
 # -- the snapshot as lines ------------------------------------------------------------------------
@@ -169,9 +272,12 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
     rates = stats["rates"]
     ranks: list[Rank] = stats["ranks"]
     saved = totals["hits"] + totals["coalesced"]
-    clock = time.strftime("%H:%M:%S", time.localtime(stats["now"]))
+    try:
+        clock = time.strftime("%H:%M:%S", time.localtime(stats["now"]))
+    except (OverflowError, OSError, ValueError):  # a time no calendar of this platform reaches
+        clock = "--:--:--"
     head = [
-        f"inferproxy {stats['version']} at {url} · up {duration(stats['uptime_s'])} · {clock}",
+        f"inferproxy {printable(stats['version'])} at {printable(url)} · up {duration(stats['uptime_s'])} · {clock}",
         "",
         f"hit ratio {percent(totals['hit_ratio'])} · tokens saved {count(totals['tokens_saved'])}"
         f" · generations saved {count(saved)} · {rate(rates.get('requests_per_s'))} requests/s"
@@ -183,7 +289,7 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
         ["upstream", "health", "in flight", "requests", "errors", "retries", "p50", "p99"],
         [
             [
-                u["url"],
+                printable(u["url"]),
                 "healthy" if u["healthy"] else "DOWN",
                 count(u["in_flight"]),
                 count(u["requests"]),
@@ -234,7 +340,7 @@ def _rank_row(r: Rank) -> list[str]:
     elif total is None:
         progress = f"{count(done)} done (no total declared)"
     else:
-        filled = math.floor(min(r["progress"], 1.0) * BAR_WIDTH)
+        filled = math.floor(min(r["progress"] or 0.0, 1.0) * BAR_WIDTH)
         bar = "[" + "#" * filled + "." * (BAR_WIDTH - filled) + "]"
         progress = f"{bar} {count(done)} / {count(total)} · {percent(r['progress'])}"
     return [
@@ -263,38 +369,49 @@ def _table(header: list[str], rows: list[list[str]], *, left: int) -> list[str]:
 # -- the command ------------------------------------------------------------------------------------
 
 
-def main(url: str, *, api_key: str | None, once: bool, raw: bool, sort: str, out: TextIO = sys.stdout) -> int:
+def main(
+    url: str,
+    *,
+    api_key: str | None,
+    once: bool,
+    raw: bool,
+    sort: str,
+    timeout_s: float = TIMEOUT_S,
+    out: TextIO | None = None,
+) -> int:
+    out = out or sys.stdout
     if not (once or raw) and out.isatty():
         try:
-            return watch(url, api_key, sort, out)
+            return watch(url, api_key, sort, out, timeout_s)
         except KeyboardInterrupt:  # Ctrl-C is how one stops watching: quietly
             out.write("\n")
             return 0
     try:
-        body = fetch(url, api_key)
-        text = body.decode() if raw else "\n".join(render(decode(body, url), url, sort=sort))
+        stats = decode(fetch(url, api_key, timeout_s), url)
     except StatusError as exc:
-        print(f"inferproxy status: {exc}", file=sys.stderr)
+        print(f"inferproxy status: {printable(str(exc))}", file=sys.stderr)
         return 1
+    # --json: the object as it came, with anything but ASCII escaped (no byte of it can act on a terminal).
+    text = json.dumps(stats, separators=(",", ":")) if raw else "\n".join(render(stats, url, sort=sort))
     print(text, file=out)
     return 0
 
 
-def watch(url: str, api_key: str | None, sort: str, out: TextIO) -> int:
+def watch(url: str, api_key: str | None, sort: str, out: TextIO, timeout_s: float = TIMEOUT_S) -> int:
     """Redraw every `REFRESH_S`; while the proxy does not answer, say so above its last numbers."""
     last: list[str] = []
     last_at = 0.0
     while True:
         columns, lines = shutil.get_terminal_size()
         try:
-            frame = last = render(decode(fetch(url, api_key), url), url, sort=sort, height=lines - 2)
+            frame = last = render(decode(fetch(url, api_key, timeout_s), url), url, sort=sort, height=lines - 2)
             last_at = time.monotonic()
         except StatusError as exc:
             if exc.final:
-                print(f"inferproxy status: {exc}", file=sys.stderr)
+                print(f"inferproxy status: {printable(str(exc))}", file=sys.stderr)
                 return 1
             since = f" (numbers from {duration(time.monotonic() - last_at)} ago)" if last else ""
-            frame = [f"disconnected, retrying every {REFRESH_S:g} s: {exc}{since}", *last]
+            frame = [f"disconnected, retrying every {REFRESH_S:g} s: {printable(str(exc))}{since}", *last]
         out.write(CLEAR + "\n".join(line[:columns] for line in frame[: lines - 1]) + "\n")
         out.flush()
         time.sleep(REFRESH_S)

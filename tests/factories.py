@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 from collections import defaultdict
 from typing import Any
 
@@ -101,12 +102,18 @@ def doc_headers(doc_id: str = "doc-1", rollout_idx: int = 0, **extra: str) -> di
 
 def dir_snapshot(root: str | os.PathLike[str]) -> dict[str, tuple[int, int, bytes | None]]:
     """Every entry under `root`: `(size, mtime_ns, bytes)` of each file, `(0, mtime_ns, None)` of each folder
-    (whose mtime moves when a name is created in it, even if it is removed again)."""
+    (whose mtime moves when a name is created in it, even if it is removed again), and of a link or a
+    special file `(mode, mtime_ns, its target or None)`: neither followed nor opened."""
     entries: dict[str, tuple[int, int, bytes | None]] = {}
-    for folder, _, files in os.walk(root):
+    for folder, folders, files in os.walk(root):
         entries[folder] = (0, os.stat(folder).st_mtime_ns, None)
-        for name in files:
+        for name in files + folders:
             path = os.path.join(folder, name)
-            with open(path, "rb") as f:
-                entries[path] = (os.stat(path).st_size, os.stat(path).st_mtime_ns, f.read())
+            info = os.lstat(path)
+            if stat.S_ISREG(info.st_mode):
+                with open(path, "rb") as f:
+                    entries[path] = (info.st_size, info.st_mtime_ns, f.read())
+            elif not stat.S_ISDIR(info.st_mode):
+                target = os.fsencode(os.readlink(path)) if stat.S_ISLNK(info.st_mode) else None
+                entries[path] = (info.st_mode, info.st_mtime_ns, target)
     return entries

@@ -503,3 +503,64 @@ async def test_resume_reports_a_relative_output_as_an_absolute_path(
 )
 def test_resume_never_shows_credentials_embedded_in_the_output_url(output: str, shown: str) -> None:
     assert public_output(output) == shown
+
+
+#: A link in a rank's files, made by anyone who can write in a shared checkpoints dir: where it is.
+PLANTED_LINKS = {
+    "chunk file": "00007/chunk_00001.jsonl",  # its "torn last line" was cut: the victim emptied
+    "request cache": "00007/replay.sqlite3",  # SQLite made the (empty) victim a database
+    "cache's WAL": "00007/replay.sqlite3-wal",
+    "owner lock": "owners/00007.lock",  # claiming the rank truncated the victim and wrote in it
+    "last_chunk file": "last_chunk/00007.txt",  # read through: its bytes in the log, a FIFO hung the proxy
+    "rank folder": "00007",  # the proxy created its cache and chunk files in the folder linked to
+}
+
+
+@pytest.mark.parametrize("planted", PLANTED_LINKS.values(), ids=PLANTED_LINKS.keys())
+async def test_a_link_planted_in_a_ranks_files_is_refused_and_what_it_points_to_is_left_alone(
+    client: httpx.AsyncClient, tmp_path: Path, planted: str
+) -> None:
+    link = tmp_path / "ckpt" / planted
+    link.parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "ckpt" / "00007").mkdir(exist_ok=True)
+    if planted == "00007":
+        (tmp_path / "ckpt" / "00007").rmdir()
+        victim = tmp_path / "victim"
+        victim.mkdir()
+        (victim / "keep.txt").write_bytes(b"precious")
+    else:
+        (tmp_path / "ckpt" / "00007" / "chunk_00000.jsonl").write_bytes(b'{"id":"a","text":"a"}\n')
+        victim = tmp_path / "victim.txt"
+        victim.write_bytes(b"" if "sqlite3" in planted else b"precious, without a newline")
+    before = {path: path.read_bytes() for path in [victim, *victim.rglob("*")] if path.is_file()}
+    link.symlink_to(victim)
+
+    answer = await client.get("/resume", headers={"X-Rank": "7"})
+    assert answer.status_code == 500
+    message = answer.json()["error"]["message"]
+    assert f"{link} is a symbolic link, not " in message
+    assert "Remove it, or put the " in message
+    assert {path: path.read_bytes() for path in [victim, *victim.rglob("*")] if path.is_file()} == before
+    assert link.is_symlink()
+
+    link.unlink()  # what the message says to do: the rank is served again
+    answer = await client.get("/resume", headers={"X-Rank": "7"})
+    assert answer.status_code == 200
+
+
+@pytest.mark.parametrize("restored", [True, False], ids=["with-chunk-files", "last-chunk-only"])
+async def test_a_last_chunk_file_beyond_any_chunk_index_is_read_as_a_corrupt_one(
+    client: httpx.AsyncClient, tmp_path: Path, caplog: pytest.LogCaptureFixture, restored: bool
+) -> None:
+    # Was a 500: SQLite cannot hold the number (CacheWriteError), nor orjson docs_to_skip.
+    last_chunk = tmp_path / "ckpt" / "last_chunk" / "00007.txt"
+    last_chunk.parent.mkdir(parents=True)
+    last_chunk.write_text("99999999999999999999999999999")
+    if restored:
+        (tmp_path / "ckpt" / "00007").mkdir()
+        (tmp_path / "ckpt" / "00007" / "chunk_00000.jsonl").write_bytes(b'{"id":"a","text":"a"}\n')
+    with caplog.at_level(logging.WARNING):
+        answer = await client.get("/resume", headers={"X-Rank": "7"})
+    assert answer.status_code == 200
+    assert (answer.json()["last_chunk_index"], answer.json()["docs_to_skip"]) == (-1, 0)
+    assert f"{last_chunk} is empty or unreadable ('99999999999999999999999999999'): not a chunk index" in caplog.text

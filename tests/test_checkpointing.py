@@ -20,6 +20,7 @@ from app.checkpointing import (
     RecordsPerChunkMismatch,
 )
 from app.documents import DocumentError
+from app.durable import UnsafeFileError
 from tests.factories import (
     RecordingWriter,
     chunk_ids,
@@ -472,6 +473,18 @@ async def test_a_chunk_line_that_is_not_a_document_is_named_with_its_file(tmp_pa
 async def test_a_corrupt_meta_file_says_how_to_repair_it(tmp_path: Path) -> None:
     (tmp_path / META_FILENAME).write_text("{not json")
     with pytest.raises(ValueError, match=r"checkpoint_meta.json is not a JSON object with records_per_chunk"):
+        await manager(tmp_path, 3).parse_existing_checkpoints(0, RecordingWriter())
+
+
+async def test_a_meta_file_that_is_a_link_or_a_fifo_is_refused_unread(tmp_path: Path) -> None:
+    meta = tmp_path / META_FILENAME
+    (tmp_path / "elsewhere.json").write_text('{"records_per_chunk": 3}')
+    meta.symlink_to(tmp_path / "elsewhere.json")  # to /dev/zero, read whole: memory filled in seconds
+    with pytest.raises(UnsafeFileError, match=rf"^{meta} is a symbolic link, not a regular file"):
+        await manager(tmp_path, 3).parse_existing_checkpoints(0, RecordingWriter())
+    meta.unlink()
+    os.mkfifo(meta)  # opened for reading: blocked for ever
+    with pytest.raises(UnsafeFileError, match=rf"^{meta} is a FIFO, not a regular file"):
         await manager(tmp_path, 3).parse_existing_checkpoints(0, RecordingWriter())
 
 

@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -134,3 +136,30 @@ def test_demo_against_an_upstream_that_does_not_answer_says_so_in_one_line(tmp_p
     assert len(lines) == 1, done.stderr
     assert f"the upstream {upstream} does not answer" in lines[0]
     assert "leave --upstream out" in lines[0]
+
+
+def test_serve_on_a_checkpoints_dir_whose_meta_file_is_a_link_refuses_in_one_line(tmp_path: Path) -> None:
+    checkpoints = tmp_path / "ckpt"
+    checkpoints.mkdir()
+    (tmp_path / "elsewhere.json").write_text('{"records_per_chunk": 6000}')
+    (checkpoints / "checkpoint_meta.json").symlink_to(tmp_path / "elsewhere.json")
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "serve",
+            "--upstream=http://127.0.0.1:9",
+            "--port=0",
+            f"--checkpoints-dir={checkpoints}",
+            f"--output={tmp_path / 'out'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith(
+        f"inferproxy serve: {checkpoints / 'checkpoint_meta.json'} is a symbolic link, not a regular file: "
+    )
+    assert done.stderr.count("\n") == 1

@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,9 +13,13 @@ from app.durable import (
     AppendFile,
     CorruptFileError,
     GroupSync,
+    UnsafeFileError,
     atomic_write_bytes,
     create_exclusive_bytes,
     read_jsonl_repairing_tail,
+    read_jsonl_whole_lines,
+    read_regular,
+    scan_jsonl,
 )
 
 
@@ -178,3 +183,62 @@ def test_an_exclusive_create_never_replaces_and_leaves_no_temporary_file(tmp_pat
         create_exclusive_bytes(str(tmp_path / "meta.json"), b"second")
     assert (tmp_path / "meta.json").read_bytes() == b"first"
     assert os.listdir(tmp_path) == ["meta.json"]
+
+
+OPENERS: dict[str, Callable[[str], object]] = {
+    "repair": read_jsonl_repairing_tail,
+    "scan": scan_jsonl,
+    "read": read_jsonl_whole_lines,
+    "append": lambda path: AppendFile(path).append(b'{"id":"x"}\n'),
+}
+
+
+@pytest.mark.parametrize("opener", OPENERS.values(), ids=OPENERS.keys())
+def test_a_chunk_file_that_is_a_link_is_refused_and_the_file_it_points_to_left_alone(
+    tmp_path: Path, opener: Callable[[str], object]
+) -> None:
+    # Anyone who could write in a shared checkpoints dir made a root proxy cut any file: the victim,
+    # whose last line has no newline, read as a torn append and was truncated to nothing.
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious, without a newline")
+    link = tmp_path / "chunk_00001.jsonl"
+    link.symlink_to(victim)
+    with pytest.raises(UnsafeFileError, match=rf"^{link} is a symbolic link, not a regular file: .* Remove it"):
+        opener(str(link))
+    assert victim.read_bytes() == b"precious, without a newline"
+    assert link.is_symlink()
+
+
+@pytest.mark.parametrize("opener", OPENERS.values(), ids=OPENERS.keys())
+def test_a_fifo_or_a_folder_named_as_a_chunk_file_is_refused_without_opening_it(
+    tmp_path: Path, opener: Callable[[str], object]
+) -> None:
+    fifo = tmp_path / "chunk_00001.jsonl"
+    os.mkfifo(fifo)  # opened, it blocked the reader until some writer came (never)
+    with pytest.raises(UnsafeFileError, match=rf"^{fifo} is a FIFO, not a regular file"):
+        opener(str(fifo))
+    folder = tmp_path / "chunk_00002.jsonl"
+    folder.mkdir()
+    with pytest.raises(UnsafeFileError, match=rf"^{folder} is a folder, not a regular file"):
+        opener(str(folder))
+
+
+def test_a_small_file_is_read_up_to_its_bound_and_no_further(tmp_path: Path) -> None:
+    path = tmp_path / "00000.txt"
+    path.write_bytes(b"7" * 10)
+    assert read_regular(str(path), limit=10) == b"7" * 10
+    with pytest.raises(ValueError, match="more than 9 bytes"):
+        read_regular(str(path), limit=9)
+
+
+def test_an_atomic_write_over_a_link_replaces_the_link_and_never_writes_through_it(tmp_path: Path) -> None:
+    # Replaced by a rename, which acts on the name: the link goes, what it pointed to stays as it was.
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    link = tmp_path / "last_chunk" / "00007.txt"
+    link.parent.mkdir()
+    link.symlink_to(victim)
+    atomic_write_bytes(str(link), b"3")
+    assert not link.is_symlink()
+    assert link.read_bytes() == b"3"
+    assert victim.read_bytes() == b"precious"

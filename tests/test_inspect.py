@@ -81,6 +81,10 @@ def only_a_last_chunk_file(root: Path) -> None:
     checkpoints(root, "4")
 
 
+def a_last_chunk_file_beyond_any_chunk_index(root: Path) -> None:
+    checkpoints(root, "9" * 29, {0: ["a"]})
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -91,6 +95,7 @@ def only_a_last_chunk_file(root: Path) -> None:
         a_document_written_twice,
         an_empty_last_chunk_file,
         only_a_last_chunk_file,
+        a_last_chunk_file_beyond_any_chunk_index,
     ],
 )
 async def test_inspect_writes_nothing_and_predicts_what_a_restore_resumes_from(
@@ -378,3 +383,120 @@ def test_a_rank_without_checkpoints_resumes_after_the_chunks_the_output_lists(tm
     (unchecked,) = to_json(inspect_dir(str(root)))["ranks"]
     assert unchecked["resume"]["source"] == "unchecked_output"
     assert unchecked["resume"]["last_chunk_index"] == -1
+
+
+def test_a_last_chunk_file_beyond_any_chunk_index_is_reported_as_a_restore_reads_it(tmp_path: Path) -> None:
+    root = checkpoints(tmp_path / "checkpoints", str(2**31), {0: ["a"]})
+    (rank,) = inspect_dir(str(root)).ranks
+    assert rank.last_chunk_index == -1
+    assert rank.resume is not None
+    assert (rank.resume.last_chunk_index, rank.resume.docs_to_skip) == (-1, 0)
+    (problem,) = rank.problems
+    assert f"is empty or unreadable ('{2**31}'): not a chunk index from -1 to {2**31 - 1}" in problem
+
+
+SECRET = "content of a file outside the checkpoints dir"
+#: Entries a hostile writer of a shared checkpoints dir may plant: where each is.
+PLANTED = {
+    "chunk file": "00007/chunk_00001.jsonl",
+    "meta file": META_FILENAME,
+    "last_chunk file": "last_chunk/00007.txt",
+    "request cache": "00007/replay.sqlite3",
+    "cache's WAL": "00007/replay.sqlite3-wal",
+    "owner lock": "owners/00007.lock",
+}
+
+
+def plant(root: Path, where: str, kind: str) -> Path:
+    """A link to a file outside the dir, or a FIFO, at `where` in `root`, in place of what was there."""
+    path = root / where
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.unlink(missing_ok=True)
+    if kind == "link":
+        outside = root.parent / "outside.txt"
+        outside.write_text(SECRET)  # no newline: a "torn line" a repair would have cut
+        path.symlink_to(outside)
+    else:
+        os.mkfifo(path)  # opened for reading, blocked for ever
+    return path
+
+
+@pytest.mark.parametrize("kind", ["link", "fifo"])
+@pytest.mark.parametrize("where", PLANTED.values(), ids=PLANTED.keys())
+def test_a_planted_link_or_fifo_is_a_problem_line_and_never_opened(tmp_path: Path, where: str, kind: str) -> None:
+    root = checkpoints(tmp_path / "checkpoints", "0", {1: ["a"]})
+    write_chunk_file(root, 0, ["b"], rank=7)
+    path = plant(root, where, kind)
+    before = dir_snapshot(root)
+    report = inspect_dir(str(root))
+    text, as_json = render(report), orjson.dumps(to_json(report)).decode()
+    assert dir_snapshot(root) == before
+    what = "a symbolic link" if kind == "link" else "a FIFO"
+    refusal = f"{path} is {what}, not a regular file"
+    if where == META_FILENAME:
+        assert f"problem: a restarted proxy refuses to start: {refusal}" in text
+    else:
+        refuses = "cannot restore" if where == PLANTED["chunk file"] else "refuses"
+        assert f"problem: rank 7: a restarted proxy {refuses} this rank: {refusal}" in text
+        assert next(rank for rank in report.ranks if rank.rank == 7).resume is None
+        assert next(rank for rank in report.ranks if rank.rank == 0).resume is not None  # the others are read
+    assert SECRET not in text
+    assert SECRET not in as_json
+
+
+def test_a_linked_rank_folder_is_reported_and_what_it_points_to_not_read(tmp_path: Path) -> None:
+    root = checkpoints(tmp_path / "checkpoints", "0")
+    elsewhere = tmp_path / "elsewhere"
+    write_chunk_file(elsewhere, 0, ["not-ours"], rank=7)
+    (root / "00007").symlink_to(elsewhere / "00007")
+    (root / "owners").symlink_to("/etc")
+    before = dir_snapshot(root)
+    report = inspect_dir(str(root))
+    assert dir_snapshot(root) == before
+    assert [rank.rank for rank in report.ranks] == [0, 7]  # none named after what /etc holds
+    seven = report.ranks[1]
+    assert (seven.chunks, seven.resume) == ([], None)
+    assert seven.problems == [
+        f"a restarted proxy refuses this rank: {root / '00007'} is a symbolic link, not a folder: inferproxy opens "
+        f"nothing in a checkpoints dir through a link or of another kind (it could be made to read, cut or "
+        f"overwrite another file). Remove it, or put the folder itself there, then retry"
+    ]
+    assert (
+        f"a restarted proxy refuses every rank: {root / 'owners'} is a symbolic link, not a folder"
+        in (report.problems[0])
+    )
+    assert report.ranks[0].resume is None
+
+
+def test_a_last_chunk_file_over_a_few_kib_is_a_corrupt_one_read_no_further(tmp_path: Path) -> None:
+    root = checkpoints(tmp_path / "checkpoints", "1" * 5000, {0: ["a"]})
+    (rank,) = inspect_dir(str(root)).ranks
+    assert rank.last_chunk_index == -1
+    (problem,) = rank.problems
+    assert "is empty or unreadable ('<unreadable: more than 4096 bytes>')" in problem
+
+
+def test_an_owner_lock_not_written_by_inferproxy_keeps_the_json_types_and_prints_no_escape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = checkpoints(tmp_path / "checkpoints")
+    lock = root / "owners" / "00003.lock"
+    lock.parent.mkdir()
+    lock.write_bytes(b"\x1b[2J\x1b]0;pwned\x07 not json")
+    (root / "owners" / "00004.lock").write_text('{"host": "\\u001b[31mred\\r\\nfake line", "pid": "12", "port": 80}')
+    assert main(["inspect", str(root), "--json"]) == 0
+    three, four = orjson.loads(capsys.readouterr().out)["ranks"]
+    assert three["owner"] == {"held": False, "host": None, "pid": None, "port": None, "since": None}
+    assert three["problems"] == [f"{lock} names no pid (a process id): it holds '\\x1b[2J\\x1b]0;pwned\\x07 not json'"]
+    assert four["owner"] == {
+        "held": False,
+        "host": "\\x1b[31mred\\r\\nfake line",
+        "pid": None,
+        "port": 80,
+        "since": None,
+    }
+    assert main(["inspect", str(root)]) == 0
+    table = capsys.readouterr().out
+    assert "\x1b" not in table
+    assert "\r" not in table
+    assert "free (pid ? on \\x1b[31mred\\r\\nfake line, port 80 is gone)" in table

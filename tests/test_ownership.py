@@ -232,22 +232,21 @@ def test_two_proxies_recording_different_records_per_chunk_on_a_fresh_dir_cannot
 ) -> None:
     # Both found no record on the fresh dir and wrote theirs: the record was replaced, the last
     # writer won, and ranks opened in between used the other value.
-    import builtins
-
+    import app.resume
     from app.resume import RecordsPerChunkMismatch, check_records_per_chunk
 
     layout = CheckpointsLayout(str(tmp_path))
-    real_open = builtins.open
+    real_read = app.resume.read_regular
     looked: list[str] = []
 
-    def open_before_the_other_wrote(path: Any, *args: Any, **kwargs: Any) -> Any:
-        if str(path) == layout.meta_file and not looked:
-            looked.append(str(path))
+    def read_before_the_other_wrote(path: str, **kwargs: Any) -> bytes:
+        if path == layout.meta_file and not looked:
+            looked.append(path)
             check_records_per_chunk(layout, 100, record=True)  # the other proxy, in the window
             raise FileNotFoundError(path)  # what this one saw just before
-        return real_open(path, *args, **kwargs)
+        return real_read(path, **kwargs)
 
-    monkeypatch.setattr(builtins, "open", open_before_the_other_wrote)
+    monkeypatch.setattr(app.resume, "read_regular", read_before_the_other_wrote)
     with pytest.raises(RecordsPerChunkMismatch, match="written with records_per_chunk=100, this run uses"):
         check_records_per_chunk(layout, 200, record=True)
     monkeypatch.undo()

@@ -202,7 +202,8 @@ async def test_hundreds_of_ranks_stay_one_sortable_scrolling_table(chrome: Brows
 
 NUMBERS = [None, 0, 0.004, 0.5, 0.9996, 1, 1.25, 9.995, 12.35, 99.95, 999, 999.5, 1000, 1250, 99_949, 99_960, 59.5]
 NUMBERS += [999_400, 999_950, 3_456_789, 12_345_678_901, 3599.4, 7380, 86_399.6, 90_000, 1e15, 5e18]
-RATIOS = [None, 0, 0.00049, 0.1235, 0.6667, 0.99951, 1]
+NUMBERS += [-5, 999.96, 4000, 999e15, 2.0**64, 86_399_999, 86_400_000, 1e308]  # absurd, from a hostile /stats
+RATIOS = [None, 0, 0.00049, 0.1235, 0.6667, 0.99951, 1, -5, 7]
 
 
 async def test_the_page_formats_numbers_as_inferproxy_status_does(chrome: Browser, tmp_path: Path) -> None:

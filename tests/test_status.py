@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
 import json
 import os
 import pty
@@ -10,12 +12,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from app import status
+from app.cli import main
 from tests.e2e.conftest import running_upstream, start_proxy
 from tests.jobs import run_rank, settings
 from tests.servers import fake_upstream, free_port, process, serve_proxy, wait_for_http
@@ -188,3 +194,199 @@ def test_durations_rates_and_latencies_read_as_a_person_says_them() -> None:
     assert [status.latency(s) for s in (0.025, 0.9996, 2.5, None)] == ["25 ms", "1 s", "2.5 s", "—"]
     assert [status.percent(r) for r in (0.1235, 1.0, None)] == ["12.4%", "100.0%", "—"]
     assert status.size(4_500_000) == "4.5MB"
+
+
+# -- whatever answers at the URL ------------------------------------------------------------------
+
+#: What `render` reads of /stats, as a proxy answers it with nothing yet.
+STATS: dict[str, Any] = {
+    "version": "0.1.0",
+    "now": 1_700_000_000.0,
+    "uptime_s": 12.0,
+    "totals": {"hits": 0, "coalesced": 0, "tokens_saved": 0, "hit_ratio": None},
+    "rates": {"requests_per_s": None, "documents_per_s": None},
+    "in_flight": 0,
+    "upstreams": [
+        {
+            "url": "http://127.0.0.1:8000",
+            "healthy": True,
+            "in_flight": 0,
+            "requests": 0,
+            "errors": 0,
+            "retries": 0,
+            "latency_p50_s": None,
+            "latency_p99_s": None,
+        }
+    ],
+    "ranks": [],
+}
+RANK: dict[str, Any] = {
+    "rank": 0,
+    "hits": 0,
+    "coalesced": 0,
+    "misses": 0,
+    "tokens_saved": 0,
+    "chunks_published": 0,
+    "done_documents": 5,
+    "total_documents": 10,
+    "progress": 0.5,
+    "documents_per_s": 1.0,
+    "eta_s": 5.0,
+}
+
+Handler = Callable[[asyncio.StreamWriter], Awaitable[None]]
+
+
+def answer(body: bytes, status: str = "200 OK", *headers: str) -> Handler:
+    async def send(writer: asyncio.StreamWriter) -> None:
+        head = [f"HTTP/1.1 {status}", f"Content-Length: {len(body)}", *headers, "Connection: close", "", ""]
+        writer.write("\r\n".join(head).encode() + body)
+        await writer.drain()
+
+    return send
+
+
+async def trickle(writer: asyncio.StreamWriter) -> None:
+    """A body of 100 kB sent a byte at a time, every 0.2 s: never silent long enough for a read timeout."""
+    writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+    while True:
+        writer.write(b" ")
+        await writer.drain()
+        await asyncio.sleep(0.2)
+
+
+@contextlib.asynccontextmanager
+async def answering(handler: Handler, host: str = "127.0.0.1") -> AsyncIterator[tuple[str, list[bytes]]]:
+    """A server on a free port of `host` answering every request with `handler`; yields its URL and the
+    heads of the requests it was sent."""
+    heads: list[bytes] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            heads.append(await reader.readuntil(b"\r\n\r\n"))
+            await handler(writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the client gave up
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, host, 0)
+    try:
+        yield f"http://{host}:{server.sockets[0].getsockname()[1]}", heads
+    finally:
+        server.close()
+
+
+async def status_of(url: str, *args: str) -> tuple[int, str, str]:
+    """`inferproxy status URL --once ARGS` in this process (off the event loop the servers run in)."""
+    out, err = io.StringIO(), io.StringIO()
+
+    def run() -> int:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            return main(["status", url, "--once", *args])
+
+    code = await asyncio.to_thread(run)
+    return code, out.getvalue(), err.getvalue()
+
+
+async def test_a_redirect_is_not_followed_and_the_api_key_goes_nowhere_else() -> None:
+    # urllib followed it, sending "Authorization: Bearer KEY" to whatever host the answer named.
+    async with answering(answer(orjson.dumps(STATS)), host="127.0.0.2") as (elsewhere, taken):
+        to = f"{elsewhere}/stats"
+        async with answering(answer(b"", "302 Found", f"Location: {to}")) as (url, asked):
+            code, out, err = await status_of(url, "--api-key", "sekrit")
+    assert (code, out) == (1, "")
+    assert err == (
+        f"inferproxy status: GET {url}/stats answered 302, a redirect to {to}: not followed (the API key would go "
+        f"along); give the proxy's own URL\n"
+    )
+    assert b"authorization: Bearer sekrit" in asked[0]
+    assert taken == []
+
+
+NOT_STATS = {
+    "html": (b"<html><body>hi</body></html>", "not JSON (unexpected character"),
+    "a list": (b"[1, 2, 3]", "the answer is a list, not an object"),
+    "totals only": (b'{"totals": {}}', "version is missing"),
+    "wrong types": (orjson.dumps({**STATS, "totals": "abc"}), 'totals is "abc", not an object'),
+    "a number as text": (orjson.dumps({**STATS, "uptime_s": "12"}), 'uptime_s is "12", not a number >= 0'),
+    "a rank's progress": (
+        orjson.dumps({**STATS, "ranks": [{**RANK, "progress": "x"}]}),
+        'ranks[0].progress is "x", not a number >= 0 or null',
+    ),
+    "a negative progress": (
+        orjson.dumps({**STATS, "ranks": [RANK, {**RANK, "rank": 1, "progress": -5}]}),
+        "ranks[1].progress is -5, not a number >= 0 or null",
+    ),
+    "invalid UTF-8": (orjson.dumps({**STATS, "version": "v"}).replace(b'"v"', b'"\xff\xfe"'), "not JSON (str is not"),
+}
+
+
+@pytest.mark.parametrize("as_json", [False, True], ids=["table", "json"])
+@pytest.mark.parametrize(("body", "wrong"), NOT_STATS.values(), ids=NOT_STATS.keys())
+async def test_an_answer_that_is_not_stats_is_one_line_saying_what_is_wrong(
+    body: bytes, wrong: str, as_json: bool
+) -> None:
+    # Each was a traceback, or (--json) printed as it came with exit code 0.
+    async with answering(answer(body)) as (url, _):
+        code, out, err = await status_of(url, *(["--json"] if as_json else []))
+    assert (code, out) == (1, "")
+    assert err.startswith(f"inferproxy status: {url} did not answer with inferproxy's /stats: {wrong}")
+    assert err.count("\n") == 1
+
+
+async def test_a_server_that_trickles_its_answer_is_given_up_at_the_timeout() -> None:
+    # Each byte came before the socket timed out: --once never ended.
+    async with answering(trickle) as (url, _):
+        code, out, err = await status_of(url, "--timeout", "1")
+    assert (code, out, err) == (1, "", f"inferproxy status: {url} did not answer within 1 s (--timeout)\n")
+
+
+async def test_an_answer_over_the_size_bound_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(status, "MAX_BODY_BYTES", 1000)
+    async with answering(answer(orjson.dumps({**STATS, "ranks": [RANK] * 20}))) as (url, _):
+        code, out, err = await status_of(url)
+    assert (code, out) == (1, "")
+    assert err == f"inferproxy status: {url} did not answer with inferproxy's /stats: a body over 1000 bytes\n"
+
+
+async def test_strings_from_the_server_cannot_act_on_the_terminal() -> None:
+    hostile = {
+        **STATS,
+        "version": "\x1b[2J\x1b[31mPWNED\x1b]0;title\x07",
+        "upstreams": [{**STATS["upstreams"][0], "url": "\x1b[31mevil\x1b[0m\r\nfake line\u202e"}],
+    }
+    async with answering(answer(orjson.dumps(hostile))) as (url, _):
+        _, table, _ = await status_of(url)
+        _, as_json, _ = await status_of(url, "--json")
+    for out in (table, as_json):
+        assert not any(c in out for c in "\x1b\x07\r\u202e")
+    assert f"inferproxy \\x1b[2J\\x1b[31mPWNED\\x1b]0;title\\x07 at {url} · up 12s" in table
+    assert "\\x1b[31mevil\\x1b[0m\\r\\nfake line\\u202e  healthy" in table
+    assert json.loads(as_json) == hostile
+
+
+def test_absurd_numbers_are_shown_in_a_few_characters() -> None:
+    # Were ETAs and counts hundreds of digits long, -500.0% progress, or an OverflowError.
+    huge = 1e308
+    rank = {**RANK, "hits": huge, "done_documents": 1e30, "progress": 5.0, "documents_per_s": huge, "eta_s": huge}
+    stats = {
+        **STATS,
+        "now": huge,
+        "uptime_s": huge,
+        "in_flight": huge,
+        "totals": {"hits": huge, "coalesced": 0, "tokens_saved": huge, "hit_ratio": 3.0},
+        "rates": {"requests_per_s": huge, "documents_per_s": 2.0**64},
+        "upstreams": [{**STATS["upstreams"][0], "latency_p50_s": huge, "latency_p99_s": 4000.0}],
+        "ranks": [rank, {**rank, "rank": 1, "progress": 0.0}],
+    }
+    lines = status.render(status.decode(orjson.dumps(stats), "u"), "u")
+    assert max(len(line) for line in lines) < 150
+    assert lines[0] == "inferproxy 0.1.0 at u · up > 999d · --:--:--"
+    assert lines[2].startswith("hit ratio 100.0% · tokens saved 1e+308 · generations saved 1e+308 · 1e+308 requests/s")
+    rows = {line.split()[0]: line for line in lines if line[:1].isdigit()}
+    assert "[####################] 1e+30 / 10 · 100.0%  1e+308  > 999d" in rows["0"]
+    assert "[....................] 1e+30 / 10 · 0.0%" in rows["1"]
+    assert lines[-1].endswith("> 999d  1h 06m")
+    assert [status.duration(s) for s in (-5, 86_400_000, 86_399_999)] == ["0s", "> 999d", "999d 23h"]
+    assert [status.count(n) for n in (999e15, 1e18, 2.0**64)] == ["999P", "1e+18", "1.84e+19"]
