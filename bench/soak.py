@@ -573,11 +573,11 @@ def summary(
         "threads": max(p.threads for p in mine),
         "cpu_percent": {name: round(seconds * 100 / span, 1) for name, seconds in cpu.items()},
         "load_avg_1m": os.getloadavg()[0],
+        "cpu_pressure": cpu_pressure(),
         "latency_ms": {
             kind: {"n": len(values), "p50": ms(quantile(values, 0.5)), "p99": ms(quantile(values, 0.99))}
             for kind, values in rec.latencies.items()
         },
-        "raw_latencies_ms": {kind: [round(v * 1000, 2) for v in values] for kind, values in rec.latencies.items()},
         "errors": dict(rec.errors),
         "unexpected": dict(rec.unexpected),
         "examples": rec.examples,
@@ -594,6 +594,16 @@ def summary(
             "bytes": len(stats),
         },
     }
+
+
+def cpu_pressure() -> float | None:
+    """The share of the last 10 s in which some runnable task waited for a CPU (Linux PSI), if known:
+    on a shared machine, what the latencies suffer from besides the proxy."""
+    try:
+        with open("/proc/pressure/cpu") as f:
+            return float(f.readline().split()[1].removeprefix("avg10=")) / 100
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def progress(s: dict[str, Any]) -> str:
@@ -615,17 +625,19 @@ def ms(seconds: float | None) -> float | None:
 #: "Flat" (a leak only grows): over the second half of the run after the warm-up, the least-squares line
 #: through the per-second readings rises by at most FIT_RISE of the half's mean (descriptors: by at most
 #: FIT_RISE_FDS), and the last sample's mean is at most LAST_ABOVE (descriptors: LAST_ABOVE_FDS) above
-#: the first sample's after the warm-up. Descriptors move with the ranks open and the connections in use
-#: at the moment (~7 a rank), hence their wider margin.
+#: the first sample's after the warm-up. Memory is RssAnon, the process's private memory: the rest of
+#: VmRSS is mapped files (libraries), which the kernel drops and reads again as the machine needs.
+#: Descriptors move with the ranks open and the connections in use at the moment (~7 a rank), hence
+#: their wider margin.
 FIT_RISE = 0.01
 FIT_RISE_FDS = 2.0
 LAST_ABOVE = 0.05
 LAST_ABOVE_FDS = 0.10
-#: "No drift": per kind, the last third of the run after the warm-up against its first third: the p50 of
-#: the third's latencies pooled at most DRIFT_P50 times the first's (plus DRIFT_FLOOR_MS), and the median
-#: of its samples' p99s at most DRIFT_P99 times the first's (plus 5 DRIFT_FLOOR_MS: a p99 is a few
-#: requests, which another process on the machine delays), for kinds with at least DRIFT_MIN_N requests
-#: in each third.
+#: "No drift": per kind, the last third of the run after the warm-up against its first third: the median
+#: of the third's samples' p50s at most DRIFT_P50 times the first third's (plus DRIFT_FLOOR_MS), and the
+#: median of their p99s at most DRIFT_P99 times (plus 5 DRIFT_FLOOR_MS): medians, because a sample's p99
+#: is a few requests, which a stall of the shared machine delays. Kinds with fewer than DRIFT_MIN_N
+#: requests in either third are not judged.
 DRIFT_P50 = 1.5
 DRIFT_P99 = 2.0
 DRIFT_FLOOR_MS = 1.0
@@ -641,8 +653,10 @@ def slope(points: list[tuple[float, float]]) -> float:
     return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else 0.0
 
 
-def p99s(samples: list[dict[str, Any]], kind: str) -> list[float]:
-    return [s["latency_ms"][kind]["p99"] for s in samples if s["latency_ms"][kind]["n"]]
+def median_of(samples: list[dict[str, Any]], kind: str, quantile: str) -> float:
+    """The median over `samples` (those with requests of `kind`) of their `quantile` ("p50", "p99")."""
+    values: list[float] = [s["latency_ms"][kind][quantile] for s in samples if s["latency_ms"][kind]["n"]]
+    return statistics.median(values)
 
 
 def flatness(
@@ -683,13 +697,13 @@ def verdict(result: dict[str, Any], warmup: float) -> dict[str, Any]:
     if len(samples) < 3 or len(probes) < 10:
         raise SystemExit("soak: too short after the warm-up to judge: run longer, or lower --warmup")
     rate = statistics.fmean(s["requests_per_s"] for s in samples)
-    rss = [(p.t, p.rss / 1024) for p in probes]
-    half_mean = statistics.fmean(y for _, y in rss[len(rss) // 2 :])
+    anon = [(p.t, p.anon / 1024) for p in probes]
+    half_mean = statistics.fmean(y for _, y in anon[len(anon) // 2 :])
     memory = flatness(
-        "RSS",
+        "Memory (RssAnon)",
         "MiB",
-        rss,
-        [s["rss_mib"] for s in samples],
+        anon,
+        [s["anon_mib"] for s in samples],
         rise_limit=FIT_RISE * half_mean,
         above=LAST_ABOVE,
         requests_per_s=rate,
@@ -707,21 +721,14 @@ def verdict(result: dict[str, Any], warmup: float) -> dict[str, Any]:
     early, late = samples[:third], samples[-third:]
     latency = {}
     for kind in KINDS:
-        before = [v for s in early for v in s["raw_latencies_ms"][kind]]
-        after = [v for s in late for v in s["raw_latencies_ms"][kind]]
-        if len(before) < DRIFT_MIN_N or len(after) < DRIFT_MIN_N:
-            latency[kind] = {"judged": False, "n": (len(before), len(after))}
+        counts = [sum(s["latency_ms"][kind]["n"] for s in part) for part in (early, late)]
+        if min(counts) < DRIFT_MIN_N:
+            latency[kind] = {"judged": False, "n": counts}
             continue
-        b50, a50 = (quantile(v, 0.5) or 0.0 for v in (before, after))
-        b99, a99 = (statistics.median(p99s(third, kind)) for third in (early, late))
+        b50, a50 = (median_of(part, kind, "p50") for part in (early, late))
+        b99, a99 = (median_of(part, kind, "p99") for part in (early, late))
         drift = a50 > DRIFT_P50 * b50 + DRIFT_FLOOR_MS or a99 > DRIFT_P99 * b99 + 5 * DRIFT_FLOOR_MS
-        latency[kind] = {
-            "judged": True,
-            "n": (len(before), len(after)),
-            "before": (b50, b99),
-            "after": (a50, a99),
-            "drift": drift,
-        }
+        latency[kind] = {"judged": True, "n": counts, "before": (b50, b99), "after": (a50, a99), "drift": drift}
     errors = sum(sum(s["errors"].values()) for s in result["samples"])
     unexpected = sum(sum(s["unexpected"].values()) for s in result["samples"])
     shed = sum(s["shed"] for s in result["samples"])
@@ -760,33 +767,38 @@ def cell(latency: dict[str, Any]) -> str:
     return "" if not latency["n"] else f"{latency['p50']:.1f} / {latency['p99']:.1f}"
 
 
-def report(args: argparse.Namespace, result: dict[str, Any], judged: dict[str, Any], proxy_log: dict[str, Any]) -> str:
+def report(args: argparse.Namespace, result: dict[str, Any], judged: dict[str, Any]) -> str:
+    proxy_log = result["proxy_log"]
     loads = [s["load_avg_1m"] for s in result["samples"]]
+    pressures = [s["cpu_pressure"] for s in result["samples"] if s.get("cpu_pressure") is not None]
+    pressure = f", CPU pressure {min(pressures):.0%} to {max(pressures):.0%}" if pressures else ""
     lines = [
-        f"{time.strftime('%Y-%m-%d')}, Python {platform.python_version()}, {os.cpu_count()} cores,"
+        f"{result.get('date', '')}, Python {platform.python_version()}, {os.cpu_count()} cores,"
         f" {'--long' if args.long else 'short'} mode: {args.duration:.0f} s at {args.rate:g} operations/s"
         f" ({args.warmup:.0f} s warm-up), a sample every {args.interval:g} s, rank_idle_s {args.rank_idle_s:g},"
-        f" records_per_chunk {args.records_per_chunk}; 1-minute load average {min(loads):.1f} to {max(loads):.1f}"
-        " (other work shared the machine)",
+        f" records_per_chunk {args.records_per_chunk}. The machine: 1-minute load average {min(loads):.1f} to"
+        f" {max(loads):.1f}{pressure} (PSI: the share of time some task waited for a CPU)",
         "",
-        "| t (s) | req/s | RSS MiB | fds | threads | proxy CPU % | "
+        "| t (s) | req/s | RSS / anon MiB | fds | threads | proxy CPU % | "
         + " | ".join(f"{k} p50 / p99 ms" for k in TABLE_KINDS)
-        + " | hit ratio | documents | owned ranks |",
+        + " | hit ratio | documents | owned ranks | load avg |",
         "| ---: | ---: | ---: | ---: | ---: | ---: | "
         + " | ".join("---:" for _ in TABLE_KINDS)
-        + " | ---: | ---: | --- |",
+        + " | ---: | ---: | --- | ---: |",
     ]
     for s in thinned(result["samples"]):
         stats = s["stats"]
         lines.append(
-            f"| {s['t']:.0f} | {s['requests_per_s']:.0f} | {s['rss_mib']:.1f} | {s['fds']:.0f} | {s['threads']}"
+            f"| {s['t']:.0f} | {s['requests_per_s']:.0f} | {s['rss_mib']:.1f} / {s['anon_mib']:.1f} | {s['fds']:.0f}"
+            f" | {s['threads']}"
             f" | {s['cpu_percent']['proxy']:.0f} | "
             + " | ".join(cell(s["latency_ms"][k]) for k in TABLE_KINDS)
-            + f" | {stats['hit_ratio']} | {stats['documents']:,} | {','.join(map(str, stats['owned_ranks']))} |"
+            + f" | {stats['hit_ratio']} | {stats['documents']:,} | {','.join(map(str, stats['owned_ranks']))}"
+            f" | {s['load_avg_1m']:.1f} |"
         )
     lines += [
         "",
-        "| kind | requests | errors | unexpected | p50 / p99 ms, first third | last third | drift |",
+        "| kind | requests | errors | unexpected | median p50 / p99 ms, first third | last third | drift |",
     ]
     lines.append("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for kind in KINDS:
@@ -814,8 +826,8 @@ def report(args: argparse.Namespace, result: dict[str, Any], judged: dict[str, A
     drifted = [k for k, v in judged["latency"].items() if v.get("drift")]
     lines.append(
         f"- **Latency: {'drift in ' + ', '.join(drifted) if drifted else 'no drift'}** (last third against the"
-        f" first, pooled: p50 at most {DRIFT_P50}x + {DRIFT_FLOOR_MS:g} ms, p99 at most {DRIFT_P99}x +"
-        f" {5 * DRIFT_FLOOR_MS:g} ms)."
+        f" first, the medians of their samples' p50 and p99: p50 at most {DRIFT_P50}x + {DRIFT_FLOOR_MS:g} ms,"
+        f" p99 at most {DRIFT_P99}x + {5 * DRIFT_FLOOR_MS:g} ms)."
     )
     lines.append(
         f"- **Errors {judged['errors']}, unexpected answers {judged['unexpected']}**; proxy log:"
@@ -879,15 +891,37 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--json", type=Path, help="write the samples and the verdict here")
     parser.add_argument("--keep", action="store_true", help="keep the data directory (checkpoints, output, proxy log)")
+    parser.add_argument(
+        "--from-json", type=Path, help="run nothing: judge and report again the run saved in this file (--json)"
+    )
     args = parser.parse_args()
-    args.duration = args.duration or (3600.0 if args.long else 180.0)
-    args.interval = args.interval or (30.0 if args.long else 10.0)
-    args.warmup = args.warmup if args.warmup is not None else (300.0 if args.long else 30.0)
-    if args.rest_s <= args.rank_idle_s + 1:
-        parser.error(
-            f"--rest-s ({args.rest_s:g}) must exceed --rank-idle-s ({args.rank_idle_s:g}) by more than 1 s,"
-            " so that a resting rank is released"
-        )
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        warmup = args.warmup
+        vars(args).update({k: v for k, v in saved["settings"].items() if k not in ("json", "from_json")})
+        args.warmup = saved["settings"]["warmup"] if warmup is None else warmup
+        result = {**saved, "probes": [Probe(*p) for p in saved["probes"]]}
+    else:
+        args.duration = args.duration or (3600.0 if args.long else 180.0)
+        args.interval = args.interval or (30.0 if args.long else 10.0)
+        args.warmup = args.warmup if args.warmup is not None else (300.0 if args.long else 30.0)
+        if args.rest_s <= args.rank_idle_s + 1:
+            parser.error(
+                f"--rest-s ({args.rest_s:g}) must exceed --rank-idle-s ({args.rank_idle_s:g}) by more than 1 s,"
+                " so that a resting rank is released"
+            )
+        result = soak(args)
+    judged = verdict(result, args.warmup)
+    print(report(args, result, judged))
+    if args.json:
+        settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+        saved = {"settings": settings, "probe_fields": Probe._fields, **result, "verdict": judged}
+        args.json.write_text(json.dumps(saved, indent=1))
+    sys.exit(0 if judged["ok"] else 1)
+
+
+def soak(args: argparse.Namespace) -> dict[str, Any]:
+    """The servers started, the load run, the servers stopped: `run()`'s result, the date and the proxy's log."""
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # stopped: the servers are stopped too
     data = Path(tempfile.mkdtemp(prefix="soak-"))
     up_port, px_port = free_port(), free_port()
@@ -912,30 +946,12 @@ def main() -> None:
             wait_until_up(f"http://127.0.0.1:{up_port}/v1/models")
             wait_until_up(f"{proxy}/healthz")
             print(f"soak: {args.duration:.0f} s at {args.rate:g} operations/s, data in {data}", file=sys.stderr)
+            date = time.strftime("%Y-%m-%d")
             result = asyncio.run(run(args, px_pid, up_pid, proxy))
-        proxy_log = read_proxy_log(data / "proxy.log")
+        return {"date": date, **result, "proxy_log": read_proxy_log(data / "proxy.log")}
     finally:
         if not args.keep:
             shutil.rmtree(data, ignore_errors=True)
-    judged = verdict(result, args.warmup)
-    print(report(args, result, judged, proxy_log))
-    if args.json:
-        for sample in result["samples"]:
-            del sample["raw_latencies_ms"]  # every latency of an hour: the percentiles above say it
-        args.json.write_text(
-            json.dumps(
-                {
-                    "settings": vars(args) | {"json": str(args.json)},
-                    "probe_fields": Probe._fields,
-                    **result,
-                    "verdict": judged,
-                    "proxy_log": proxy_log,
-                },
-                indent=1,
-                default=str,
-            )
-        )
-    sys.exit(0 if judged["ok"] else 1)
 
 
 if __name__ == "__main__":
