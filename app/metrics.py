@@ -174,7 +174,8 @@ class Metrics:
         point = Sample(now, self.totals(), {r: c.done_documents for r, c in self.ranks.items()})
         self.recent.append(point)
         if not self.history or now - self.history[-1].at >= HISTORY_EVERY_S - 0.5:
-            self.history.append(point)
+            # The history shows totals only: a copy of every rank's count per point grew with each rank seen.
+            self.history.append(Sample(now, point.totals, {}))
 
     def documents_per_s(self, rank: int, window: tuple[Sample, Sample]) -> float | None:
         """The rank's documents done per second over the last minute (or since it became known)."""

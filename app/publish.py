@@ -99,7 +99,6 @@ class ChunkPublisher:
         self.layout = CheckpointsLayout(checkpoints_dir)
         check_output_filename(output_filename)
         self.names = OutputNames(output_filename)
-        self.published: list[str] = []
         self._chunks: dict[str, tuple[int, int]] = {}
         self._fs: Any = None
         if is_remote(self.output):
@@ -195,7 +194,6 @@ class ChunkPublisher:
                 self._fs.pipe_file(f"{self._root.rstrip('/')}/{name}", data, **self._put_options)
             else:
                 atomic_write_bytes(os.path.join(self.output, name), data, sole_writer=True)
-            self.published.append(name)
         self._chunks.pop(name, None)
 
     def _render(self, chunk_file: str, name: str) -> bytes | None:

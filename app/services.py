@@ -9,7 +9,7 @@ import logging
 import sqlite3
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +33,31 @@ logger = logging.getLogger(__name__)
 CacheKey = tuple[int, str, int, str]
 
 
+class RankLocks:
+    """A lock per rank, kept only while a task holds or awaits it: a proxy serving thousands of ranks over
+    its life (a job of as many tasks) keeps none for those it is done with."""
+
+    def __init__(self) -> None:
+        self._locks: dict[int, tuple[asyncio.Lock, int]] = {}  # rank -> (lock, tasks holding or awaiting it)
+
+    def __len__(self) -> int:
+        return len(self._locks)
+
+    @contextlib.asynccontextmanager
+    async def hold(self, rank: int) -> AsyncIterator[None]:
+        lock, users = self._locks.get(rank) or (asyncio.Lock(), 0)
+        self._locks[rank] = (lock, users + 1)
+        try:
+            async with lock:
+                yield
+        finally:
+            users = self._locks[rank][1] - 1
+            if users:
+                self._locks[rank] = (lock, users)
+            else:
+                del self._locks[rank]
+
+
 class CacheRegistry:
     """One `RequestCache` per rank this proxy owns, opened on first use: `<checkpoints_dir>/<rank:05d>/replay.sqlite3`.
 
@@ -45,7 +70,7 @@ class CacheRegistry:
         self.ownership = ownership
         self.flush_interval_ms = flush_interval_ms
         self._caches: dict[int, RequestCache] = {}
-        self._opening: dict[int, asyncio.Lock] = {}
+        self._opening = RankLocks()
         #: claims a rank before its cache opens; `CheckpointRegistry` makes room under `max_open_ranks` first
         self.admit: Callable[[int], Awaitable[None]] = self._claim
 
@@ -56,8 +81,7 @@ class CacheRegistry:
         cache = self._caches.get(rank)
         if cache is not None:
             return cache
-        lock = self._opening.setdefault(rank, asyncio.Lock())
-        async with lock:
+        async with self._opening.hold(rank):
             cache = self._caches.get(rank)
             if cache is None:
                 claimed = not self.ownership.owns(rank)
@@ -76,9 +100,9 @@ class CacheRegistry:
                 self._caches[rank] = cache
         return cache
 
-    def opening(self, rank: int) -> asyncio.Lock:
+    def opening(self, rank: int) -> contextlib.AbstractAsyncContextManager[None]:
         """The lock under which the rank's cache is opened (and closed when the rank is released)."""
-        return self._opening.setdefault(rank, asyncio.Lock())
+        return self._opening.hold(rank)
 
     def opened_cache(self, rank: int) -> RequestCache | None:
         """The rank's cache if it is open already: the hot path's lookup, without an await."""
@@ -158,6 +182,11 @@ class RankActivity:
     def idle(self, rank: int, idle_s: float) -> bool:
         return not self.in_flight[rank] and time.monotonic() - self.last_used.get(rank, 0.0) >= idle_s
 
+    def forget_all_but(self, ranks: Collection[int]) -> None:
+        """Forget every rank not in `ranks` and not in use: those the proxy has given up (finished, or released)."""
+        for rank in [r for r in self.last_used if r not in ranks and not self.in_flight[r]]:
+            del self.last_used[rank]
+
 
 #: Idle ranks closed, at most, to open one rank when file descriptors run short (each frees ~7).
 FILES_EVICTIONS = 2
@@ -190,7 +219,7 @@ class CheckpointRegistry:
         self.layout = CheckpointsLayout(self.root)
         self.publisher = ChunkPublisher(settings.output, self.root, settings.output_filename)
         self._managers: dict[int, CheckpointManager] = {}
-        self._opening: dict[int, asyncio.Lock] = {}
+        self._opening = RankLocks()
         self._admitting = asyncio.Lock()
         caches.admit = self.admit
 
@@ -238,8 +267,7 @@ class CheckpointRegistry:
         manager = self._managers.get(rank)
         if manager is not None:
             return manager
-        lock = self._opening.setdefault(rank, asyncio.Lock())
-        async with lock:
+        async with self._opening.hold(rank):
             manager = self._managers.get(rank)
             if manager is None:
                 claimed = not self.ownership.owns(rank)
@@ -317,6 +345,8 @@ class CheckpointRegistry:
         for rank in self.ownership.owned():
             if self.activity.idle(rank, idle_s) and await self._release(rank, lambda r: self.activity.idle(r, idle_s)):
                 released.append(rank)
+        # Finished ranks too: released by their last chunk, then stamped as that request ended.
+        self.activity.forget_all_but(set(self.ownership.owned()))
         return released
 
     async def _release(self, rank: int, still_idle: Callable[[int], bool]) -> bool:
@@ -330,8 +360,7 @@ class CheckpointRegistry:
         manager = self._managers.get(rank)
         if manager is not None and manager.busy():
             return False
-        lock = self._opening.setdefault(rank, asyncio.Lock())
-        async with lock, self.caches.opening(rank):
+        async with self._opening.hold(rank), self.caches.opening(rank):
             if not still_idle(rank) or not self.ownership.owns(rank):
                 return False
             manager = self._managers.pop(rank, None)

@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.client import run_job
 from app.documents import DocumentLike
 from app.fake_upstream import FakeUpstream
+from app.metrics import HISTORY_EVERY_S, HISTORY_POINTS, Metrics
 from app.settings import Settings
 from tests.factories import chat_request, doc_headers
 from tests.servers import fake_upstream, serve_in_loop, serve_proxy
@@ -260,6 +261,19 @@ async def read_stream(client: httpx.AsyncClient, body: dict[str, Any]) -> None:
     async with client.stream("POST", "/v1/chat/completions", json=body, headers=doc_headers()) as answer:
         async for _ in answer.aiter_bytes():
             pass
+
+
+def test_the_history_of_a_proxy_that_has_seen_thousands_of_ranks_keeps_totals_only() -> None:
+    """A proxy lives through thousands of ranks (a job's tasks); an hour of history is HISTORY_POINTS samples,
+    and each held every rank's count (bench/soak.py: tens of MiB after an hour of a new rank a second)."""
+    metrics = Metrics()
+    for rank in range(5000):
+        metrics.rank(rank).done_documents = rank
+    for point in range(HISTORY_POINTS):
+        metrics.sample(now=point * HISTORY_EVERY_S)
+    assert len(metrics.history) == HISTORY_POINTS
+    assert all(point.done == {} for point in metrics.history)
+    assert metrics.history[-1].totals == metrics.totals()
 
 
 def test_the_json_log_format_is_one_object_per_line(tmp_path: Path) -> None:

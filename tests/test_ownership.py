@@ -18,9 +18,10 @@ from app.checkpointing import CheckpointManager
 from app.client import ProxyJob, RankOwnedElsewhere
 from app.errors import RankOwned
 from app.layout import CheckpointsLayout
+from app.main import create_app
 from app.ownership import RankOwnership
 from tests.factories import completion_request
-from tests.servers import fake_upstream, proxy_client
+from tests.servers import fake_upstream, proxy_client, serve_in_loop
 from tests.test_checkpoint_service import config, doc, post
 
 # Under both servers: the app must behave the same under the built-in one and under uvicorn.
@@ -122,6 +123,31 @@ async def test_an_idle_rank_is_released_for_another_proxy_and_a_busy_one_is_not(
             assert (await first.get("/stats")).json()["owned_ranks"] == []
             again = await second.post("/v1/completions", json=completion_request(), headers={"X-Doc-Id": "b"})
             assert again.headers["x-cache"] == "HIT"  # the cache moved with the rank
+
+
+async def test_ranks_finished_or_released_leave_nothing_of_them_in_the_proxy(tmp_path: Path) -> None:
+    """A proxy may serve a job of thousands of tasks over its life, a rank each (bench/soak.py runs a new
+    one every second for an hour): what it keeps per rank must go with the rank, or it grows without end."""
+    async with fake_upstream() as (url, _):
+        app = create_app(config(tmp_path, url, rank_idle_s=0.05))
+        async with serve_in_loop(app) as proxy, httpx.AsyncClient(base_url=proxy, timeout=30) as client:
+            for rank in range(1, 11):  # a whole job each: a generation, its document, its last chunk completed
+                headers = {"X-Rank": str(rank), "X-Doc-Id": f"d{rank}", "X-Chunk-Index": "0"}
+                answer = await client.post("/v1/completions", json=completion_request(), headers=headers)
+                assert answer.status_code == 200
+                assert (await post(client, doc(f"d{rank}"), rank=rank)).status_code == 200
+                assert (await client.post("/chunks/0/complete", headers={"X-Rank": str(rank)})).status_code == 200
+            for rank in range(11, 21):  # used once, then released once idle
+                assert (await client.get("/resume", headers={"X-Rank": str(rank)})).status_code == 200
+            services = app.services
+            assert services is not None
+            for _ in range(200):  # the janitor's rounds, every rank_idle_s / 4
+                if not services.caches.ownership.owned() and not services.activity.last_used:
+                    break
+                await asyncio.sleep(0.05)
+            assert services.caches.ownership.owned() == []
+            assert services.activity.last_used == {}
+            assert len(services.caches._opening) == len(services.checkpoints._opening) == 0
 
 
 async def test_the_job_client_waits_for_a_rank_owned_elsewhere_until_it_is_released(tmp_path: Path) -> None:

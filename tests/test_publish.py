@@ -142,6 +142,17 @@ async def test_the_publisher_lists_what_it_published(tmp_path: Path, template: s
         assert writer.last_published_chunk(1) == -1
 
 
+async def test_the_publisher_keeps_nothing_of_the_chunks_it_has_published(tmp_path: Path) -> None:
+    """One publisher serves a proxy for its whole life: thousands of chunks an hour in bench/soak.py."""
+    cm = manager(tmp_path / "ckpt", 2)
+    with ChunkPublisher(str(tmp_path / "out"), str(tmp_path / "ckpt")) as writer:
+        for position, doc in enumerate(documents(20)):
+            await cm.write_document(doc, 0, position // 2, writer)
+        assert len(os.listdir(tmp_path / "out")) == 10
+        held = {name: value for name, value in vars(writer).items() if isinstance(value, list | dict | set) and value}
+        assert held == {}
+
+
 def test_an_s3_chunk_is_uploaded_with_one_put_up_to_five_gib(tmp_path: Path) -> None:
     """s3fs turns a pipe_file of 100 MiB or more into a multipart upload unless told otherwise."""
     publisher = ChunkPublisher("s3://bucket/run", str(tmp_path))
