@@ -131,10 +131,8 @@ class FakeUpstream:
 
     async def tokens(self, path: str, raw: bytes, send: Send) -> None:
         """vLLM's `/tokenize` and `/detokenize`, one token per word (its id: the word's place in `WORDS`, or 0)."""
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            await send_bytes(send, 400, JSON, vllm_error(f"Invalid JSON body: {exc}", "BadRequestError", 400))
+        body = await json_object(raw, send)
+        if body is None:
             return
         if path == "/detokenize":
             words = [WORDS[t] if isinstance(t, int) and 0 <= t < len(WORDS) else "?" for t in body.get("tokens", [])]
@@ -158,13 +156,8 @@ class FakeUpstream:
         return orjson.dumps({"object": "list", "data": [card]})
 
     async def generate(self, path: str, raw: bytes, send: Send) -> None:
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as exc:
-            await send_bytes(send, 400, JSON, vllm_error(f"Invalid JSON body: {exc}", "BadRequestError", 400))
-            return
-        if not isinstance(body, dict):
-            await send_bytes(send, 400, JSON, vllm_error("The body must be a JSON object", "BadRequestError", 400))
+        body = await json_object(raw, send)
+        if body is None:
             return
         fault = body.get("fake_upstream") or {}
         await asyncio.sleep(float(fault.get("latency_ms", self.latency * 1000)) / 1000.0)
@@ -309,6 +302,19 @@ class FakeUpstream:
             "usage": {**self.usage(body, 0), "completion_tokens": 0},
         }
         return orjson.dumps(answer)
+
+
+async def json_object(raw: bytes, send: Send) -> dict[str, Any] | None:
+    """The request body as a JSON object, or None once vLLM's 400 for it is sent."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        await send_bytes(send, 400, JSON, vllm_error(f"Invalid JSON body: {exc}", "BadRequestError", 400))
+        return None
+    if not isinstance(body, dict):
+        await send_bytes(send, 400, JSON, vllm_error("The body must be a JSON object", "BadRequestError", 400))
+        return None
+    return body
 
 
 def error_type(status: int) -> str:

@@ -123,7 +123,8 @@ async def cacheable(services: Services, scope: Scope, receive: Receive, send: Se
         found = lookup(services, scope["headers"], body)
     key = found.key
     if key.doc_id is None:
-        await forward(services, scope, receive, send, key, found.digest, found.body, b"BYPASS", cache=None)
+        forwarding = forward(services, scope, receive, send, key, found.digest, found.body, b"BYPASS", cache=None)
+        await kept_by_nobody(receive, found.body, forwarding)
         return
     with services.activity.using(key.rank):
         if not found.looked:
@@ -167,7 +168,8 @@ async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive
         services.flights[flight_key] = future
     answer: StoredResponse | None = None
     try:
-        answer = await forward(services, scope, receive, send, key, digest, body, state, cache=cache)
+        forwarding = forward(services, scope, receive, send, key, digest, body, state, cache=cache)
+        answer = await (kept_by_nobody(receive, body, forwarding) if key.no_store else forwarding)
     finally:
         if services.flights.get(flight_key) is future:
             del services.flights[flight_key]
@@ -178,25 +180,13 @@ async def send_answer(send: Send, answer: Answer) -> None:
     await send_bytes(send, answer.status, answer.headers, answer.body)
 
 
-async def forward(
-    services: Services,
-    scope: Scope,
-    receive: Receive,
-    send: Send,
-    key: RequestKey,
-    digest: str,
-    body: bytes,
-    state: bytes,
-    *,
-    cache: RequestCache | None,
-) -> StoredResponse | None:
-    """`forward_answer`, stopped when the client leaves if nobody else would have the answer: a
-    non-streamed one that is not stored (no `X-Doc-Id`, or `no-store`). A stream stops by itself
-    (`stream_through`); a stored answer is awaited for the client's retry and for followers."""
-    if (cache is None or key.no_store) and not _streamed(body):
-        args = (services, scope, receive, send, key, digest, body, state)
-        return await until_client_leaves(receive, forward_answer(*args, cache=cache))
-    return await forward_answer(services, scope, receive, send, key, digest, body, state, cache=cache)
+async def kept_by_nobody(receive: Receive, body: bytes, forwarding: Coroutine[Any, Any, T]) -> T | None:
+    """A forwarding whose answer is not stored (no `X-Doc-Id`, or `no-store`), stopped when its client
+    leaves, as the upstream itself would stop it; a stream stops so by itself (`stream_through`). A
+    stored answer is awaited whatever the client does: for its retry, and for the followers."""
+    if _streamed(body):
+        return await forwarding
+    return await until_client_leaves(receive, forwarding)
 
 
 def _streamed(body: bytes) -> bool:
@@ -205,7 +195,7 @@ def _streamed(body: bytes) -> bool:
     return b'"stream"' in body and orjson.loads(body).get("stream") not in (None, False)
 
 
-async def forward_answer(
+async def forward(
     services: Services,
     scope: Scope,
     receive: Receive,
