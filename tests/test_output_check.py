@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -104,12 +105,15 @@ def test_serve_refuses_an_output_that_takes_no_file_in_one_line_and_creates_noth
 def test_the_replicas_example_config_without_s3fs_ends_in_one_line_naming_what_to_install() -> None:
     # configs/replicas.toml publishes to s3://; s3fs is hidden from the process as if it were not installed.
     without_s3fs = "import sys; sys.modules['s3fs'] = None; from app.cli import main; sys.exit(main(sys.argv[1:]))"
+    # The file's output, not the tests' default one (tests/conftest.py): the environment would win.
+    env = {name: value for name, value in os.environ.items() if name != "INFERPROXY_OUTPUT"}
     done = subprocess.run(
         [sys.executable, "-c", without_s3fs, "serve", "--config", "configs/replicas.toml"],
         cwd=Path(__file__).parent.parent,
         capture_output=True,
         text=True,
         timeout=60,
+        env=env,
     )
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == (
