@@ -498,7 +498,8 @@ def quantile(values: list[float], q: float) -> float | None:
 async def run(args: argparse.Namespace, proxy_pid: int, upstream_pid: int, proxy: str) -> dict[str, Any]:
     """The load and the samples: `{"samples": [...], "probes": [(t, rss KiB, fds, threads), ...], "totals": {...}}`."""
     load = Load(proxy, args.records_per_chunk, args.seed)
-    kinds, weights = list(MIX), list(MIX.values())
+    mix = MIX if args.tasks else {**MIX, "task": 0.0}
+    kinds, weights = list(mix), list(mix.values())
     in_flight: set[asyncio.Task[None]] = set()
     samples: list[dict[str, Any]] = []
     probes: list[Probe] = []
@@ -769,6 +770,8 @@ def cell(latency: dict[str, Any]) -> str:
 
 def report(args: argparse.Namespace, result: dict[str, Any], judged: dict[str, Any]) -> str:
     proxy_log = result["proxy_log"]
+    per_s = args.rate * MIX["task"] / sum(MIX.values())
+    tasks = f"a new rank (`task`) {per_s:.1f} times a second" if vars(args).get("tasks", True) else "no new ranks"
     loads = [s["load_avg_1m"] for s in result["samples"]]
     pressures = [s["cpu_pressure"] for s in result["samples"] if s.get("cpu_pressure") is not None]
     pressure = f", CPU pressure {min(pressures):.0%} to {max(pressures):.0%}" if pressures else ""
@@ -776,7 +779,7 @@ def report(args: argparse.Namespace, result: dict[str, Any], judged: dict[str, A
         f"{result.get('date', '')}, Python {platform.python_version()}, {os.cpu_count()} cores,"
         f" {'--long' if args.long else 'short'} mode: {args.duration:.0f} s at {args.rate:g} operations/s"
         f" ({args.warmup:.0f} s warm-up), a sample every {args.interval:g} s, rank_idle_s {args.rank_idle_s:g},"
-        f" records_per_chunk {args.records_per_chunk}. The machine: 1-minute load average {min(loads):.1f} to"
+        f" records_per_chunk {args.records_per_chunk}, {tasks}. The machine: 1-minute load average {min(loads):.1f} to"
         f" {max(loads):.1f}{pressure} (PSI: the share of time some task waited for a CPU)",
         "",
         "| t (s) | req/s | RSS / anon MiB | fds | threads | proxy CPU % | "
@@ -889,6 +892,12 @@ def main() -> None:
     parser.add_argument("--records-per-chunk", type=int, default=40)
     parser.add_argument("--upstream-latency-ms", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--tasks",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="short jobs on new ranks (`task`); without them the proxy sees the 4 ranks only",
+    )
     parser.add_argument("--json", type=Path, help="write the samples and the verdict here")
     parser.add_argument("--keep", action="store_true", help="keep the data directory (checkpoints, output, proxy log)")
     parser.add_argument(
