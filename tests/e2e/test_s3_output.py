@@ -142,7 +142,9 @@ def job(proxy: str, documents: list[dict[str, Any]] = DOCS) -> Any:
 
 
 def ids_by_file(objects: dict[str, bytes]) -> dict[str, list[str]]:
-    return {key: [orjson.loads(line)["id"] for line in data.splitlines()] for key, data in objects.items()}
+    """Each object's document ids, sorted: a job writes a chunk's documents as their generations finish,
+    in whatever order that is (64 in flight)."""
+    return {key: sorted(orjson.loads(line)["id"] for line in data.splitlines()) for key, data in objects.items()}
 
 
 def test_every_chunk_lands_whole_with_one_put_and_a_rerun_uploads_nothing(
