@@ -94,21 +94,30 @@ def test_an_engine_dying_mid_stream_is_passed_on_as_vllms_error_event_and_never_
 
 
 def test_a_client_leaving_mid_stream_stops_vllms_generation_and_nothing_is_stored(proxy: Proxy, vllm: VLLM) -> None:
-    body = chat_body("left behind", **LONG_STREAM)
-    tokens = vllm.metric("vllm:generation_tokens_total")
-    with httpx.stream(
-        "POST", proxy.url + "/v1/chat/completions", json=body, headers=keyed("left"), timeout=120
-    ) as answer:
-        assert answer.headers["X-Cache"] == "MISS"
-        next(answer.iter_raw())
-    deadline = time.monotonic() + 60
-    while vllm.metric("vllm:num_requests_running") and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert vllm.metric("vllm:num_requests_running") == 0
-    # vLLM's own count: the proxy aborted the generation (which vLLM counts in no finished request)
-    assert vllm.metric("vllm:generation_tokens_total") - tokens < LONG_TOKENS
-    lookup = httpx.post(proxy.url + "/lookup", json=[{"doc_id": "left", "body": body}], headers={"X-Rank": "0"})
-    assert lookup.json() == [None]
+    """vLLM on these cores makes ~1 token a millisecond: a whole 4k-token generation may end before the
+    cancel reaches its engine. Up to three tries (new documents): one generation stopped short shows that
+    the proxy lets the upstream go; every try's answer must be left unstored."""
+    stopped = []
+    for attempt in range(3):
+        doc_id = f"left-{attempt}"
+        body = chat_body("left behind", **LONG_STREAM)
+        tokens = vllm.metric("vllm:generation_tokens_total")
+        with httpx.stream(
+            "POST", proxy.url + "/v1/chat/completions", json=body, headers=keyed(doc_id), timeout=120
+        ) as answer:
+            assert answer.headers["X-Cache"] == "MISS"
+            next(answer.iter_raw())
+        deadline = time.monotonic() + 60
+        while vllm.metric("vllm:num_requests_running") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert vllm.metric("vllm:num_requests_running") == 0
+        lookup = httpx.post(proxy.url + "/lookup", json=[{"doc_id": doc_id, "body": body}], headers={"X-Rank": "0"})
+        assert lookup.json() == [None]
+        # vLLM's own count: the proxy aborted the generation (which vLLM counts in no finished request)
+        stopped.append(vllm.metric("vllm:generation_tokens_total") - tokens)
+        if stopped[-1] < LONG_TOKENS:
+            break
+    assert stopped[-1] < LONG_TOKENS, f"tokens generated per try: {stopped}, of {LONG_TOKENS}"
 
 
 N_DOCS, ROLLOUTS, CONCURRENCY = 60, 2, 8
