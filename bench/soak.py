@@ -496,7 +496,7 @@ def quantile(values: list[float], q: float) -> float | None:
 
 
 async def run(args: argparse.Namespace, proxy_pid: int, upstream_pid: int, proxy: str) -> dict[str, Any]:
-    """The load and the samples: `{"samples": [...], "probes": [(t, rss KiB, fds, threads), ...], "totals": {...}}`."""
+    """The load and the samples: `{"samples": [...], "probes": [Probe, ...], "totals": {...}}`."""
     load = Load(proxy, args.records_per_chunk, args.seed)
     mix = MIX if args.tasks else {**MIX, "task": 0.0}
     kinds, weights = list(mix), list(mix.values())
