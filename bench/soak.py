@@ -496,7 +496,7 @@ def quantile(values: list[float], q: float) -> float | None:
 
 
 async def run(args: argparse.Namespace, proxy_pid: int, upstream_pid: int, proxy: str) -> dict[str, Any]:
-    """The load and the samples: `{"samples": [...], "probes": [(t, rss KiB, fds, threads), ...], "totals": {...}}`."""
+    """The load and the samples: `{"samples": [...], "probes": [Probe, ...], "totals": {...}}`."""
     load = Load(proxy, args.records_per_chunk, args.seed)
     mix = MIX if args.tasks else {**MIX, "task": 0.0}
     kinds, weights = list(mix), list(mix.values())
@@ -631,6 +631,10 @@ def ms(seconds: float | None) -> float | None:
 #: Descriptors move with the ranks open and the connections in use at the moment (~7 a rank), hence
 #: their wider margin.
 FIT_RISE = 0.01
+#: Memory is judged only when this much of the run follows the warm-up: a fresh proxy's private memory
+#: climbs for ~20 minutes under this load, even with no rank but the four (bench/README.md, "Soak"),
+#: so a shorter run shows that climb, not a leak.
+MEMORY_JUDGED_FROM_S = 1800.0
 FIT_RISE_FDS = 2.0
 LAST_ABOVE = 0.05
 LAST_ABOVE_FDS = 0.10
@@ -733,8 +737,10 @@ def verdict(result: dict[str, Any], warmup: float) -> dict[str, Any]:
     errors = sum(sum(s["errors"].values()) for s in result["samples"])
     unexpected = sum(sum(s["unexpected"].values()) for s in result["samples"])
     shed = sum(s["shed"] for s in result["samples"])
+    memory["judged"] = probes[-1].t - probes[0].t >= MEMORY_JUDGED_FROM_S
+    descriptors["judged"] = True
     ok = (
-        memory["flat"]
+        (memory["flat"] or not memory["judged"])
         and descriptors["flat"]
         and not any(v.get("drift") for v in latency.values())
         and errors == 0
@@ -754,6 +760,12 @@ def verdict(result: dict[str, Any], warmup: float) -> dict[str, Any]:
 # -- the report -----------------------------------------------------------------------------
 
 TABLE_KINDS = ("hit", "miss", "stream", "document")
+
+
+def judgement(resource: dict[str, Any]) -> str:
+    if not resource["judged"]:
+        return f"not judged in a run this short (under {MEMORY_JUDGED_FROM_S / 60:.0f} minutes after the warm-up)"
+    return "flat" if resource["flat"] else "NOT FLAT"
 
 
 def thinned(samples: list[dict[str, Any]], rows: int = TABLE_ROWS) -> list[dict[str, Any]]:
@@ -819,7 +831,7 @@ def report(args: argparse.Namespace, result: dict[str, Any], judged: dict[str, A
     for resource in (judged["memory"], judged["descriptors"]):
         unit = f" {resource['unit']}" if resource["unit"] else ""
         lines.append(
-            f"- **{resource['name']}: {'flat' if resource['flat'] else 'NOT FLAT'}**. First sample after the"
+            f"- **{resource['name']}: {judgement(resource)}**. First sample after the"
             f" warm-up {resource['first']:.1f}{unit}, last {resource['last']:.1f}{unit} ({resource['change']:+.1%},"
             f" limit +{resource['above_limit']:.0%}); second half: least-squares slope"
             f" {resource['slope_per_h']:+.2f}{unit}/h, a rise of {resource['fit_rise']:+.2f}{unit} over its"
@@ -849,7 +861,8 @@ def report(args: argparse.Namespace, result: dict[str, Any], judged: dict[str, A
         f" {totals.get('disconnect', 0):,} streams dropped mid-way by the client, {totals.get('forward', 0):,}"
         f" forwarded requests; hit ratio {last['hit_ratio']}."
     )
-    lines.append(f"- **Verdict: {'flat, no drift' if judged['ok'] else 'FAILED'}**.")
+    passed = "flat, no drift" if judged["memory"]["judged"] else "descriptors flat, no drift (memory not judged)"
+    lines.append(f"- **Verdict: {passed if judged['ok'] else 'FAILED'}**.")
     examples = [e for s in result["samples"] for e in s["examples"]][:10]
     if examples:
         lines += ["", "First errors and surprises:", ""] + [f"- {e}" for e in examples]
