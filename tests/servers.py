@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -95,6 +96,20 @@ def wait_for_http(url: str, timeout: float = 20.0) -> None:
             pass
         time.sleep(0.05)
     raise TimeoutError(f"{url} did not answer within {timeout} s")
+
+
+def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """`inferproxy ARGS...` run to its end, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def serve_once(checkpoints: str | Path, output: str | Path) -> subprocess.CompletedProcess[str]:
+    """`inferproxy serve` on `checkpoints` and `output`, for a test of how it refuses to start."""
+    return run_cli(
+        "serve", "--upstream=http://127.0.0.1:9", "--port=0", f"--checkpoints-dir={checkpoints}", f"--output={output}"
+    )
 
 
 @contextlib.contextmanager

@@ -157,13 +157,15 @@ async def test_disk_full_gets_507_writes_nothing_and_the_next_write_succeeds(
     assert (await post(client, [doc("b"), doc("c")])).json()["written"] == 2
 
 
+def disk_full(path: str, data: bytes, **options: Any) -> None:
+    """`atomic_write_bytes` on a full disk."""
+    raise OSError(errno.ENOSPC, "No space left on device", path)
+
+
 async def test_a_full_output_disk_gets_507_keeps_the_documents_and_publishes_once_space_returns(
     client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def full(path: str, data: bytes, **options: Any) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device", path)
-
-    monkeypatch.setattr(app.publish, "atomic_write_bytes", full)
+    monkeypatch.setattr(app.publish, "atomic_write_bytes", disk_full)
     answer = await post(client, [doc("a"), doc("b"), doc("c")])
     assert answer.status_code == 507
     assert "the documents are stored" in answer.json()["error"]["message"]
@@ -178,10 +180,7 @@ async def test_a_full_output_disk_gets_507_keeps_the_documents_and_publishes_onc
 async def test_a_full_disk_refusing_last_chunk_after_the_append_says_the_documents_are_stored_and_a_retry_records_it(
     client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def full(path: str, data: bytes, **options: Any) -> None:
-        raise OSError(errno.ENOSPC, "No space left on device", path)
-
-    monkeypatch.setattr(app.checkpointing, "atomic_write_bytes", full)
+    monkeypatch.setattr(app.checkpointing, "atomic_write_bytes", disk_full)
     answer = await post(client, [doc("a"), doc("b"), doc("c")])
     message = answer.json()["error"]["message"]
     assert answer.status_code == 507

@@ -9,6 +9,7 @@ import pytest
 
 from app.cli import build_parser, flag_name
 from app.settings import Settings
+from tests.servers import serve_once
 
 
 def subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -93,8 +94,6 @@ def test_fake_upstream_on_a_busy_port_fails_in_one_line_without_its_banner(
 
 def test_fake_upstream_prints_its_banner_once_listening_with_the_port_it_took() -> None:
     import re
-    import subprocess
-    import sys
     import urllib.request
 
     proc = subprocess.Popen(
@@ -118,8 +117,6 @@ def test_fake_upstream_prints_its_banner_once_listening_with_the_port_it_took() 
 
 def test_demo_against_an_upstream_that_does_not_answer_says_so_in_one_line(tmp_path: Path) -> None:
     import socket
-    import subprocess
-    import sys
 
     with socket.socket() as probe:  # a port nothing listens on
         probe.bind(("127.0.0.1", 0))
@@ -143,21 +140,7 @@ def test_serve_on_a_checkpoints_dir_whose_meta_file_is_a_link_refuses_in_one_lin
     checkpoints.mkdir()
     (tmp_path / "elsewhere.json").write_text('{"records_per_chunk": 6000}')
     (checkpoints / "checkpoint_meta.json").symlink_to(tmp_path / "elsewhere.json")
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "serve",
-            "--upstream=http://127.0.0.1:9",
-            "--port=0",
-            f"--checkpoints-dir={checkpoints}",
-            f"--output={tmp_path / 'out'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = serve_once(checkpoints, tmp_path / "out")
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr.startswith(
         f"inferproxy serve: {checkpoints / 'checkpoint_meta.json'} is a symbolic link, not a regular file: "

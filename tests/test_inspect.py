@@ -6,8 +6,6 @@ import errno
 import os
 import shutil
 import stat
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +28,7 @@ from tests.factories import (
     open_cache,
     write_chunk_file,
 )
+from tests.servers import run_cli
 
 RPC = 3
 TORN = b'{"text":"text of z","id":"z'
@@ -267,9 +266,7 @@ async def test_cache_entries_are_read_from_the_wal_with_or_without_its_index_wri
     def entries() -> int | None:
         # In another process, as the command runs: SQLite shares one WAL index per file within a process.
         before = dir_snapshot(root)
-        done = subprocess.run(
-            [sys.executable, "-m", "app.cli", "inspect", str(root), "--json"], capture_output=True, timeout=60
-        )
+        done = run_cli("inspect", str(root), "--json")
         assert dir_snapshot(root) == before
         entries: int | None = orjson.loads(done.stdout)["ranks"][0]["cache"]["entries"]
         return entries

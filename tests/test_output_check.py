@@ -16,6 +16,7 @@ import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
 from app.output_check import OutputError, check_output, redact_url, scrub
+from tests.servers import serve_once
 
 
 class _BlockedFS(MemoryFileSystem):
@@ -81,21 +82,7 @@ def test_a_local_output_check_leaves_no_file_in_an_existing_folder(tmp_path: Pat
 def test_serve_refuses_an_output_that_takes_no_file_in_one_line_and_creates_nothing(tmp_path: Path, under: str) -> None:
     (tmp_path / "file").write_text("x")
     output = f"{under if under.startswith('/') else tmp_path / under}/out"
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "serve",
-            "--upstream=http://127.0.0.1:9",
-            "--port=0",
-            f"--checkpoints-dir={tmp_path / 'ckpt'}",
-            f"--output={output}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = serve_once(tmp_path / "ckpt", output)
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1
     assert done.stderr.startswith(f"inferproxy serve: --output {output}: ")
