@@ -16,8 +16,7 @@ Measured in one run:
   RSS (VmHWM); datatrove's `parse_existing_checkpoints` in-process at 100k for comparison;
 - cache: rank-0 cache files of 10k, 1M and 10M answers (written straight into SQLite): start to
   first `/resume` and peak RSS as above, and the CPU per cache hit in-process (`profile_hit.py`'s
-  harness) and per lookup, for three ways of picking the documents (`hit_documents`), and as a
-  baseline a random read of the memory-mapped file.
+  harness) and per lookup, for three ways of picking the documents (`hit_documents`).
 The data goes under the current directory (10M answers take ~2.7 GB).
 """
 
@@ -26,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import mmap
 import os
 import platform
 import random
@@ -278,21 +276,6 @@ def _lookups(cache: Any, docs: list[int], digest: str) -> float:
     return best
 
 
-def random_read_cost(path: Path, reads: int = HIT_DOCUMENTS) -> float:
-    """The baseline: CPU µs to read 300 bytes at a random place of the memory-mapped file, the best of three
-    passes over the same places: what any store pays to reach an answer in a file that size."""
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-        rng = random.Random(0)
-        places = [rng.randrange(len(mapped) - 300) for _ in range(reads)]
-        best = float("inf")
-        for _ in range(3):
-            start = time.process_time()
-            for place in places:
-                mapped[place : place + 300]
-            best = min(best, (time.process_time() - start) / reads * 1e6)
-    return best
-
-
 def hit_request(doc: int) -> bytes:
     return (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:8080\r\nContent-Type: application/json\r\n"
@@ -442,7 +425,7 @@ def cache_resumes_and_hits(data: Path, answers: list[int], hit_entries: list[int
                 + " | ".join(f"{costs[p][0]:.2f}" for p in PATTERNS)
                 + " | "
                 + " | ".join(f"{costs[p][1]:.2f}" for p in PATTERNS)
-                + f" | {random_read_cost(where / '00000' / DB_FILENAME):.2f} |"
+                + " |"
             )
         shutil.rmtree(where)
     return "\n".join(resumes) + "\n\n" + "\n".join(hits) + "\n"
