@@ -279,7 +279,7 @@ class CheckpointRegistry:
                         manager = CheckpointManager(
                             self.root, self.settings.records_per_chunk, request_cache=cache, fsync=self.settings.fsync
                         )
-                        await manager.parse_existing_checkpoints(rank, self.publisher)
+                        await manager.restore(rank, self.publisher)
                     except Exception:
                         if claimed and self.caches.opened_cache(rank) is None:
                             self.ownership.release(rank)  # nothing of the rank is open
