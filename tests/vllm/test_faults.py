@@ -1,5 +1,6 @@
 """Faults with a real vLLM behind the proxy: vLLM killed mid-stream, its engine dying mid-stream (vLLM's
-error event), a client leaving mid-stream, a job killed mid-run. Nothing partial or failed is stored; what was paid for is kept."""
+error event), a client leaving mid-stream, a job killed mid-run. Nothing partial or failed is stored;
+what was paid for is kept."""
 
 from __future__ import annotations
 
