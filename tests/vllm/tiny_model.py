@@ -8,8 +8,9 @@ takes head sizes 32, 64, 80, ... only. A word-level tokenizer, so that every tok
 
 24 layers, so that a step of vLLM's engine takes ~5 ms here, longer than its API server's work on the
 step's output. With 2 layers (~1 ms a step) the API server fell behind its engine and, once behind,
-sent nothing of a stream until the end of its generation: a client that left after the first event
-could not stop a generation that its server was not following.
+sent nothing of a stream for seconds, at times until the end of its generation: a kill or a client
+leaving after the first event came too late to stop it (`server.VLLM.yield_to_the_api_server` is the
+other half of the cure).
 """
 
 from __future__ import annotations
