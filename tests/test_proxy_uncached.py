@@ -1,5 +1,6 @@
-"""Answers nobody keeps (routes forwarded without caching, `forward_uncached`; a cacheable request without
-`X-Doc-Id` or with `no-store`): a client that leaves stops the upstream's work."""
+"""A client that leaves stops the upstream's work: on answers nobody keeps (routes forwarded without caching,
+`forward_uncached`; a cacheable request without `X-Doc-Id` or with `no-store`), and on a cached stream
+whose upstream is silent between two events."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import httpx
+import orjson
 import pytest
 
 from app.asgi import Receive, Scope, Send, lifespan_noop
@@ -20,8 +23,8 @@ pytestmark = pytest.mark.usefixtures("http_server")
 
 class SlowUpstream:
     """An upstream that generates slowly on `/v1/slow` (events every 50 ms for 20 s, or silence first with
-    `?silent` or on `/v1/chat/completions`, as a non-streamed generation) and records when it hears that
-    the proxy let its connection go."""
+    `?silent` or on `/v1/chat/completions`, as a non-streamed generation; on `/v1/completions`, silence for
+    20 s after the first event) and records when it hears that the proxy let its connection go."""
 
     def __init__(self) -> None:
         self.started = asyncio.Event()
@@ -51,7 +54,11 @@ class SlowUpstream:
                 if self.let_go.is_set():
                     return
                 await send({"type": "http.response.body", "body": b"data: %d\n\n" % n, "more_body": True})
-                await asyncio.sleep(0.05)
+                if n == 0 and scope["path"] == "/v1/completions":
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.let_go.wait(), 20)
+                else:
+                    await asyncio.sleep(0.05)
             await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
         finally:
             watcher.cancel()
@@ -122,3 +129,21 @@ async def test_a_client_that_leaves_a_non_streamed_answer_nobody_keeps_stops_the
     writer.close()
     async with asyncio.timeout(3):
         await upstream.let_go.wait()
+
+
+async def test_a_client_that_leaves_a_stream_while_the_upstream_is_silent_stops_the_upstream_at_once(
+    proxy: tuple[str, SlowUpstream],
+) -> None:
+    """vLLM's server may send nothing for seconds between two events (a CPU engine running ahead of it sends
+    the rest at its end): the upstream is let go when the client leaves, not when its next event comes."""
+    proxy_url, upstream = proxy
+    body = b'{"model": "m", "prompt": "hi", "stream": true}'
+    reader, writer = await open_request(proxy_url, "/v1/completions", body, "X-Doc-Id: left\r\n")
+    async with asyncio.timeout(5):
+        await reader.readuntil(b"data: 0")
+    writer.close()
+    async with asyncio.timeout(3):  # the upstream is silent for 20 s
+        await upstream.let_go.wait()
+    async with httpx.AsyncClient() as client:
+        lookup = await client.post(proxy_url + "/lookup", json=[{"doc_id": "left", "body": orjson.loads(body)}])
+    assert lookup.json() == [None]  # nothing stored

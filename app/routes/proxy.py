@@ -294,15 +294,24 @@ async def stream_through(
     upstream: UpstreamResponse, receive: Receive, send: Send, headers: Headers, limit: int
 ) -> bytes | None:
     """Pass an SSE answer on chunk by chunk; return all of it, or None if the client left or the
-    answer was over `limit` bytes (passed on whole all the same, but not kept to be stored)."""
+    answer was over `limit` bytes (passed on whole all the same, but not kept to be stored).
+
+    A client that leaves has the upstream's connection dropped at once, so that the generation stops:
+    not when the upstream's next chunk comes, which may be long (a prompt still in prefill, a request
+    queued behind others, an engine that runs ahead of its server and sends the rest at its end)."""
     await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
     gone = asyncio.ensure_future(_disconnected(receive))
+
+    def on_gone(task: asyncio.Future[None]) -> None:
+        if not task.cancelled():  # cancelled: the stream ended first
+            upstream.abort()
+
+    gone.add_done_callback(on_gone)
     pieces: list[bytes] = []
     size = 0
     try:
         async for chunk in upstream.iter_chunks():
             if gone.done():
-                upstream.abort()  # nobody is listening: stop the generation
                 return None
             size += len(chunk)
             if size <= limit:
@@ -311,6 +320,8 @@ async def stream_through(
                 pieces = []  # too large to store: stop holding it
             await send({"type": "http.response.body", "body": chunk, "more_body": True})
     except HTTPClientError as exc:
+        if gone.done():
+            return None  # the connection `on_gone` dropped
         # The upstream died mid-answer. The status line is gone already: end the
         # response without its terminating chunk so that the client sees a cut.
         logger.warning("the upstream stream broke off after %d bytes: %s", size, exc)

@@ -5,6 +5,12 @@ usage: python tiny_model.py DIR   (does nothing when DIR already holds the model
 Random weights generate nonsense, but real nonsense: vLLM runs the whole path (tokenizer, chat
 template, scheduler, sampler, detokenizer) as for any model. Two heads of 32: vLLM's CPU attention
 takes head sizes 32, 64, 80, ... only. A word-level tokenizer, so that every token is a whole word.
+
+24 layers, so that a step of vLLM's engine takes ~5 ms here, longer than its API server's work on the
+step's output. With 2 layers (~1 ms a step) the API server fell behind its engine and, once behind,
+sent nothing of a stream for seconds, at times until the end of its generation: a kill or a client
+leaving after the first event came too late to stop it (`server.VLLM.yield_to_the_api_server` is the
+other half of the cure).
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ def build(target: Path) -> None:
         vocab_size=tokenizer.get_vocab_size(),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=24,
         num_attention_heads=2,
         num_key_value_heads=2,
         max_position_embeddings=MAX_MODEL_LEN,
