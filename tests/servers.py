@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -113,20 +114,32 @@ def serve_once(checkpoints: str | Path, output: str | Path) -> subprocess.Comple
 
 
 @contextlib.contextmanager
-def process(*args: str, env: dict[str, str] | None = None, cwd: str | None = None) -> Iterator[subprocess.Popen[bytes]]:
-    """`inferproxy ARGS...` as a real process; killed at the end if still running."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", *args],
-        env={**os.environ, **(env or {})},
-        cwd=cwd,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    try:
-        yield proc
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait(timeout=10)
-        if proc.stderr is not None:
-            proc.stderr.close()
+def process(
+    *args: str, env: dict[str, str] | None = None, cwd: str | None = None, read_stderr: bool = False
+) -> Iterator[subprocess.Popen[bytes]]:
+    """`inferproxy ARGS...` as a real process; killed at the end if still running.
+
+    Its log goes to a file, shown if the test fails (a pipe nobody reads would stop the process once
+    64 KiB of log lines filled it); `read_stderr` gives the caller the pipe to read instead."""
+    with contextlib.ExitStack() as stack:
+        log = None if read_stderr else stack.enter_context(tempfile.TemporaryFile())
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", *args],
+            env={**os.environ, **(env or {})},
+            cwd=cwd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE if read_stderr else log,
+        )
+        try:
+            yield proc
+        except BaseException:
+            if log is not None:  # pytest shows what the test printed when it fails
+                log.seek(0)
+                print(f"inferproxy {' '.join(args)}: its log\n" + log.read()[-20_000:].decode(errors="replace"))
+            raise
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(timeout=10)
+            if proc.stderr is not None:
+                proc.stderr.close()

@@ -181,7 +181,7 @@ def test_a_second_sigint_cuts_the_requests_in_flight_and_exits_without_a_traceba
     upstream: Upstream, tmp_path: Path, http: str
 ) -> None:
     args, port = start_proxy(upstream.url, tmp_path, f"--http={http}", "--log-level=info")
-    with process(*args) as proc, concurrent.futures.ThreadPoolExecutor(1) as pool:
+    with process(*args, read_stderr=True) as proc, concurrent.futures.ThreadPoolExecutor(1) as pool:
         assert proc.stderr is not None
         proxy = Proxy(f"http://127.0.0.1:{port}", args, proc)
         wait_for_http(proxy.url + "/healthz")
