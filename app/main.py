@@ -302,9 +302,9 @@ class InferProxy:
                 caches=caches,
                 checkpoints=checkpoints,
                 activity=activity,
-                metrics=Metrics(enabled=settings.metrics),
+                metrics=Metrics(enabled=settings.metrics, max_tracked_ranks=settings.max_tracked_ranks),
             )
-            sampler = asyncio.create_task(sample_metrics(services.metrics), name="sample-metrics")
+            sampler = asyncio.create_task(sample_metrics(services), name="sample-metrics")
             stack.push_async_callback(cancel, sampler)
             if settings.rank_idle_s > 0:
                 janitor = asyncio.create_task(release_idle_ranks(services), name="release-idle-ranks")
@@ -338,10 +338,13 @@ async def release_idle_ranks(services: Services) -> None:
             logger.info("released ranks %s, unused for %g s: another proxy may take them over", released, idle_s)
 
 
-async def sample_metrics(metrics: Metrics) -> None:
-    """The totals every few seconds: the last minute's rates and the history in `/stats`."""
+async def sample_metrics(services: Services) -> None:
+    """The totals every few seconds: the last minute's rates and the history in `/stats`; and the ranks
+    counted one by one kept to `max_tracked_ranks`, the open ones first."""
+    metrics = services.metrics
     while True:
         metrics.sample()
+        metrics.forget_idle_ranks(keep=set(services.caches.ownership.owned()))
         await asyncio.sleep(SAMPLE_EVERY_S)
 
 

@@ -561,6 +561,7 @@ def summary(
     """One sample: the interval `span` seconds long ending at `t`."""
     mine = [p for p in probes if t - span < p.t <= t] or probes[-1:]
     totals = orjson.loads(stats)
+    forgotten = totals.get("forgotten", {})  # ranks past max_tracked_ranks, added up
     return {
         "t": round(t, 1),
         "requests_per_s": round(rec.requests / span, 1),
@@ -591,7 +592,9 @@ def summary(
             "in_flight": totals["in_flight"],
             "owned_ranks": totals["owned_ranks"],
             "ranks_listed": len(totals["ranks"]),
-            "chunks_published": sum(r.get("chunks_published", 0) for r in totals["ranks"]),
+            "ranks_forgotten": forgotten.get("ranks", 0),
+            "chunks_published": sum(r.get("chunks_published", 0) for r in totals["ranks"])
+            + forgotten.get("chunks_published", 0),
             "bytes": len(stats),
         },
     }
