@@ -39,6 +39,7 @@ from app.http.server import HTTPServer
 from app.layout import CheckpointsLayout
 from app.limits import max_connections
 from app.logs import RequestLog
+from app.memory import release_free_memory
 from app.metrics import SAMPLE_EVERY_S, Metrics
 from app.output_check import redact_url
 from app.ownership import RankOwnership
@@ -302,10 +303,10 @@ class InferProxy:
                 caches=caches,
                 checkpoints=checkpoints,
                 activity=activity,
-                metrics=Metrics(enabled=settings.metrics),
+                metrics=Metrics(enabled=settings.metrics, max_tracked_ranks=settings.max_tracked_ranks),
             )
-            sampler = asyncio.create_task(sample_metrics(services.metrics), name="sample-metrics")
-            stack.push_async_callback(cancel, sampler)
+            ticker = asyncio.create_task(every_few_seconds(services), name="every-few-seconds")
+            stack.push_async_callback(cancel, ticker)
             if settings.rank_idle_s > 0:
                 janitor = asyncio.create_task(release_idle_ranks(services), name="release-idle-ranks")
                 stack.push_async_callback(cancel, janitor)
@@ -338,10 +339,14 @@ async def release_idle_ranks(services: Services) -> None:
             logger.info("released ranks %s, unused for %g s: another proxy may take them over", released, idle_s)
 
 
-async def sample_metrics(metrics: Metrics) -> None:
-    """The totals every few seconds: the last minute's rates and the history in `/stats`."""
+async def every_few_seconds(services: Services) -> None:
+    """The totals sampled (the last minute's rates, the history in `/stats`), the ranks counted one by
+    one kept to `max_tracked_ranks` (the open ones kept), and the memory freed since given back."""
+    metrics = services.metrics
     while True:
         metrics.sample()
+        metrics.forget_idle_ranks(keep=set(services.caches.ownership.owned()))
+        release_free_memory()
         await asyncio.sleep(SAMPLE_EVERY_S)
 
 

@@ -5,6 +5,10 @@
 and one `rfind` in the answer for its token count, nothing else: no labels resolved, no locks, no
 formatting. `Metrics(enabled=False)` (`--no-metrics`) counts nothing, for measuring that cost.
 
+Counts are kept one by one for at most `max_tracked_ranks` ranks: past it, the least recently active
+ranks that are not open are forgotten, their counts added to `forgotten`, so that every total stays
+whole while a proxy serving thousands of short tasks (a new rank each) holds a bounded amount.
+
 A replayed answer's tokens are its `usage.total_tokens` (prompt + completion: the GPU work saved); a
 streamed answer without a usage chunk counts none.
 """
@@ -12,10 +16,11 @@ streamed answer without a usage chunk counts none.
 from __future__ import annotations
 
 import re
+import threading
 import time
 from bisect import bisect_left
 from collections import Counter, deque
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 
 #: Upstream answers: from the first byte sent to the answer's head (for a non-streamed generation, all of it).
@@ -96,6 +101,22 @@ class RankCounters:
     #: when it became known, and its `done_documents` then: the start of its rate until a minute has passed
     known_at: float = 0.0
     known_done: int = 0
+    #: `activity()` when `Metrics.forget_idle_ranks` last looked: a change there means the rank was used
+    seen_activity: int = 0
+
+    def activity(self) -> int:
+        return self.hits + self.coalesced + self.misses + self.refreshed + self.documents
+
+    def add(self, other: RankCounters) -> None:
+        """Add `other`'s counts (not its progress fields, which describe one rank)."""
+        self.hits += other.hits
+        self.coalesced += other.coalesced
+        self.misses += other.misses
+        self.refreshed += other.refreshed
+        self.tokens_saved += other.tokens_saved
+        self.documents += other.documents
+        self.duplicates += other.duplicates
+        self.chunks_published += other.chunks_published
 
 
 class Sample:
@@ -112,16 +133,24 @@ class Sample:
 @dataclass
 class Metrics:
     enabled: bool = True
+    max_tracked_ranks: int = 1024
     started: float = field(default_factory=time.time)
     #: (route, X-Cache outcome or "", status) -> requests answered
     requests: Counter[tuple[str, str, int]] = field(default_factory=Counter)
+    #: ordered from the least recently active (as `forget_idle_ranks` last saw them)
     ranks: dict[int, RankCounters] = field(default_factory=dict)
+    #: the counts of the ranks forgotten, and how many were
+    forgotten: RankCounters = field(default_factory=RankCounters)
+    ranks_forgotten: int = 0
     #: `/lookup` keys with no stored answer
     lookup_misses: int = 0
     #: rank -> (when, rows) of its cache's last count (`app.routes.ops.cache_sizes`)
     cache_entries: dict[int, tuple[float, int | None]] = field(default_factory=dict)
     recent: deque[Sample] = field(default_factory=lambda: deque(maxlen=int(RATE_WINDOW_S / SAMPLE_EVERY_S) + 2))
     history: deque[Sample] = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
+    #: held while a rank moves within `ranks` or into `forgotten`, and while `tracked()` copies both: a
+    #: reader in another thread never sees a rank's counts twice or not at all
+    _moving: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.enabled:
@@ -154,11 +183,40 @@ class Metrics:
     def request(self, route: str, outcome: str, status: int) -> None:
         self.requests[(route, outcome, status)] += 1
 
+    # -- bounding the ranks ------------------------------------------------------------
+
+    def forget_idle_ranks(self, keep: Collection[int]) -> None:
+        """Keep at most `max_tracked_ranks` ranks: forget the least recently active ones not in `keep`
+        (the open ones), their counts added to `forgotten`. Called every `SAMPLE_EVERY_S`, off the
+        request path: activity is the counts changing since the last call, which orders `ranks`."""
+        ranks = self.ranks
+        with self._moving:
+            for rank, counters in list(ranks.items()):
+                activity = counters.activity()
+                if activity != counters.seen_activity:
+                    counters.seen_activity = activity
+                    ranks[rank] = ranks.pop(rank)  # to the end: the most recently active
+            excess = len(ranks) - self.max_tracked_ranks
+            if excess <= 0:
+                return
+            for rank in [rank for rank in ranks if rank not in keep][:excess]:
+                self.forgotten.add(ranks.pop(rank))
+                self.ranks_forgotten += 1
+
+    def tracked(self) -> tuple[dict[int, RankCounters], RankCounters]:
+        """Copies of `ranks` and `forgotten` taken together, for a reader in another thread."""
+        with self._moving:
+            forgotten = RankCounters()
+            forgotten.add(self.forgotten)
+            return dict(self.ranks), forgotten
+
     # -- rates and history -----------------------------------------------------------
 
-    def totals(self) -> dict[str, int]:
+    def totals(self, tracked: tuple[dict[int, RankCounters], RankCounters] | None = None) -> dict[str, int]:
+        """The counts of every rank, forgotten ones included (from `tracked`, a `tracked()`, if given)."""
         sums = dict.fromkeys(("hits", "coalesced", "misses", "refreshed", "tokens_saved", "documents"), 0)
-        for counters in list(self.ranks.values()):  # a copy: `/stats` reads from another thread
+        ranks, forgotten = tracked or self.tracked()
+        for counters in (*ranks.values(), forgotten):
             sums["hits"] += counters.hits
             sums["coalesced"] += counters.coalesced
             sums["misses"] += counters.misses

@@ -127,6 +127,12 @@ class Settings(BaseSettings):
         gt=0,
         description="ranks kept open at once (each holds ~5-7 files); past it the least recently used idle one closes",
     )
+    max_tracked_ranks: int = Field(
+        1024,
+        gt=0,
+        description="ranks whose counts /stats and /metrics show one by one; past it the least recently "
+        "active ones not open are added up as `forgotten`",
+    )
     http: Literal["builtin", "uvicorn"] = Field(
         "builtin", description="HTTP server: the built-in one (cache hits on its fast path) or uvicorn"
     )

@@ -59,7 +59,7 @@ import orjson
 from bench_proxy import cpu_seconds, inferproxy, wait_until_up
 
 from app.demo import free_port
-from app.http.client import HTTPClient
+from app.http.client import HTTPClient, HTTPClientError
 
 RANKS = 4
 RESTING = (2, 3)  # ranks that rest in turns, long enough to be released
@@ -526,6 +526,15 @@ async def run(args: argparse.Namespace, proxy_pid: int, upstream_pid: int, proxy
             # How late this loop woke: a stalled load generator (or machine) shows here, not in the proxy.
             load.rec.lag = max(load.rec.lag, time.monotonic() - before - PROBE_EVERY_S)
 
+    async def sample_stats() -> bytes:
+        """`/stats`; a failed fetch is an error of the run (judged as any other), not its end: tried again."""
+        for _ in range(2):
+            try:
+                return (await load.request(0, "GET", "/stats"))[2]
+            except HTTPClientError as exc:
+                load.rec.error("stats", f"GET /stats: {exc!r}")
+        return (await load.request(0, "GET", "/stats"))[2]
+
     async def sample(end: float) -> None:
         """A sample at the end of each interval, the last one at `end` (seconds after the start)."""
         cpu = cpu_used()
@@ -535,7 +544,7 @@ async def run(args: argparse.Namespace, proxy_pid: int, upstream_pid: int, proxy
             now = time.monotonic()
             rec, load.rec = load.rec, Recorder()
             used = cpu_used()
-            _, _, stats = await load.request(0, "GET", "/stats")
+            stats = await sample_stats()
             samples.append(summary(rec, now - started, now - last, probes, {n: used[n] - cpu[n] for n in used}, stats))
             cpu, last = used, now
             print(progress(samples[-1]), file=sys.stderr, flush=True)
@@ -561,6 +570,7 @@ def summary(
     """One sample: the interval `span` seconds long ending at `t`."""
     mine = [p for p in probes if t - span < p.t <= t] or probes[-1:]
     totals = orjson.loads(stats)
+    forgotten = totals.get("forgotten", {})  # ranks past max_tracked_ranks, added up
     return {
         "t": round(t, 1),
         "requests_per_s": round(rec.requests / span, 1),
@@ -591,7 +601,9 @@ def summary(
             "in_flight": totals["in_flight"],
             "owned_ranks": totals["owned_ranks"],
             "ranks_listed": len(totals["ranks"]),
-            "chunks_published": sum(r.get("chunks_published", 0) for r in totals["ranks"]),
+            "ranks_forgotten": forgotten.get("ranks", 0),
+            "chunks_published": sum(r.get("chunks_published", 0) for r in totals["ranks"])
+            + forgotten.get("chunks_published", 0),
             "bytes": len(stats),
         },
     }

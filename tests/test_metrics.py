@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.client import run_job
 from app.documents import DocumentLike
 from app.fake_upstream import FakeUpstream
-from app.metrics import HISTORY_EVERY_S, HISTORY_POINTS, Metrics
+from app.metrics import HISTORY_EVERY_S, HISTORY_POINTS, SAMPLE_EVERY_S, Metrics
 from app.settings import Settings
 from tests.factories import chat_request, doc_headers
 from tests.servers import fake_upstream, serve_in_loop, serve_proxy
@@ -274,6 +275,89 @@ def test_the_history_of_a_proxy_that_has_seen_thousands_of_ranks_keeps_totals_on
     assert len(metrics.history) == HISTORY_POINTS
     assert all(point.done == {} for point in metrics.history)
     assert metrics.history[-1].totals == metrics.totals()
+
+
+def test_a_proxy_that_sees_a_new_rank_after_another_holds_a_bounded_number_and_exact_totals() -> None:
+    """A job of thousands of short tasks brings a new rank each (bench/soak.py's `task`): past
+    `max_tracked_ranks` the least recently active ranks not open are forgotten, their counts kept in
+    `forgotten`, so that memory stays bounded and the totals stay whole and never go back."""
+    metrics = Metrics(max_tracked_ranks=100)
+    owned = {0}  # open all along, idle the longest: kept
+    metrics.rank(0).misses = 1
+    expected = {"hits": 0, "misses": 1, "documents": 0}
+    previous = metrics.totals()
+    tracemalloc.start()
+    try:
+        for new in range(2, 20_001):
+            counters = metrics.rank(new)
+            counters.misses, counters.hits, counters.documents = 1, new % 3, 1
+            expected["hits"] += new % 3
+            expected["misses"] += 1
+            expected["documents"] += 1
+            metrics.rank(1).hits += 1  # a rank used all along: never the least recently active
+            expected["hits"] += 1
+            if new % 10 == 0:  # a sampling interval: ten new ranks
+                metrics.sample(now=new / 10 * SAMPLE_EVERY_S)
+                metrics.forget_idle_ranks(keep=owned)
+                assert len(metrics.ranks) <= 100
+                totals = metrics.totals()
+                assert {name: totals[name] for name in expected} == expected
+                assert all(totals[name] >= previous[name] for name in totals)
+                previous = totals
+            if new == 2_000:
+                held_at_2k = tracemalloc.get_traced_memory()[0]
+        held_at_20k = tracemalloc.get_traced_memory()[0]
+    finally:
+        tracemalloc.stop()
+    assert {0, 1, 20_000} <= metrics.ranks.keys()
+    assert metrics.ranks_forgotten == 20_001 - 100
+    assert metrics.forgotten.misses == metrics.ranks_forgotten  # one miss each (rank 1 has none, and is kept)
+    # 18,000 more ranks seen: ~14 MB if each were kept (~0.8 KB), a few KB of noise here.
+    assert held_at_20k - held_at_2k < 100_000
+
+
+async def test_forgotten_ranks_are_shown_apart_and_every_total_still_adds_up(tmp_path: Path) -> None:
+    async with fake_upstream() as (url, upstream):
+        settings = Settings(
+            upstream=[url],
+            checkpoints_dir=tmp_path / "ckpt",
+            output=str(tmp_path / "out"),
+            records_per_chunk=4,
+            rank_idle_s=0.1,  # each rank released at once, so that it may be forgotten
+            max_tracked_ranks=2,
+        )
+        async with serve_proxy(settings) as proxy, httpx.AsyncClient(base_url=proxy, timeout=30) as client:
+            env = Env(proxy, upstream, client)
+            for number in range(5):
+                headers = {**doc_headers(f"d{number}"), "X-Rank": str(number)}
+                for _ in range(number + 1):  # a miss, then hits
+                    answer = await client.post("/v1/chat/completions", json=chat_request(), headers=headers)
+                    assert answer.status_code == 200
+            deadline = time.monotonic() + 60
+            while (stats := await env.stats())["forgotten"]["ranks"] != 3:
+                assert time.monotonic() < deadline, f"3 ranks were never forgotten: {stats['forgotten']}"
+                await asyncio.sleep(0.2)
+            scraped = await env.scrape()
+    forgotten, totals = stats["forgotten"], stats["totals"]
+    assert [r["rank"] for r in stats["ranks"]] == [3, 4]  # the most recently active
+    assert forgotten == {
+        "ranks": 3,
+        "hits": 0 + 1 + 2,
+        "coalesced": 0,
+        "misses": 3,
+        "refreshed": 0,
+        "tokens_saved": forgotten["tokens_saved"],
+        "documents": 0,
+        "duplicates": 0,
+        "chunks_published": 0,
+    }
+    for name in ("hits", "misses", "tokens_saved"):
+        assert totals[name] == forgotten[name] + sum(r[name] for r in stats["ranks"])
+    assert totals["hits"] == 0 + 1 + 2 + 3 + 4
+    assert scraped[("inferproxy_ranks_forgotten_total", ())] == 3
+    assert scraped[("inferproxy_cache_hits_total", rank(rank="forgotten"))] == 3
+    hits = {labels: value for (name, labels), value in scraped.items() if name == "inferproxy_cache_hits_total"}
+    assert sum(hits.values()) == totals["hits"]
 
 
 def test_the_json_log_format_is_one_object_per_line(tmp_path: Path) -> None:

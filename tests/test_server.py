@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import logging
-from collections.abc import AsyncIterator
+import weakref
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -200,6 +202,40 @@ async def test_keep_alive_serves_several_requests_on_one_connection() -> None:
             assert b"date" in headers
             assert b"connection" not in headers
         conn.close()
+
+
+@pytest.mark.parametrize("ending", ["connection: close", "the client leaves mid-answer"])
+async def test_a_closed_connection_is_freed_at_once_without_the_cyclic_collector(ending: str) -> None:
+    """A connection held in a reference cycle (its parser holds its methods) waits for a full collection,
+    and under steady load thousands wait at once (bench/README.md, soak): refcounting must free it."""
+    app = App()
+    async with serving(app) as server:
+        gc.disable()
+        try:
+            conn = await Conn.open(server)
+            await eventually(lambda: bool(server.connections), "the connection is never accepted")
+            ref = weakref.ref(next(iter(server.connections)))
+            if ending == "connection: close":
+                await conn.send(post("/echo", b"bye", "Connection: close"))
+                assert (await conn.response())[0] == 200
+            else:
+                await conn.send(post("/until-disconnect", b""))
+                await eventually(lambda: "/until-disconnect" in app.calls, "the request never reaches the app")
+            conn.close()
+            await eventually(lambda: not server.connections and not server.tasks, "the connection never closes")
+            # (its ended task's last references go a loop turn or two later)
+            await eventually(lambda: ref() is None, "the closed connection is left for the cyclic collector")
+        finally:
+            gc.enable()
+
+
+async def eventually(condition: Callable[[], bool], failure: str) -> None:
+    """Until `condition()` holds, looking every 10 ms for at most 5 s."""
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(failure)
 
 
 async def test_pipelined_requests_are_answered_in_order_even_when_a_fast_answer_could_overtake() -> None:

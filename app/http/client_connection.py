@@ -65,6 +65,10 @@ class InvalidHeader(HTTPClientError, ValueError):
     """A header (or the method or target) to be sent holds a CR, LF or NUL; nothing was sent."""
 
 
+#: A closed connection's parser: one without callbacks, never fed.
+_CLOSED = httptools.HttpResponseParser(None)
+
+
 class _Refused(Exception):
     """Raised in a parser callback to stop parsing; the reason is in the connection's `error`."""
 
@@ -160,6 +164,9 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        # The parser holds this connection's bound methods, a cycle: without it, refcounting frees the
+        # connection as soon as its caller lets go, not the cyclic collector much later (as app.http.connection).
+        self.parser = _CLOSED
         if self.framed_by_close and self.headers_done and exc is None:
             # A body without Content-Length or chunked framing ends when the server closes.
             self.complete = True

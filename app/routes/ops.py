@@ -85,7 +85,8 @@ def snapshot(services: Services, sizes: dict[int, tuple[int | None, int]]) -> di
     nothing and iterates only over copies."""
     metrics = services.metrics
     now = time.time()
-    totals = metrics.totals()
+    counted, forgotten = tracked = metrics.tracked()  # one reading: the ranks and `forgotten` add up to the totals
+    totals = metrics.totals(tracked)
     window = metrics.window()
     rates: dict[str, float] = {}
     rank_rates: dict[int, float] = {}
@@ -99,7 +100,6 @@ def snapshot(services: Services, sizes: dict[int, tuple[int | None, int]]) -> di
     replayed = totals["hits"] + totals["coalesced"]
     answered = replayed + totals["misses"] + totals["refreshed"]
     owned = services.caches.ownership.owned()
-    counted = dict(metrics.ranks)
     ranks = [
         rank_view(rank, counted.get(rank) or RankCounters(), rank in owned, rank_rates.get(rank), sizes.get(rank))
         for rank in sorted(set(counted) | set(owned))
@@ -109,7 +109,7 @@ def snapshot(services: Services, sizes: dict[int, tuple[int | None, int]]) -> di
         "started_at": round(metrics.started, 3),
         "now": round(now, 3),
         "uptime_s": round(now - metrics.started, 1),
-        "requests": request_counts(metrics),
+        "requests": request_counts(metrics, totals),
         "totals": {**totals, "hit_ratio": round(replayed / answered, 4) if answered else None},
         "rates": rates,
         "in_flight": len(services.flights),
@@ -130,14 +130,24 @@ def snapshot(services: Services, sizes: dict[int, tuple[int | None, int]]) -> di
         "fsync": {"count": FSYNC_SECONDS.count, "p99_s": FSYNC_SECONDS.quantile(0.99)},
         "owned_ranks": owned,
         "ranks": ranks,
+        "forgotten": {
+            "ranks": metrics.ranks_forgotten,
+            "hits": forgotten.hits,
+            "coalesced": forgotten.coalesced,
+            "misses": forgotten.misses,
+            "refreshed": forgotten.refreshed,
+            "tokens_saved": forgotten.tokens_saved,
+            "documents": forgotten.documents,
+            "duplicates": forgotten.duplicates,
+            "chunks_published": forgotten.chunks_published,
+        },
         "history": [{"t": round(s.at, 1), **s.totals} for s in list(metrics.history)],
     }
 
 
-def request_counts(metrics: Metrics) -> dict[str, int]:
+def request_counts(metrics: Metrics, totals: dict[str, int]) -> dict[str, int]:
     """Requests by cache outcome (`hit`, `miss`, ...) and errors by status (`error_502`), as before."""
     counts: dict[str, int] = {}
-    totals = metrics.totals()
     for name, total in (("hit", "hits"), ("coalesced", "coalesced"), ("miss", "misses"), ("refresh", "refreshed")):
         if totals[total]:
             counts[name] = totals[total]
@@ -191,7 +201,10 @@ async def cache_sizes(services: Services) -> dict[int, tuple[int | None, int]]:
     counts = services.metrics.cache_entries
     sizes: dict[int, tuple[int | None, int]] = {}
     now = time.monotonic()
-    for rank, cache in services.caches.opened().items():
+    opened = services.caches.opened()
+    for rank in counts.keys() - opened.keys():  # closed since: counted again if it opens again
+        counts.pop(rank, None)
+    for rank, cache in opened.items():
         path = cache.db_path
         if path is None:
             continue
@@ -276,6 +289,11 @@ class _Collector(Collector):
         total = GaugeMetricFamily("inferproxy_documents_total", "documents the job declared", labels=["rank"])
         entries = GaugeMetricFamily("inferproxy_cache_entries", "answers stored in the rank's cache", labels=["rank"])
         size = GaugeMetricFamily("inferproxy_cache_bytes", "size of the rank's cache files", labels=["rank"])
+        forgotten = self.view["forgotten"]
+        if forgotten["ranks"]:  # their counts under rank="forgotten": a sum over ranks stays whole
+            for key, (_, _, field) in per_rank.items():
+                families[key].add_metric(["forgotten"], forgotten[field])
+            generations.add_metric(["forgotten"], forgotten["hits"] + forgotten["coalesced"])
         for rank in self.view["ranks"]:
             label = [str(rank["rank"])]
             for key, (_, _, field) in per_rank.items():
@@ -299,6 +317,11 @@ class _Collector(Collector):
             "inferproxy_upstream_queued", "requests waiting for an upstream slot", value=self.view["queued"]
         )
         yield GaugeMetricFamily("inferproxy_start_time_seconds", "when the proxy started", value=self.metrics.started)
+        yield CounterMetricFamily(
+            "inferproxy_ranks_forgotten",
+            'ranks whose counts moved to rank="forgotten" (past max_tracked_ranks)',
+            value=self.view["forgotten"]["ranks"],
+        )
         yield CounterMetricFamily(
             "inferproxy_lookup_misses", "/lookup keys without a stored answer", value=self.metrics.lookup_misses
         )
