@@ -12,7 +12,12 @@ from typing import Any
 import orjson
 import pytest
 
+from app.asgi import Message
+from app.http.client import HTTPClient
+from app.http.client_connection import ClientConnection
+from app.routes.proxy import stream_through
 from app.settings import Settings
+from app.upstream import Replica, UpstreamResponse
 from tests.canned import canned_server
 from tests.factories import chat_request, doc_headers
 from tests.servers import fake_upstream, free_port, proxy_client, serve_proxy
@@ -147,3 +152,55 @@ async def test_an_upstream_that_never_answers_neither_delays_the_start_nor_the_s
             assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # the probe still waits
     # the stop cancelled the probe: no line about it, and no error from it
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_a_client_that_leaves_as_its_stream_ends_never_drops_a_connection_another_request_took() -> None:
+    """`stream_through` drops the upstream's connection from a callback once the client is gone. A client
+    that leaves in the loop turn its stream ends has that callback run a turn later, once the connection is
+    back in the pool: it must not drop it under the request that took it meanwhile (that request was sent
+    twice). The three steps are released together, so that asyncio runs them in that order."""
+    stream = b"data: 1\n\ndata: [DONE]\n\n"
+    sse = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n%s" % (len(stream), stream)
+    plain = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}"
+    loop = asyncio.get_running_loop()
+    left: asyncio.Future[Message] = loop.create_future()
+    sent: asyncio.Future[None] = loop.create_future()
+    next_request: asyncio.Future[None] = loop.create_future()
+    sending = asyncio.Event()
+    async with canned_server([sse, plain, plain]) as upstream:
+        client = HTTPClient()
+
+        async def receive() -> Message:
+            return await left
+
+        async def send(message: Message) -> None:
+            if message.get("body") and connection[0].complete:  # its last piece: held until the test lets it go
+                sending.set()
+                await sent
+
+        async def streamed() -> bytes | None:
+            async with client.request("POST", upstream.url + "/v1/completions") as raw:
+                connection.append(raw._conn)
+                answer = UpstreamResponse(raw, Replica(upstream.url), 1 << 20)
+                return await stream_through(answer, receive, send, [], 1 << 20)
+
+        async def another() -> bytes:
+            await next_request
+            async with client.request("POST", upstream.url + "/v1/other") as raw:
+                return await raw.read()
+
+        connection: list[ClientConnection] = []
+        streaming, other = asyncio.create_task(streamed()), asyncio.create_task(another())
+        try:
+            async with asyncio.timeout(10):
+                await sending.wait()
+                left.set_result({"type": "http.disconnect"})
+                sent.set_result(None)
+                next_request.set_result(None)
+                assert await streaming == stream
+                assert await other == b"{}"
+        finally:
+            streaming.cancel()
+            other.cancel()
+            await client.close()
+    assert (upstream.connections, len(upstream.heads)) == (1, 2)  # sent once, on the connection the stream had

@@ -301,9 +301,12 @@ async def stream_through(
     queued behind others, an engine that runs ahead of its server and sends the rest at its end)."""
     await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
     gone = asyncio.ensure_future(_disconnected(receive))
+    streaming = True
 
     def on_gone(task: asyncio.Future[None]) -> None:
-        if not task.cancelled():  # cancelled: the stream ended first
+        # Runs a loop turn after the client left: by then the stream may have ended and its connection
+        # gone back to the pool, another request's now.
+        if streaming:
             upstream.abort()
 
     gone.add_done_callback(on_gone)
@@ -327,6 +330,7 @@ async def stream_through(
         logger.warning("the upstream stream broke off after %d bytes: %s", size, exc)
         raise StreamBrokeOff from exc
     finally:
+        streaming = False
         gone.cancel()
     await send({"type": "http.response.body", "body": b"", "more_body": False})
     if size > limit:
