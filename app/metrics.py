@@ -15,6 +15,7 @@ streamed answer without a usage chunk counts none.
 
 from __future__ import annotations
 
+import copy
 import re
 import threading
 import time
@@ -204,18 +205,23 @@ class Metrics:
                 self.ranks_forgotten += 1
 
     def tracked(self) -> tuple[dict[int, RankCounters], RankCounters]:
-        """Copies of `ranks` and `forgotten` taken together, for a reader in another thread."""
+        """Copies of `ranks` and `forgotten` taken together, for a reader in another thread: each rank's
+        counts copied too, or those the event loop adds while the reader sums them and then shows them
+        count in a rank but not in the totals."""
         with self._moving:
             forgotten = RankCounters()
             forgotten.add(self.forgotten)
-            return dict(self.ranks), forgotten
+            ranks = dict(self.ranks)
+        # Outside the lock: a rank forgotten since keeps its final counts here, which `forgotten` above lacks.
+        return {rank: copy.copy(counters) for rank, counters in ranks.items()}, forgotten
 
     # -- rates and history -----------------------------------------------------------
 
     def totals(self, tracked: tuple[dict[int, RankCounters], RankCounters] | None = None) -> dict[str, int]:
-        """The counts of every rank, forgotten ones included (from `tracked`, a `tracked()`, if given)."""
+        """The counts of every rank, forgotten ones included: those of `tracked` (a `tracked()`, in another
+        thread), else those now (on the event loop, which alone changes them: nothing copied)."""
         sums = dict.fromkeys(("hits", "coalesced", "misses", "refreshed", "tokens_saved", "documents"), 0)
-        ranks, forgotten = tracked or self.tracked()
+        ranks, forgotten = tracked or (self.ranks, self.forgotten)
         for counters in (*ranks.values(), forgotten):
             sums["hits"] += counters.hits
             sums["coalesced"] += counters.coalesced
@@ -235,10 +241,10 @@ class Metrics:
             # The history shows totals only: a copy of every rank's count per point grew with each rank seen.
             self.history.append(Sample(now, point.totals, {}))
 
-    def documents_per_s(self, rank: int, window: tuple[Sample, Sample]) -> float | None:
-        """The rank's documents done per second over the last minute (or since it became known)."""
-        counters = self.ranks.get(rank)
-        if counters is None or not counters.known:
+    def documents_per_s(self, rank: int, counters: RankCounters, window: tuple[Sample, Sample]) -> float | None:
+        """The rank's documents done per second over the last minute (or since it became known); `counters`
+        its counts in the reading `window` was made from."""
+        if not counters.known:
             return None
         oldest, latest = window
         since, done_then = oldest.at, oldest.done.get(rank)
@@ -247,11 +253,12 @@ class Metrics:
         span = latest.at - since
         return (counters.done_documents - done_then) / span if span > 0 else None
 
-    def window(self) -> tuple[Sample, Sample] | None:
-        """The oldest sample of the last minute and now's totals (None before the first sample)."""
+    def window(self, tracked: tuple[dict[int, RankCounters], RankCounters]) -> tuple[Sample, Sample] | None:
+        """The oldest sample of the last minute and the totals of `tracked`, a `tracked()` made now (None
+        before the first sample)."""
         if not self.recent:
             return None
-        now = Sample(time.time(), self.totals(), {r: c.done_documents for r, c in list(self.ranks.items())})
+        now = Sample(time.time(), self.totals(tracked), {r: c.done_documents for r, c in tracked[0].items()})
         recent = list(self.recent)  # a copy: `/stats` reads from another thread
         oldest = next((s for s in recent if now.at - s.at <= RATE_WINDOW_S + 1), recent[-1])
         return oldest, now

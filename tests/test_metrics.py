@@ -316,6 +316,21 @@ def test_a_proxy_that_sees_a_new_rank_after_another_holds_a_bounded_number_and_e
     assert held_at_20k - held_at_2k < 100_000
 
 
+def test_a_reading_of_the_ranks_keeps_its_moment_while_the_event_loop_counts_on() -> None:
+    """`/stats` adds up a reading in a thread, then shows each of its ranks: a hit counted in between must
+    show in neither, or a rank's count is past what the totals say (the contract: each total is the sum of
+    `ranks` and `forgotten`)."""
+    metrics = Metrics(max_tracked_ranks=1)
+    metrics.rank(0).hits, metrics.rank(1).hits = 2, 3
+    tracked = metrics.tracked()
+    totals = metrics.totals(tracked)
+    metrics.rank(1).hits += 1  # the event loop, while the thread builds the answer
+    metrics.forget_idle_ranks(keep=set())
+    ranks, forgotten = tracked
+    assert totals["hits"] == sum(c.hits for c in ranks.values()) + forgotten.hits == 5
+    assert metrics.totals()["hits"] == 6
+
+
 async def test_forgotten_ranks_are_shown_apart_and_every_total_still_adds_up(tmp_path: Path) -> None:
     async with fake_upstream() as (url, upstream):
         settings = Settings(

@@ -87,7 +87,7 @@ def snapshot(services: Services, sizes: dict[int, tuple[int | None, int]]) -> di
     now = time.time()
     counted, forgotten = tracked = metrics.tracked()  # one reading: the ranks and `forgotten` add up to the totals
     totals = metrics.totals(tracked)
-    window = metrics.window()
+    window = metrics.window(tracked)
     rates: dict[str, float] = {}
     rank_rates: dict[int, float] = {}
     if window is not None:
@@ -96,7 +96,9 @@ def snapshot(services: Services, sizes: dict[int, tuple[int | None, int]]) -> di
         for name in ("requests", "hits", "misses", "documents", "tokens_saved"):
             rates[f"{name}_per_s"] = round((latest.totals[name] - oldest.totals[name]) / span, 3)
         rates["window_s"] = round(span, 1)
-        rank_rates = {r: rate for r in list(metrics.ranks) if (rate := metrics.documents_per_s(r, window)) is not None}
+        rank_rates = {
+            r: rate for r, c in counted.items() if (rate := metrics.documents_per_s(r, c, window)) is not None
+        }
     replayed = totals["hits"] + totals["coalesced"]
     answered = replayed + totals["misses"] + totals["refreshed"]
     owned = services.caches.ownership.owned()
