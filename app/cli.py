@@ -338,7 +338,8 @@ def describe_errors(exc: ValidationError, config_file: Path | None = None, flags
         else:
             where = name
         given = f" (got {error['input']!r})" if "input" in error and not isinstance(error["input"], dict) else ""
-        lines.append(f"  {where}: {error['msg']}{given}")
+        # pydantic prefixes a validator's own message with "Value error, ": the message says it all
+        lines.append(f"  {where}: {error['msg'].removeprefix('Value error, ')}{given}")
     return "\n".join(lines)
 
 

@@ -189,7 +189,9 @@ def inferproxy(*args: str, silent: bool = False) -> subprocess.Popen[bytes]:
 def prepare_workdir(workdir: Path) -> None:
     """Start from a clean demo dir; refuse to clear a dir the demo did not create."""
     if workdir.exists() and any(workdir.iterdir()) and not (workdir / MARKER).exists():
-        raise SystemExit(f"{workdir} is not empty and was not created by `inferproxy demo`: pick another --workdir")
+        raise SystemExit(
+            f"inferproxy demo: {workdir} is not empty and was not created by `inferproxy demo`: pick another --workdir"
+        )
     for name in ("checkpoints", "output"):
         shutil.rmtree(workdir / name, ignore_errors=True)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -355,7 +357,6 @@ def upstream_server(options: DemoOptions) -> Iterator[str]:
 
 
 def run_demo(options: DemoOptions, moments: list[int]) -> DemoReport:
-    prepare_workdir(options.workdir)
     report = DemoReport()
     start = time.monotonic()
     with upstream_server(options) as upstream:
@@ -392,6 +393,7 @@ def describe_run(number: int, run: RunReport) -> str:
 
 def main(options: DemoOptions) -> int:
     moments = kill_moments(options, random.Random(options.seed))
+    prepare_workdir(options.workdir)  # a refusal is the only line printed, as for the other bad inputs
     where = options.upstream or "the built-in fake upstream"
     print(
         f"inferproxy demo: {options.documents} documents x {options.rollouts} rollouts through inferproxy serve "

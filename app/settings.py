@@ -182,6 +182,14 @@ class Settings(BaseSettings):
             roots.append(root)
         return roots
 
+    @field_validator("checkpoints_dir", mode="before")
+    @classmethod
+    def _local_checkpoints(cls, value: Any) -> Any:
+        # Checkpoints need flock, rename and SQLite: a URL would become a local folder named `s3:`.
+        if "://" in str(value):
+            raise ValueError("the checkpoints dir is a local path (a shared filesystem works), not a URL")
+        return value
+
     @field_validator("output_filename")
     @classmethod
     def _safe_output_filename(cls, value: str) -> str:

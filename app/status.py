@@ -191,7 +191,7 @@ async def _fetch(url: str, api_key: str | None, timeout_s: float) -> bytes:
 
 
 #: The shape of `/stats` as `render` reads it (docs/contract.md §10); other keys are let through.
-#: A key whose value may be null may also be missing.
+#: A key whose value may be null may also be missing, and so may an object whose keys all may.
 NUMBER, NUMBER_OR_NULL = "a number >= 0", "a number >= 0 or null"
 _UPSTREAM = {
     "url": str,
@@ -211,6 +211,7 @@ STATS_SHAPE: dict[str, Any] = {
     "rates": dict.fromkeys(("requests_per_s", "documents_per_s"), NUMBER_OR_NULL),
     "upstreams": [_UPSTREAM],
     "ranks": [_RANK],
+    "forgotten": {"ranks": NUMBER_OR_NULL},  # proxies before `max_tracked_ranks` have none
 }
 
 
@@ -238,7 +239,7 @@ def _check(value: Any, shape: Any, where: str) -> None:
             inside = f"{where}.{key}" if where else key
             if key in value:
                 _check(value[key], inner, inside)
-            elif inner != NUMBER_OR_NULL:
+            elif not _may_be_missing(inner):
                 raise _Wrong(f"{inside} is missing")
     elif isinstance(shape, list):
         if not isinstance(value, list):
@@ -252,6 +253,12 @@ def _check(value: Any, shape: Any, where: str) -> None:
             raise _Wrong(f"{where} is {_shown(value)}, not {shape}")
     elif not isinstance(value, shape) or (shape is int and isinstance(value, bool)):
         raise _Wrong(f"{where} is {_shown(value)}, not {_KINDS[shape]}")
+
+
+def _may_be_missing(shape: Any) -> bool:
+    if isinstance(shape, dict):
+        return all(_may_be_missing(inner) for inner in shape.values())
+    return bool(shape == NUMBER_OR_NULL)
 
 
 _KINDS = {str: "text", bool: "true or false", int: "an integer"}
@@ -283,6 +290,7 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
         f" · generations saved {count(saved)} · {rate(rates.get('requests_per_s'))} requests/s"
         f" · {rate(rates.get('documents_per_s'))} documents/s · {count(stats['in_flight'])} in flight",
         _documents_done(ranks),
+        *_forgotten(stats.get("forgotten", {}).get("ranks")),
         "",
     ]
     upstreams = _table(
@@ -311,6 +319,16 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
             hidden = len(table) - room
             table = [*table[:room], f"… {hidden} more ranks (--sort progress: least done first; --once: all)"]
     return [*head, *table, "", *upstreams]
+
+
+def _forgotten(ranks: int | None) -> list[str]:
+    """Ranks past `max_tracked_ranks`: the totals hold their counts, the per-rank numbers do not."""
+    if not ranks:
+        return []
+    return [
+        f"{count(ranks)} ranks forgotten past max_tracked_ranks: in the hit ratio, tokens and rates, "
+        "not in documents done or below"
+    ]
 
 
 def _documents_done(ranks: list[Rank]) -> str:

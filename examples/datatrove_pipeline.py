@@ -72,14 +72,16 @@ def make_input(input_dir: str, documents: int, files: int = 4) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     parser.add_argument("--proxy", default="http://127.0.0.1:8080", help="the proxy's root URL")
     parser.add_argument("--input", default="input", help="folder of JSON lines documents")
     parser.add_argument("--output", default="inferproxy-data/output", help="the proxy's --output folder")
     parser.add_argument("--logs", default="inferproxy-data/logs", help="datatrove's logging_dir")
     parser.add_argument("--model", default="fake-model", help="the model name sent upstream")
     parser.add_argument("--concurrency", type=int, default=500, help="generations in flight per task")
-    parser.add_argument("--make-input", type=int, metavar="N", help="first write N documents to --input")
+    parser.add_argument("--make-input", type=int, default=0, metavar="N", help="first write N documents to --input")
     args = parser.parse_args()
     if args.make_input:
         make_input(args.input, args.make_input)

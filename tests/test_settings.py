@@ -44,6 +44,7 @@ def test_lists_come_from_json_or_commas_and_upstreams_are_normalised(monkeypatch
         ("cache_error_statuses", [500], "cache_error_statuses may hold 4xx"),
         ("port", 70000, "less than or equal to 65535"),
         ("fsync", "sometimes", "'always' or 'never'"),
+        ("checkpoints_dir", "s3://bucket/checkpoints", "the checkpoints dir is a local path"),
     ],
 )
 def test_bad_values_are_refused_saying_what_is_expected(field: str, value: object, message: str) -> None:
@@ -178,6 +179,9 @@ def test_a_bad_value_is_named_where_it_was_written(
     assert "  INFERPROXY_PORT: Input should be a valid integer" in capsys.readouterr().err
     assert main(["serve", f"--config={config}", "--port=99999"]) == 2
     assert "  --port: Input should be less than or equal to 65535" in capsys.readouterr().err
+    assert main(["serve", "--checkpoints-dir=s3://bucket/checkpoints"]) == 2
+    err = capsys.readouterr().err
+    assert "  --checkpoints-dir: the checkpoints dir is a local path (a shared filesystem works), not a URL" in err
 
 
 def test_inferproxy_config_names_the_config_file_and_the_flag_wins_over_it(

@@ -318,6 +318,10 @@ NOT_STATS = {
         orjson.dumps({**STATS, "ranks": [RANK, {**RANK, "rank": 1, "progress": -5}]}),
         "ranks[1].progress is -5, not a number >= 0 or null",
     ),
+    "forgotten ranks as text": (
+        orjson.dumps({**STATS, "forgotten": {"ranks": "4"}}),
+        'forgotten.ranks is "4", not a number >= 0 or null',
+    ),
     "invalid UTF-8": (orjson.dumps({**STATS, "version": "v"}).replace(b'"v"', b'"\xff\xfe"'), "not JSON (str is not"),
 }
 
@@ -364,6 +368,18 @@ async def test_strings_from_the_server_cannot_act_on_the_terminal() -> None:
     assert f"inferproxy \\x1b[2J\\x1b[31mPWNED\\x1b]0;title\\x07 at {url} · up 12s" in table
     assert "\\x1b[31mevil\\x1b[0m\\r\\nfake line\\u202e  healthy" in table
     assert json.loads(as_json) == hostile
+
+
+def test_ranks_forgotten_past_max_tracked_ranks_are_said_apart_from_the_table() -> None:
+    # /stats' totals hold the forgotten ranks' counts, its `ranks` do not: the reader is told which is which.
+    stats = {**STATS, "ranks": [RANK], "forgotten": {"ranks": 4, "hits": 7}}
+    lines = status.render(status.decode(orjson.dumps(stats), "u"), "u")
+    assert lines[3] == "documents done 5 / 10 (50.0%) · ETA 5s · 0 of 1 finished"
+    assert lines[4] == (
+        "4 ranks forgotten past max_tracked_ranks: in the hit ratio, tokens and rates, not in documents done or below"
+    )
+    for none in ({**STATS, "forgotten": {"ranks": 0}}, STATS):  # an older proxy has no `forgotten`
+        assert not any("forgotten" in line for line in status.render(status.decode(orjson.dumps(none), "u"), "u"))
 
 
 def test_absurd_numbers_are_shown_in_a_few_characters() -> None:

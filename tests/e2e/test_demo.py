@@ -79,7 +79,8 @@ def test_demo_refuses_to_clear_a_directory_it_did_not_create(tmp_path: Path) -> 
     (tmp_path / "mine.txt").write_text("precious")
     done = inferproxy("demo", f"--workdir={tmp_path}", cwd=tmp_path)
     assert done.returncode == 1
-    assert "was not created by `inferproxy demo`" in done.stderr
+    assert done.stdout == ""  # the refusal alone, not the demo's opening line before it
+    assert done.stderr.startswith(f"inferproxy demo: {tmp_path} is not empty and was not created by `inferproxy demo`")
     assert (tmp_path / "mine.txt").read_text() == "precious"
 
 
