@@ -200,6 +200,31 @@ async def test_hundreds_of_ranks_stay_one_sortable_scrolling_table(chrome: Brows
         assert page.errors == []
 
 
+async def test_ranks_forgotten_past_max_tracked_ranks_are_said_apart_from_the_table(
+    chrome: Browser, tmp_path: Path
+) -> None:
+    # The totals hold the forgotten ranks' counts and the table does not: the page says which is which.
+    async with (
+        fake_upstream() as (url, _),
+        serve_proxy(settings(tmp_path, url, max_open_ranks=2, max_tracked_ranks=2)) as proxy,
+        httpx.AsyncClient(base_url=proxy, timeout=60) as client,
+    ):
+        for rank in range(6):  # each opens its rank; past 2 open, the least recently used is let go
+            assert (await client.get("/resume", headers={"X-Rank": str(rank)})).status_code == 200
+        page = await chrome.open(proxy + "/", height=900)
+        # The proxy forgets within its next tick (every 5 s), the page shows it at its next poll.
+        await page.wait_for("document.getElementById('ranks-summary').textContent.includes('forgotten')")
+        summary = await page.evaluate("document.getElementById('ranks-summary').textContent")
+        shown = await page.evaluate("document.querySelectorAll('#ranks tbody tr').length")
+        assert (
+            summary == f"{shown} · 2 owned here · 0 finished · {6 - shown} more forgotten past max_tracked_ranks "
+            "(in the totals above only)"
+        )
+        assert shown == 2
+        assert await page.evaluate("document.getElementById('ranks-empty').hidden")
+        assert page.errors == []
+
+
 NUMBERS = [None, 0, 0.004, 0.5, 0.9996, 1, 1.25, 9.995, 12.35, 99.95, 999, 999.5, 1000, 1250, 99_949, 99_960, 59.5]
 NUMBERS += [999_400, 999_950, 3_456_789, 12_345_678_901, 3599.4, 7380, 86_399.6, 90_000, 1e15, 5e18]
 NUMBERS += [-5, 999.96, 4000, 999e15, 2.0**64, 86_399_999, 86_400_000, 1e308]  # absurd, from a hostile /stats
