@@ -37,7 +37,7 @@ from app.errors import BadRequest, MethodNotAllowed, MethodNotSupported, NotFoun
 from app.http.asgi import Answer
 from app.http.server import HTTPServer
 from app.layout import CheckpointsLayout
-from app.limits import max_connections
+from app.limits import default_max_connections, max_connections
 from app.logs import RequestLog
 from app.memory import release_free_memory
 from app.metrics import SAMPLE_EVERY_S, Metrics
@@ -318,6 +318,8 @@ class InferProxy:
                 shown[secret] = "***" if shown[secret] else None
             shown["output"] = redact_url(settings.output)
             shown["upstream"] = [r.url for r in pool.replicas]
+            if settings.max_connections is None:  # the limit in force, derived from the open files limit
+                shown["max_connections"] = default_max_connections(settings.max_open_ranks)
             logger.info("settings: %s", shown)
             # In the background: a dead upstream must not delay or fail the start, only be said at once.
             probe = asyncio.create_task(pool.warn_about_silent_replicas(), name="probe-upstreams")

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import ast
+import logging
 import re
 from pathlib import Path
 
@@ -8,8 +10,11 @@ from pydantic import ValidationError
 
 from app.cli import build_parser, flag_name
 from app.layout import CheckpointsLayout
+from app.limits import default_max_connections
 from app.ownership import RankOwnership
 from app.settings import Settings
+from tests.jobs import settings
+from tests.servers import serve_proxy
 
 ROOT = Path(__file__).parent.parent
 
@@ -197,3 +202,16 @@ def test_inferproxy_config_names_the_config_file_and_the_flag_wins_over_it(
     monkeypatch.setenv("INFERPROXY_CONFIG", str(tmp_path / "nope.toml"))
     with pytest.raises(FileNotFoundError, match=r"nope\.toml \(from INFERPROXY_CONFIG\) does not exist"):
         Settings.load()
+
+
+async def test_the_settings_logged_at_start_show_the_connection_limit_in_force(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Not `None` when derived from the open files limit: an operator reads the number that applies.
+    caplog.set_level(logging.INFO, logger="app.main")
+    async with serve_proxy(settings(tmp_path, "http://127.0.0.1:9")):
+        pass
+    logged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("settings: ")]
+    assert len(logged) == 1
+    shown = ast.literal_eval(logged[0].removeprefix("settings: "))
+    assert shown["max_connections"] == default_max_connections(shown["max_open_ranks"]) > 0
