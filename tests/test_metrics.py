@@ -22,6 +22,7 @@ from app.fake_upstream import FakeUpstream
 from app.metrics import HISTORY_EVERY_S, HISTORY_POINTS, SAMPLE_EVERY_S, Metrics
 from app.settings import Settings
 from tests.factories import chat_request, doc_headers
+from tests.jobs import settings
 from tests.servers import fake_upstream, serve_in_loop, serve_proxy
 
 pytestmark = pytest.mark.usefixtures("http_server")
@@ -65,16 +66,12 @@ class Env:
 
 @pytest.fixture
 async def env(tmp_path: Path) -> AsyncIterator[Env]:
-    async with fake_upstream() as (url, upstream):
-        settings = Settings(
-            upstream=[url],
-            checkpoints_dir=tmp_path / "ckpt",
-            output=str(tmp_path / "out"),
-            records_per_chunk=4,
-            retry_backoff_s=0.001,
-        )
-        async with serve_proxy(settings) as proxy, httpx.AsyncClient(base_url=proxy, timeout=30) as client:
-            yield Env(proxy, upstream, client)
+    async with (
+        fake_upstream() as (url, upstream),
+        serve_proxy(settings(tmp_path, url, retry_backoff_s=0.001)) as proxy,
+        httpx.AsyncClient(base_url=proxy, timeout=30) as client,
+    ):
+        yield Env(proxy, upstream, client)
 
 
 def rank(labels: dict[str, str] | None = None, **more: str) -> tuple[tuple[str, str], ...]:
@@ -333,15 +330,9 @@ def test_a_reading_of_the_ranks_keeps_its_moment_while_the_event_loop_counts_on(
 
 async def test_forgotten_ranks_are_shown_apart_and_every_total_still_adds_up(tmp_path: Path) -> None:
     async with fake_upstream() as (url, upstream):
-        settings = Settings(
-            upstream=[url],
-            checkpoints_dir=tmp_path / "ckpt",
-            output=str(tmp_path / "out"),
-            records_per_chunk=4,
-            rank_idle_s=0.1,  # each rank released at once, so that it may be forgotten
-            max_tracked_ranks=2,
-        )
-        async with serve_proxy(settings) as proxy, httpx.AsyncClient(base_url=proxy, timeout=30) as client:
+        # each rank released at once, so that it may be forgotten
+        configured = settings(tmp_path, url, rank_idle_s=0.1, max_tracked_ranks=2)
+        async with serve_proxy(configured) as proxy, httpx.AsyncClient(base_url=proxy, timeout=30) as client:
             env = Env(proxy, upstream, client)
             for number in range(5):
                 headers = {**doc_headers(f"d{number}"), "X-Rank": str(number)}
