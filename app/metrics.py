@@ -110,14 +110,12 @@ class RankCounters:
 
     def add(self, other: RankCounters) -> None:
         """Add `other`'s counts (not its progress fields, which describe one rank)."""
-        self.hits += other.hits
-        self.coalesced += other.coalesced
-        self.misses += other.misses
-        self.refreshed += other.refreshed
-        self.tokens_saved += other.tokens_saved
-        self.documents += other.documents
-        self.duplicates += other.duplicates
-        self.chunks_published += other.chunks_published
+        for name in COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+
+#: A rank's counts, which `forgotten` adds up (the other fields of `RankCounters` describe one rank).
+COUNTS = ("hits", "coalesced", "misses", "refreshed", "tokens_saved", "documents", "duplicates", "chunks_published")
 
 
 class Sample:
@@ -209,8 +207,7 @@ class Metrics:
         counts copied too, or those the event loop adds while the reader sums them and then shows them
         count in a rank but not in the totals."""
         with self._moving:
-            forgotten = RankCounters()
-            forgotten.add(self.forgotten)
+            forgotten = copy.copy(self.forgotten)
             ranks = dict(self.ranks)
         # Outside the lock: a rank forgotten since keeps its final counts here, which `forgotten` above lacks.
         return {rank: copy.copy(counters) for rank, counters in ranks.items()}, forgotten

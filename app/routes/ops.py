@@ -26,7 +26,7 @@ from app import __version__
 from app.asgi import JSON_HEADERS, Receive, Scope, Send, send_bytes, send_error
 from app.cache import count_rows
 from app.errors import ServiceUnavailable
-from app.metrics import FSYNC_SECONDS, Histogram, Metrics, RankCounters
+from app.metrics import COUNTS, FSYNC_SECONDS, Histogram, Metrics, RankCounters
 from app.services import Services
 
 #: How long a rank's counted cache entries are shown before they are counted again: a count scans the
@@ -132,17 +132,7 @@ def snapshot(services: Services, sizes: dict[int, tuple[int | None, int]]) -> di
         "fsync": {"count": FSYNC_SECONDS.count, "p99_s": FSYNC_SECONDS.quantile(0.99)},
         "owned_ranks": owned,
         "ranks": ranks,
-        "forgotten": {
-            "ranks": metrics.ranks_forgotten,
-            "hits": forgotten.hits,
-            "coalesced": forgotten.coalesced,
-            "misses": forgotten.misses,
-            "refreshed": forgotten.refreshed,
-            "tokens_saved": forgotten.tokens_saved,
-            "documents": forgotten.documents,
-            "duplicates": forgotten.duplicates,
-            "chunks_published": forgotten.chunks_published,
-        },
+        "forgotten": {"ranks": metrics.ranks_forgotten, **{name: getattr(forgotten, name) for name in COUNTS}},
         "history": [{"t": round(s.at, 1), **s.totals} for s in list(metrics.history)],
     }
 
