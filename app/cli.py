@@ -259,6 +259,7 @@ def serve(args: argparse.Namespace) -> int:
     from app.durable import UnsafeFileError
     from app.http.server import CannotListen
     from app.main import create_server
+    from app.memory import limit_malloc_arenas
     from app.output_check import check_output
 
     flags = {name: getattr(args, name) for name in Settings.model_fields}
@@ -276,6 +277,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     logs.configure(settings.log_level, settings.log_format)
     raise_open_files_limit()
+    limit_malloc_arenas()  # before the server's threads (SQLite's writers, the pool) start
     server = create_server(settings)
     # What is loaded by now lives as long as the process: keep it out of the
     # garbage collector's generations, which then only scan request garbage.

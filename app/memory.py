@@ -4,8 +4,12 @@ glibc's malloc keeps what is freed for reuse, and can return to the system only 
 the top of its heaps: SQLite's page caches, parsers and buffers, which come and go with ranks and
 connections, leave free pages between live blocks that stay resident. `malloc_trim(0)` returns
 every whole free page; called every few seconds it keeps a proxy's resident memory close to what it
-uses (bench/README.md, soak), for well under a millisecond a call. Elsewhere (musl, macOS) it is a
-no-op.
+uses (bench/README.md, soak), for well under a millisecond a call.
+
+glibc also gives each new thread an arena of its own, up to 8 per core: SQLite's per-rank
+connections and the thread pool fill a new one now and then, each holding a few MiB that
+`malloc_trim` cannot take back while a block in it lives. `limit_malloc_arenas` caps them, before
+any thread starts. Elsewhere (musl, macOS) both are no-ops.
 """
 
 from __future__ import annotations
@@ -20,6 +24,20 @@ def release_free_memory() -> None:
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+M_ARENA_MAX = -8  # glibc's malloc.h
+MALLOC_ARENAS = 2  # the main thread's, and one the other threads share: they seldom malloc at once
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Cap the C heap's arenas at `arenas`; True if the C library took it. Call before threads start:
+    an arena once made is kept."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    return bool(mallopt(M_ARENA_MAX, arenas))
 
 
 @functools.cache

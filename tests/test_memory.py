@@ -3,10 +3,16 @@
 from __future__ import annotations
 
 import platform
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
-from app.memory import release_free_memory
+from app.memory import MALLOC_ARENAS, release_free_memory
+
+glibc = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim and arenas are glibc's")
+HEAP_SIZE = 64 << 20  # glibc's HEAP_MAX_SIZE on 64-bit: every arena but the main one is such a heap
 
 
 def anon_kib() -> int:
@@ -14,7 +20,7 @@ def anon_kib() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("RssAnon:"))
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's; elsewhere a no-op")
+@glibc
 def test_memory_freed_between_live_blocks_is_given_back() -> None:
     # 64 MiB in 4 KiB blocks (from malloc's heap, below its mmap threshold), one in 64 kept: the heap
     # cannot shrink past the kept ones, so the freed pages stay resident until trimmed.
@@ -26,3 +32,57 @@ def test_memory_freed_between_live_blocks_is_given_back() -> None:
     after = anon_kib()
     assert before - after > 32 * 1024, (before, after)
     assert len(kept) == 256
+
+
+def thread_heaps(pid: int | str = "self") -> int:
+    """How many of glibc's thread arenas process `pid` has: a mapping aligned to 64 MiB, readable and
+    writable where used, reserved (---p) for the rest, 64 MiB in all."""
+    spans = []
+    with open(f"/proc/{pid}/maps") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) == 5:  # anonymous
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                spans.append((start, end, fields[1]))
+    heaps = 0
+    for start, end, perms in spans:
+        if start % HEAP_SIZE == 0 and perms == "rw-p":
+            for more_start, more_end, _ in spans:
+                if more_start == end and more_end - start <= HEAP_SIZE:
+                    end = more_end
+            heaps += end - start == HEAP_SIZE
+    return heaps
+
+
+THREADS_THAT_MALLOC = textwrap.dedent(
+    """
+    import sys, threading, time
+    from app.memory import limit_malloc_arenas
+    from tests.test_memory import thread_heaps
+    if sys.argv[1] == "limited":
+        assert limit_malloc_arenas()
+    started, done, kept = threading.Barrier(9), threading.Event(), []
+    def work():
+        kept.append([bytes(4000) for _ in range(100)])  # from malloc, not Python's small-object arenas
+        started.wait()
+        done.wait()
+    threads = [threading.Thread(target=work) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    started.wait()
+    print(thread_heaps())
+    done.set()
+    """
+)
+
+
+@glibc
+def test_with_arenas_limited_eight_threads_share_one_heap_besides_the_main_one() -> None:
+    def heaps(mode: str) -> int:
+        run = subprocess.run(
+            [sys.executable, "-c", THREADS_THAT_MALLOC, mode], capture_output=True, text=True, check=True
+        )
+        return int(run.stdout)
+
+    assert heaps("limited") == MALLOC_ARENAS - 1
+    assert heaps("unlimited") >= 4  # glibc's default: a new arena for each new thread, up to 8 per core
