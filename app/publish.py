@@ -153,8 +153,20 @@ class ChunkPublisher:
 
     # -- resuming from the output
     def last_published_chunk(self, rank: int) -> int:
-        """The last chunk of an unbroken run `0..i` of this rank's published chunks (-1 if none)."""
+        """The last chunk of an unbroken run `0..i` of this rank's published chunks (-1 if none).
+
+        Most ranks a proxy meets are new (a datatrove task's first request): one look for their chunk 0
+        answers them, where a listing grows with everything published to the output."""
+        if not self._published(self.names.name(rank, 0)):
+            return -1
         return last_published_chunk(self._listing(rank), self.names.pattern(rank))
+
+    def _published(self, name: str) -> bool:
+        if self._fs is not None:
+            path = f"{self._root.rstrip('/')}/{name}"
+            self._fs.invalidate_cache(path.rpartition("/")[0])  # another proxy may have published it since
+            return bool(self._fs.exists(path))
+        return os.path.exists(os.path.join(self.output, name))
 
     def _listing(self, rank: int) -> list[str]:
         """Names (relative to the output) that may be this rank's chunks: one listing where the

@@ -142,6 +142,24 @@ async def test_the_publisher_lists_what_it_published(tmp_path: Path, template: s
         assert writer.last_published_chunk(1) == -1
 
 
+async def test_a_rank_without_a_chunk_0_in_the_output_is_known_new_without_listing_the_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A proxy meets a new rank a second in a job of many tasks; the output may hold 100,000 chunks."""
+    managers = [manager(tmp_path / "ckpt", 2) for _ in range(2)]  # one a rank
+    with ChunkPublisher(str(tmp_path / "out"), str(tmp_path / "ckpt")) as writer:
+        for position, doc in enumerate(documents(6)):
+            await managers[position % 2].write_document(doc, position % 2, position // 4, writer)
+
+        def no_listing(rank: int) -> list[str]:
+            raise AssertionError(f"the output was listed for rank {rank}")
+
+        monkeypatch.setattr(writer, "_listing", no_listing)
+        assert [writer.last_published_chunk(rank) for rank in (2, 3, 1000)] == [-1, -1, -1]
+        monkeypatch.undo()
+        assert [writer.last_published_chunk(rank) for rank in (0, 1)] == [0, 0]
+
+
 async def test_the_publisher_keeps_nothing_of_the_chunks_it_has_published(tmp_path: Path) -> None:
     """One publisher serves a proxy for its whole life: thousands of chunks an hour in bench/soak.py."""
     cm = manager(tmp_path / "ckpt", 2)
