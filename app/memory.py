@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from collections.abc import Callable
 
 
@@ -31,8 +32,11 @@ MALLOC_ARENAS = 2  # the main thread's, and one the other threads share: they se
 
 
 def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
-    """Cap the C heap's arenas at `arenas`; True if the C library took it. Call before threads start:
-    an arena once made is kept."""
+    """Cap the C heap's arenas at `arenas`, unless `MALLOC_ARENA_MAX` in the environment says how many
+    (glibc's own setting: the operator's choice stands); True if the C library took the cap. Call
+    before threads start: an arena once made is kept."""
+    if os.environ.get("MALLOC_ARENA_MAX"):
+        return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -60,7 +61,7 @@ THREADS_THAT_MALLOC = textwrap.dedent(
     from app.memory import limit_malloc_arenas
     from tests.test_memory import thread_heaps
     if sys.argv[1] == "limited":
-        assert limit_malloc_arenas()
+        limit_malloc_arenas()
     started, done, kept = threading.Barrier(9), threading.Event(), []
     def work():
         kept.append([bytes(4000) for _ in range(100)])  # from malloc, not Python's small-object arenas
@@ -78,11 +79,23 @@ THREADS_THAT_MALLOC = textwrap.dedent(
 
 @glibc
 def test_with_arenas_limited_eight_threads_share_one_heap_besides_the_main_one() -> None:
-    def heaps(mode: str) -> int:
-        run = subprocess.run(
-            [sys.executable, "-c", THREADS_THAT_MALLOC, mode], capture_output=True, text=True, check=True
-        )
-        return int(run.stdout)
-
     assert heaps("limited") == MALLOC_ARENAS - 1
     assert heaps("unlimited") >= 4  # glibc's default: a new arena for each new thread, up to 8 per core
+
+
+@glibc
+def test_malloc_arena_max_in_the_environment_is_left_to_glibc() -> None:
+    """An operator who set glibc's own `MALLOC_ARENA_MAX` gets that many, not the proxy's cap."""
+    assert heaps("limited", MALLOC_ARENA_MAX="6") == 5
+
+
+def heaps(mode: str, **env: str) -> int:
+    """The thread heaps of a Python process whose 8 threads malloc at once, its arenas `limited` or not."""
+    run = subprocess.run(
+        [sys.executable, "-c", THREADS_THAT_MALLOC, mode],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, **env},
+    )
+    return int(run.stdout)
