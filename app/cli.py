@@ -150,7 +150,8 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inferproxy", description="Caching and checkpointing for batch inference.")
     parser.add_argument("--version", action="version", version=f"inferproxy {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    # `demo-job` is what `demo` runs, not for users: left out of the list and the help.
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,fake-upstream,demo,inspect,status}")
     shows_defaults = _HelpFormatter
 
     serve_parser = commands.add_parser(
@@ -215,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     job_parser = commands.add_parser(
-        "demo-job", help="the job `demo` runs (one run of it)", formatter_class=shows_defaults
+        "demo-job", description="the job `demo` runs (one run of it)", formatter_class=shows_defaults
     )
     _demo_arguments(job_parser)
     job_parser.add_argument("--proxy", required=True, help="the proxy's URL")

@@ -26,6 +26,14 @@ def test_every_option_of_every_subcommand_has_a_help_text_and_no_none_default(co
     assert "None" not in parser.format_help()
 
 
+def test_the_help_lists_the_users_commands_and_not_the_demos_internal_job() -> None:
+    listed = build_parser().format_help()
+    for command in ("serve", "fake-upstream", "demo", "inspect", "status"):
+        assert f"\n    {command} " in listed, command
+    assert "demo-job" not in listed
+    assert "the job `demo` runs" in subcommands()["demo-job"].format_help()  # still there for `demo`
+
+
 def test_serve_help_shows_each_settings_real_default() -> None:
     serve = subcommands()["serve"]
     helps = {action.dest: action.help or "" for action in serve._actions}
