@@ -160,6 +160,10 @@ class FakeUpstream:
         if body is None:
             return
         fault = body.get("fake_upstream") or {}
+        problem = fault_problem(fault)
+        if problem is not None:  # a test asking for a fault that never happens would pass for nothing
+            await send_bytes(send, 400, JSON, vllm_error(problem, "BadRequestError", 400))
+            return
         await asyncio.sleep(float(fault.get("latency_ms", self.latency * 1000)) / 1000.0)
         status = int(fault.get("status", 200))
         if status != 200 and self._attempts[payload_hash(body)] < int(fault.get("fail_times", 1 << 30)):
@@ -302,6 +306,32 @@ class FakeUpstream:
             "usage": {**self.usage(body, 0), "completion_tokens": 0},
         }
         return orjson.dumps(answer)
+
+
+#: the faults a request may ask for under `fake_upstream`, each a number
+FAULTS = (
+    "latency_ms",
+    "status",
+    "fail_times",
+    "retry_after",
+    "error_with_status",
+    "chunk_delay_ms",
+    "disconnect_after_chunks",
+    "error_event_after_chunks",
+)
+
+
+def fault_problem(fault: Any) -> str | None:
+    """What is wrong with a request's `fake_upstream` object, if anything."""
+    if not isinstance(fault, dict):
+        return f"fake_upstream must be an object of faults ({', '.join(FAULTS)})"
+    unknown = sorted(set(fault) - set(FAULTS))
+    if unknown:
+        return f"fake_upstream: unknown fault {', '.join(map(repr, unknown))}; the faults are {', '.join(FAULTS)}"
+    for name, value in fault.items():
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return f"fake_upstream: {name} must be a number, not {value!r}"
+    return None
 
 
 async def json_object(raw: bytes, send: Send) -> dict[str, Any] | None:

@@ -8,6 +8,7 @@ import base64
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx
 import orjson
 import pytest
 
@@ -18,7 +19,7 @@ from app.http.memory import ASGIConnector
 from app.upstream import UpstreamPool, response_headers
 from tests.canned import canned_server
 from tests.factories import chat_request
-from tests.servers import free_port
+from tests.servers import fake_upstream, free_port
 
 JSON = [(b"content-type", b"application/json")]
 
@@ -192,3 +193,23 @@ async def test_an_invalid_answer_is_a_502_at_once_without_retries(answer: bytes)
         assert server.connections == 1
         assert pool.replicas[0].healthy  # it answers: the fault is in what it says
         await pool.close()
+
+
+@pytest.mark.parametrize(
+    ("fault", "says"),
+    [
+        ({"status": 503, "retry_afetr": 1}, "unknown fault 'retry_afetr'; the faults are latency_ms, status,"),
+        ({"latency_ms": "200"}, "latency_ms must be a number, not '200'"),
+        ({"disconnect_after_chunks": True}, "disconnect_after_chunks must be a number, not True"),
+        ([{"status": 503}], "fake_upstream must be an object of faults (latency_ms, status,"),
+    ],
+)
+async def test_the_fake_upstream_refuses_a_fault_it_does_not_know_rather_than_answer_without_it(
+    fault: object, says: str
+) -> None:
+    # A test asking for a misspelt fault would get a healthy answer, and pass without testing anything.
+    async with fake_upstream() as (url, fake), httpx.AsyncClient(base_url=url) as client:
+        answer = await client.post("/v1/chat/completions", json=chat_request(fake_upstream=fault))
+    assert answer.status_code == 400
+    assert says in answer.json()["error"]["message"]
+    assert fake.generations == 0
