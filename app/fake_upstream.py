@@ -308,17 +308,17 @@ class FakeUpstream:
         return orjson.dumps(answer)
 
 
-#: the faults a request may ask for under `fake_upstream`, each a number
-FAULTS = (
-    "latency_ms",
-    "status",
-    "fail_times",
-    "retry_after",
-    "error_with_status",
-    "chunk_delay_ms",
-    "disconnect_after_chunks",
-    "error_event_after_chunks",
-)
+#: the faults a request may ask for under `fake_upstream`: name -> (integers only, least, most)
+FAULTS: dict[str, tuple[bool, int, int]] = {
+    "latency_ms": (False, 0, 3_600_000),
+    "status": (True, 200, 599),
+    "fail_times": (True, 0, 1 << 30),
+    "retry_after": (False, 0, 86_400),
+    "error_with_status": (True, 200, 599),
+    "chunk_delay_ms": (False, 0, 3_600_000),
+    "disconnect_after_chunks": (True, 0, 1 << 30),
+    "error_event_after_chunks": (True, 0, 1 << 30),
+}
 
 
 def fault_problem(fault: Any) -> str | None:
@@ -329,8 +329,11 @@ def fault_problem(fault: Any) -> str | None:
     if unknown:
         return f"fake_upstream: unknown fault {', '.join(map(repr, unknown))}; the faults are {', '.join(FAULTS)}"
     for name, value in fault.items():
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            return f"fake_upstream: {name} must be a number, not {value!r}"
+        integer, least, most = FAULTS[name]
+        kind = int if integer else int | float
+        if isinstance(value, bool) or not isinstance(value, kind) or not least <= value <= most:
+            wanted = "an integer" if integer else "a number"
+            return f"fake_upstream: {name} must be {wanted} from {least:,} to {most:,}, not {value!r}"
     return None
 
 

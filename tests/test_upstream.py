@@ -199,8 +199,12 @@ async def test_an_invalid_answer_is_a_502_at_once_without_retries(answer: bytes)
     ("fault", "says"),
     [
         ({"status": 503, "retry_afetr": 1}, "unknown fault 'retry_afetr'; the faults are latency_ms, status,"),
-        ({"latency_ms": "200"}, "latency_ms must be a number, not '200'"),
-        ({"disconnect_after_chunks": True}, "disconnect_after_chunks must be a number, not True"),
+        ({"latency_ms": "200"}, "latency_ms must be a number from 0 to 3,600,000, not '200'"),
+        ({"latency_ms": 1e300}, "latency_ms must be a number from 0 to 3,600,000, not 1e+300"),
+        ({"disconnect_after_chunks": True}, "disconnect_after_chunks must be an integer from 0 to"),
+        ({"disconnect_after_chunks": 1.5}, "disconnect_after_chunks must be an integer from 0 to"),
+        ({"status": 99}, "status must be an integer from 200 to 599, not 99"),
+        ({"error_with_status": 1000}, "error_with_status must be an integer from 200 to 599, not 1000"),
         ([{"status": 503}], "fake_upstream must be an object of faults (latency_ms, status,"),
     ],
 )
