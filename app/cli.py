@@ -413,6 +413,19 @@ def fake_upstream(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """`inferproxy ...`. A reader that stops reading its output early (`inferproxy status --once | head -1`)
+    ends it quietly with exit code 1, as other commands in a pipe do, rather than with a traceback."""
+    try:
+        code = dispatch(argv)
+        sys.stdout.flush()  # inside the `try`: a write left for the interpreter's exit would fail out of reach
+        return code
+    except BrokenPipeError:
+        # stdout is flushed once more at exit: send what is left of it nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+def dispatch(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         return serve(args)

@@ -154,3 +154,27 @@ def test_serve_on_a_checkpoints_dir_whose_meta_file_is_a_link_refuses_in_one_lin
         f"inferproxy serve: {checkpoints / 'checkpoint_meta.json'} is a symbolic link, not a regular file: "
     )
     assert done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", [["inspect", "{root}"], ["inspect", "{root}", "--json"]])
+def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path: Path, command: list[str]) -> None:
+    # `inferproxy status --once | head -1`, `inferproxy inspect DIR --json | head`: the reader has gone
+    # before the command writes (its end of the pipe closed before the command starts).
+    import os
+
+    (tmp_path / "checkpoint_meta.json").write_text('{"records_per_chunk": 3}')
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "app.cli", *(arg.format(root=tmp_path) for arg in command)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.close(write)
+    assert done.stderr == ""
+    assert done.returncode == 1
