@@ -120,6 +120,14 @@ def test_every_code_block_says_its_language_and_every_block_not_run_says_why() -
     assert markers == sum(1 for b in readme_blocks() if b.not_run), "a not-run marker stands just before its block"
 
 
+def test_every_code_block_in_a_list_item_says_its_language_too() -> None:
+    # `readme_blocks` sees the blocks at the margin only; one indented into a list item is shown, never run
+    fences = list(re.finditer(r"^ *```(\S*)$", README, re.MULTILINE))
+    for opening in fences[::2]:  # each block's opening fence, its closing one next
+        where = f"README.md:{README[: opening.start()].count(chr(10)) + 1}"
+        assert opening.group(1) in ("sh", "python", *SHOWN), f"{where}: a block is sh, python, or one of {SHOWN}"
+
+
 class Reader:
     """A reader of the README at a shell, in a fresh folder: runs its blocks, keeps its servers."""
 
