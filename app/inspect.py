@@ -115,9 +115,15 @@ def inspect_dir(
             if records_per_chunk is not None
             else "pass --records-per-chunk N (the value the job was run with) to see what /resume will answer"
         )
+        # A proxy records it with the first document it checkpoints: before, its ranks hold caches only.
+        cause = (
+            "checkpoints written by datatrove or an older inferproxy"
+            if _any_checkpoint(layout)
+            else "no document checkpointed yet: the ranks hold request caches only"
+        )
         problems.append(
-            f"{layout.meta_file} is missing, so records_per_chunk is unknown (checkpoints written by datatrove "
-            f"or an older inferproxy): a restarted proxy trusts and records its own --records-per-chunk; {given}"
+            f"{layout.meta_file} is missing, so records_per_chunk is unknown ({cause}): "
+            f"a restarted proxy trusts and records its own --records-per-chunk; {given}"
         )
     publisher = ChunkPublisher(output, root, output_filename or DEFAULT_OUTPUT_FILENAME) if output else None
     rpc = recorded if recorded is not None else records_per_chunk
@@ -127,6 +133,17 @@ def inspect_dir(
     problems += refused
     reports = [_rank_report(layout.rank(rank), rpc, publisher, refused=bool(refused)) for rank in chosen]
     return DirReport(root, recorded, reports, problems)
+
+
+def _any_checkpoint(layout: CheckpointsLayout) -> bool:
+    """Whether any rank has a chunk file or a last_chunk file (one that cannot be listed is taken to)."""
+    for rank in layout.known_ranks():
+        try:
+            if layout.rank(rank).has_checkpoints():
+                return True
+        except OSError:
+            return True
+    return False
 
 
 def _unsafe(path: str, folder: bool = False) -> UnsafeFileError | None:

@@ -204,6 +204,16 @@ def test_a_dir_without_records_per_chunk_says_so_and_takes_it_from_the_flag(tmp_
     assert (resume.last_chunk_index, resume.docs_to_skip) == (1, 4)
 
 
+async def test_a_proxys_dir_with_caches_only_is_not_taken_for_datatrove_checkpoints(tmp_path: Path) -> None:
+    # The README's first use of the proxy: requests cached, no document sent yet, so nothing recorded.
+    root = tmp_path / "checkpoints"
+    cache = await open_cache(root)
+    await cache.close()
+    (problem,) = inspect_dir(str(root)).problems
+    assert "no document checkpointed yet" in problem
+    assert "datatrove" not in problem
+
+
 def test_a_records_per_chunk_other_than_the_recorded_one_is_reported_and_not_used(tmp_path: Path) -> None:
     root = checkpoints(tmp_path / "checkpoints", "0")
     report = inspect_dir(str(root), records_per_chunk=5)
