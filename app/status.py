@@ -337,7 +337,8 @@ def _documents_done(ranks: list[Rank]) -> str:
     if not ranks:
         return "no job yet"
     if len(declared) < len(ranks):
-        return f"documents done {count(done)} on {len(ranks)} ranks (totals declared by {len(declared)})"
+        on = f"{len(ranks)} rank" + ("s" if len(ranks) > 1 else "")
+        return f"documents done {count(done)} on {on} (totals declared by {len(declared)})"
     total = sum(declared)
     unfinished = [r["eta_s"] for r in ranks if r["progress"] != 1]
     if not unfinished:

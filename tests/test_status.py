@@ -44,6 +44,13 @@ async def inferproxy_status(*args: str, env: dict[str, str] | None = None) -> tu
     return proc.returncode, out.decode(), err.decode()
 
 
+def test_one_rank_without_a_declared_total_is_one_rank() -> None:
+    # What `inferproxy status` shows after the README's first request through the proxy.
+    rank: Any = {"done_documents": None, "total_documents": None}
+    assert status._documents_done([rank]) == "documents done 0 on 1 rank (totals declared by 0)"
+    assert status._documents_done([rank, rank]) == "documents done 0 on 2 ranks (totals declared by 0)"
+
+
 async def test_once_shows_each_ranks_progress_and_the_hit_ratio_of_stats(tmp_path: Path) -> None:
     async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url)) as proxy:
         await run_rank(proxy, 0, 12, total=12, cached=4)
