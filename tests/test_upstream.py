@@ -217,3 +217,24 @@ async def test_the_fake_upstream_refuses_a_fault_it_does_not_know_rather_than_an
     assert answer.status_code == 400
     assert says in answer.json()["error"]["message"]
     assert fake.generations == 0
+
+
+async def test_the_fake_upstreams_injected_304_has_no_body_to_spill_into_the_next_answer() -> None:
+    """A fault allowed (200-599) must give a well-formed answer: under uvicorn, a 304 written with its
+    error body left those bytes on the connection, where the client read them as the next answer."""
+    async with fake_upstream() as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        for fault in ({"status": 304}, {"error_with_status": 304}):
+            body = orjson.dumps(chat_request(fake_upstream=fault))
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            writer.write(head + b"content-length: %d\r\n\r\n%b" % (len(body), body))
+            status_line = await reader.readline()
+            assert status_line.startswith(b"HTTP/1.1 304"), status_line
+            headers = (await reader.readuntil(b"\r\n\r\n")).lower()
+            assert b"content-length" not in headers
+            assert b"transfer-encoding" not in headers
+        writer.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert (await reader.readline()).startswith(b"HTTP/1.1 200"), "the 304's body was read as the next answer"
+        writer.close()
+
