@@ -159,7 +159,9 @@ class FakeUpstream:
         body = await json_object(raw, send)
         if body is None:
             return
-        fault = body.get("fake_upstream") or {}
+        fault = body.get("fake_upstream")
+        if fault is None:  # only null or absent is "no fault": `[]`, `0`, `""` are mistakes, refused below
+            fault = {}
         problem = fault_problem(fault)
         if problem is not None:  # a test asking for a fault that never happens would pass for nothing
             await send_bytes(send, 400, JSON, vllm_error(problem, "BadRequestError", 400))

@@ -238,3 +238,11 @@ async def test_the_fake_upstreams_injected_304_has_no_body_to_spill_into_the_nex
         assert (await reader.readline()).startswith(b"HTTP/1.1 200"), "the 304's body was read as the next answer"
         writer.close()
 
+
+@pytest.mark.parametrize("fault", [[], 0, False, ""])
+async def test_the_fake_upstream_refuses_a_fake_upstream_that_is_empty_but_not_an_object(fault: object) -> None:
+    async with fake_upstream() as (url, fake), httpx.AsyncClient(base_url=url) as client:
+        answer = await client.post("/v1/chat/completions", json=chat_request(fake_upstream=fault))
+    assert answer.status_code == 400
+    assert "fake_upstream must be an object of faults" in answer.json()["error"]["message"]
+    assert fake.generations == 0
