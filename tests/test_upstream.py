@@ -246,3 +246,19 @@ async def test_the_fake_upstream_refuses_a_fake_upstream_that_is_empty_but_not_a
     assert answer.status_code == 400
     assert "fake_upstream must be an object of faults" in answer.json()["error"]["message"]
     assert fake.generations == 0
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", "-nan"])
+async def test_a_retry_after_of_nan_is_ignored_not_slept_on(value: str) -> None:
+    """float() takes "nan": asyncio.sleep(nan) never wakes under asyncio (the request stalls, holding its
+    slot), and raises ValueError under uvloop (a 500 in place of the retry)."""
+    busy = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: %b\r\nContent-Length: 2\r\n\r\n{}" % value.encode()
+    ok = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    async with canned_server([busy, ok]) as server:
+        pool = UpstreamPool([server.url], retries=3, backoff_s=0.001, read_timeout_s=30)
+        async with (
+            asyncio.timeout(10),
+            pool.request("POST", "/v1/chat/completions", headers=JSON, body=body()) as answer,
+        ):
+            assert answer.status == 200
+        await pool.close()
