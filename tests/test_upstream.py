@@ -206,6 +206,8 @@ async def test_an_invalid_answer_is_a_502_at_once_without_retries(answer: bytes)
         ({"status": 99}, "status must be an integer from 200 to 599, not 99"),
         ({"error_with_status": 1000}, "error_with_status must be an integer from 200 to 599, not 1000"),
         ([{"status": 503}], "fake_upstream must be an object of faults (latency_ms, status,"),
+        ({"disconnect_after_chunks": 2}, "disconnect_after_chunks act(s) on streamed answers only"),
+        ({"chunk_delay_ms": 5, "latency_ms": 1}, "chunk_delay_ms act(s) on streamed answers only"),
     ],
 )
 async def test_the_fake_upstream_refuses_a_fault_it_does_not_know_rather_than_answer_without_it(
