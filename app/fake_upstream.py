@@ -341,6 +341,8 @@ def fault_problem(fault: Any, streamed: bool = True) -> str | None:
         if isinstance(value, bool) or not isinstance(value, kind) or not least <= value <= most:
             wanted = "an integer" if integer else "a number"
             return f"fake_upstream: {name} must be {wanted} from {least:,} to {most:,}, not {value!r}"
+    if fault.get("error_with_status") in (204, 304):  # sent without a body: the error would never be seen
+        return f"fake_upstream: error_with_status {fault['error_with_status']} cannot carry the error it injects"
     stream_only = [name for name in STREAM_FAULTS if name in fault]
     if stream_only and not streamed:
         return (

@@ -207,6 +207,8 @@ async def test_an_invalid_answer_is_a_502_at_once_without_retries(answer: bytes)
         ({"error_with_status": 1000}, "error_with_status must be an integer from 200 to 599, not 1000"),
         ([{"status": 503}], "fake_upstream must be an object of faults (latency_ms, status,"),
         ({"disconnect_after_chunks": 2}, "disconnect_after_chunks act(s) on streamed answers only"),
+        ({"error_with_status": 204}, "error_with_status 204 cannot carry the error it injects"),
+        ({"error_with_status": 304}, "error_with_status 304 cannot carry the error it injects"),
         ({"chunk_delay_ms": 5, "latency_ms": 1}, "chunk_delay_ms act(s) on streamed answers only"),
     ],
 )
@@ -227,7 +229,7 @@ async def test_the_fake_upstreams_injected_304_has_no_body_to_spill_into_the_nex
     async with fake_upstream() as (url, _):
         host, port = url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
-        for fault in ({"status": 304}, {"error_with_status": 304}):
+        for fault in ({"status": 304}, {"status": 304, "fail_times": 5}):
             body = orjson.dumps(chat_request(fake_upstream=fault))
             head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             writer.write(head + b"content-length: %d\r\n\r\n%b" % (len(body), body))
