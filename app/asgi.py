@@ -64,9 +64,10 @@ class ClientGone(Exception):
 
 
 async def send_bytes(send: Send, status: int, headers: Headers, body: bytes) -> None:
-    """A whole answer; a 204 goes without Content-Length or body (RFC 9110 §8.6), whichever server
-    writes it (uvicorn writes what it is given)."""
-    if status == 204:
+    """A whole answer; a 204 or a 304 goes without Content-Length or body (RFC 9110 §8.6, §15.4.5),
+    whichever server writes it (uvicorn writes what it is given: a 304's body would be read by the
+    client as the start of the next answer on the connection)."""
+    if status == 204 or status == 304:
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": b""})
         return

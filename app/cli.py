@@ -255,12 +255,16 @@ GC_YOUNG_THRESHOLD = 20_000
 
 
 def serve(args: argparse.Namespace) -> int:
+    from app.memory import limit_malloc_arenas
+
+    # First of all: an arena once made is kept, and checking an s3:// output (below) starts fsspec's
+    # and the resolver's threads, each with an arena of its own (3 more, measured) if not capped yet.
+    limit_malloc_arenas()
     import uvloop
 
     from app.durable import UnsafeFileError
     from app.http.server import CannotListen
     from app.main import create_server
-    from app.memory import limit_malloc_arenas
     from app.output_check import check_output
 
     flags = {name: getattr(args, name) for name in Settings.model_fields}
@@ -278,7 +282,6 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     logs.configure(settings.log_level, settings.log_format)
     raise_open_files_limit()
-    limit_malloc_arenas()  # before the server's threads (SQLite's writers, the pool) start
     server = create_server(settings)
     # What is loaded by now lives as long as the process: keep it out of the
     # garbage collector's generations, which then only scan request garbage.

@@ -159,8 +159,10 @@ class FakeUpstream:
         body = await json_object(raw, send)
         if body is None:
             return
-        fault = body.get("fake_upstream") or {}
-        problem = fault_problem(fault)
+        fault = body.get("fake_upstream")
+        if fault is None:  # only null or absent is "no fault": `[]`, `0`, `""` are mistakes, refused below
+            fault = {}
+        problem = fault_problem(fault, streamed=bool(body.get("stream")))
         if problem is not None:  # a test asking for a fault that never happens would pass for nothing
             await send_bytes(send, 400, JSON, vllm_error(problem, "BadRequestError", 400))
             return
@@ -321,8 +323,13 @@ FAULTS: dict[str, tuple[bool, int, int]] = {
 }
 
 
-def fault_problem(fault: Any) -> str | None:
-    """What is wrong with a request's `fake_upstream` object, if anything."""
+#: the faults that act between the chunks of a streamed answer: on any other they would never happen
+STREAM_FAULTS = ("chunk_delay_ms", "disconnect_after_chunks", "error_event_after_chunks")
+
+
+def fault_problem(fault: Any, streamed: bool = True) -> str | None:
+    """What is wrong with a request's `fake_upstream` object, if anything (`streamed`: the request asks
+    for a stream)."""
     if not isinstance(fault, dict):
         return f"fake_upstream must be an object of faults ({', '.join(FAULTS)})"
     unknown = sorted(set(fault) - set(FAULTS))
@@ -334,6 +341,13 @@ def fault_problem(fault: Any) -> str | None:
         if isinstance(value, bool) or not isinstance(value, kind) or not least <= value <= most:
             wanted = "an integer" if integer else "a number"
             return f"fake_upstream: {name} must be {wanted} from {least:,} to {most:,}, not {value!r}"
+    if fault.get("error_with_status") in (204, 304):  # sent without a body: the error would never be seen
+        return f"fake_upstream: error_with_status {fault['error_with_status']} cannot carry the error it injects"
+    stream_only = [name for name in STREAM_FAULTS if name in fault]
+    if stream_only and not streamed:
+        return (
+            f"fake_upstream: {', '.join(stream_only)} act(s) on streamed answers only: this request has no stream: true"
+        )
     return None
 
 

@@ -32,16 +32,32 @@ MALLOC_ARENAS = 2  # the main thread's, and one the other threads share: they se
 
 
 def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
-    """Cap the C heap's arenas at `arenas`, unless `MALLOC_ARENA_MAX` in the environment says how many
-    (glibc's own setting: the operator's choice stands); True if the C library took the cap. Call
-    before threads start: an arena once made is kept."""
-    if os.environ.get("MALLOC_ARENA_MAX"):
+    """Cap the C heap's arenas at `arenas`, unless the operator told glibc how many (the operator's choice
+    stands); True if the C library took the cap. Call before threads start: an arena once made is kept."""
+    if operator_arena_max() is not None:
         return False
     try:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc
         return False
     return bool(mallopt(M_ARENA_MAX, arenas))
+
+
+def operator_arena_max() -> str | None:
+    """The arena limit the environment gives glibc, as written: `glibc.malloc.arena_max` in
+    `GLIBC_TUNABLES` (glibc's own way, last one wins), else `MALLOC_ARENA_MAX`, its older alias. A
+    value glibc ignores (not a whole number of at least 1: `abc`, `0`, empty) is none: left to
+    glibc, it would leave the heap at glibc's 8 arenas a core."""
+    value = None
+    for tunable in os.environ.get("GLIBC_TUNABLES", "").split(":"):
+        name, _, setting = tunable.partition("=")
+        if name == "glibc.malloc.arena_max":
+            value = setting
+    if value is None:
+        value = os.environ.get("MALLOC_ARENA_MAX")
+    if value is None or not value.strip().isdigit() or int(value) < 1:
+        return None
+    return value
 
 
 @functools.cache

@@ -162,11 +162,20 @@ class ChunkPublisher:
         return last_published_chunk(self._listing(rank), self.names.pattern(rank))
 
     def _published(self, name: str) -> bool:
-        if self._fs is not None:
-            path = f"{self._root.rstrip('/')}/{name}"
-            self._fs.invalidate_cache(path.rpartition("/")[0])  # another proxy may have published it since
-            return bool(self._fs.exists(path))
-        return os.path.exists(os.path.join(self.output, name))
+        """Whether `name` is in the output. Only "not found" is an answer: any other failure to look
+        (a network file system's EIO or ESTALE, a symlink loop, S3 throttling) is raised, as a listing
+        raises it, never taken for "new rank" (`os.path.exists` and fsspec's `exists` swallow every
+        error): the rank would start again from chunk 0 and generate its whole output again."""
+        try:
+            if self._fs is not None:
+                path = f"{self._root.rstrip('/')}/{name}"
+                self._fs.invalidate_cache(path.rpartition("/")[0])  # another proxy may have published it since
+                self._fs.info(path)
+            else:
+                os.stat(os.path.join(self.output, name))
+        except (FileNotFoundError, NotADirectoryError):
+            return False
+        return True
 
     def _listing(self, rank: int) -> list[str]:
         """Names (relative to the output) that may be this rank's chunks: one listing where the

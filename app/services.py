@@ -294,11 +294,20 @@ class CheckpointRegistry:
         return self.layout.rank(rank).has_working_files()
 
     async def last_chunk(self, rank: int) -> int:
-        """The rank's last published chunk as the disk says, without opening it (claims it)."""
-        with opening_files(rank):
-            await self.admit(rank)
-            await self.recover_from_output(rank)
-            return read_last_chunk(self.layout.rank(rank).last_chunk_file)
+        """The rank's last published chunk as the disk says, without opening it (claims it).
+
+        Under the rank's opening lock, as `get` recovers and opens it: a recovery from the output (a
+        listing, seconds on a big bucket) must not write its `last_chunk` after the rank was opened
+        meanwhile and completed a chunk past it, taking `last_chunk` back.
+        """
+        async with self._opening.hold(rank):
+            manager = self._managers.get(rank)
+            if manager is not None:  # opened while this request waited: it knows best
+                return manager.last_chunk_index
+            with opening_files(rank):
+                await self.admit(rank)
+                await self.recover_from_output(rank)
+                return read_last_chunk(self.layout.rank(rank).last_chunk_file)
 
     async def recover_from_output(self, rank: int) -> None:
         """A rank without any checkpoint on disk resumes after its last published chunk.

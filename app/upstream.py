@@ -35,6 +35,7 @@ import collections
 import contextlib
 import email.utils
 import logging
+import math
 import random
 import time
 from collections.abc import AsyncIterator, Iterable
@@ -420,6 +421,8 @@ def parse_retry_after(value: str | None) -> float | None:
         except (TypeError, ValueError):
             return None
         seconds = when.timestamp() - time.time()
+    if math.isnan(seconds):  # float() takes "nan": slept on, it stalls asyncio for good, and uvloop raises
+        return None
     return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
 
 

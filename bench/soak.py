@@ -717,10 +717,15 @@ def verdict(result: dict[str, Any], warmup: float, memory_warmup: float | None =
     memory_warmup = warmup if memory_warmup is None else max(warmup, memory_warmup)
     samples = [s for s in result["samples"] if s["t"] > warmup]
     probes = [p for p in result["probes"] if p.t > warmup]
+    if len(samples) < 3 or len(probes) < 10:
+        raise SystemExit("soak: too short after the warm-up to judge: run longer, or lower --warmup")
     memory_samples = [s for s in samples if s["t"] > memory_warmup]
     memory_probes = [p for p in probes if p.t > memory_warmup]
-    if len(memory_samples) < 3 or len(memory_probes) < 10:
-        raise SystemExit("soak: too short after the warm-up to judge: run longer, or lower --warmup")
+    # A run that ends within memory's warm-up (`--long --duration 1200`) is still judged on the rest, and
+    # saved: its memory is shown from the general warm-up, not judged.
+    memory_short = len(memory_samples) < 3 or len(memory_probes) < 10
+    if memory_short:
+        memory_warmup, memory_samples, memory_probes = warmup, samples, probes
     rate = statistics.fmean(s["requests_per_s"] for s in samples)
     anon = [(p.t, p.anon / 1024) for p in memory_probes]
     half_mean = statistics.fmean(y for _, y in anon[len(anon) // 2 :])
@@ -757,7 +762,7 @@ def verdict(result: dict[str, Any], warmup: float, memory_warmup: float | None =
     errors = sum(sum(s["errors"].values()) for s in result["samples"])
     unexpected = sum(sum(s["unexpected"].values()) for s in result["samples"])
     shed = sum(s["shed"] for s in result["samples"])
-    memory["judged"] = memory_probes[-1].t - memory_probes[0].t >= MEMORY_JUDGED_FROM_S
+    memory["judged"] = not memory_short and memory_probes[-1].t - memory_probes[0].t >= MEMORY_JUDGED_FROM_S
     memory["warmup"] = memory_warmup
     # For the record: the climb the memory warm-up leaves out, from the end of the general one.
     memory["since_warmup"] = (samples[0]["anon_mib"], memory_samples[0]["anon_mib"], samples[-1]["anon_mib"])

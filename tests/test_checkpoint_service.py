@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import gzip
 import json
 import logging
 import os
 import shutil
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ import pytest
 import app.checkpointing
 import app.durable
 import app.publish
+from app.publish import ChunkPublisher
 from app.routes.checkpoints import public_output
 from app.settings import Settings
 from tests.servers import fake_upstream, proxy_client
@@ -563,3 +566,40 @@ async def test_a_last_chunk_file_beyond_any_chunk_index_is_read_as_a_corrupt_one
     assert answer.status_code == 200
     assert (answer.json()["last_chunk_index"], answer.json()["docs_to_skip"]) == (-1, 0)
     assert f"{last_chunk} is empty or unreadable ('99999999999999999999999999999'): not a chunk index" in caplog.text
+
+
+async def test_a_resume_listing_the_output_meanwhile_never_moves_last_chunk_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Checkpoints lost, chunk 0 of rank 0 published. GET /resume recovers the rank from the output (a
+    # listing that takes seconds on a big bucket); meanwhile the rank opens (its own recovery, done), and
+    # chunk 1 fills and is published: last_chunk is 1. The slow recovery then wrote its stale 0 over it,
+    # and a restarted job generated chunk 1 again.
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "00000_chunk_0.jsonl").write_text(json.dumps({"id": "d0", "text": "t"}) + "\n")
+    listing, done = threading.Event(), threading.Event()
+    real = ChunkPublisher.last_published_chunk
+    calls = []
+
+    def slow_first(self: ChunkPublisher, rank: int) -> int:
+        calls.append(rank)
+        last = real(self, rank)
+        if len(calls) == 1:
+            listing.set()
+            done.wait(30)
+        return last
+
+    monkeypatch.setattr(ChunkPublisher, "last_published_chunk", slow_first)
+    async with fake_upstream() as (url, _), proxy_client(config(tmp_path, url)) as client:
+        resume = asyncio.create_task(client.get("/resume", headers={"X-Rank": "0"}))
+        await asyncio.to_thread(listing.wait, 10)
+        writing = asyncio.create_task(post(client, [doc("d3"), doc("d4"), doc("d5")], chunk=1))
+        # Unfixed, the chunk is written and published within this; fixed, the write waits for the listing.
+        await asyncio.wait({writing}, timeout=1.0)
+        done.set()
+        written = await writing
+        assert written.status_code == 200, written.text
+        answers = [await resume, await client.get("/resume", headers={"X-Rank": "0"})]
+    assert "00000_chunk_1.jsonl" in published(tmp_path)
+    assert answers[1].json()["last_chunk_index"] == 1
+    assert (tmp_path / "ckpt" / "last_chunk" / "00000.txt").read_text() == "1"

@@ -99,3 +99,16 @@ def heaps(mode: str, **env: str) -> int:
         env={**os.environ, **env},
     )
     return int(run.stdout)
+
+
+@glibc
+def test_glibc_tunables_arena_max_in_the_environment_is_left_to_glibc() -> None:
+    """`GLIBC_TUNABLES` is glibc's own way of saying it (`MALLOC_ARENA_MAX` is its older alias)."""
+    assert heaps("limited", GLIBC_TUNABLES="glibc.malloc.check=0:glibc.malloc.arena_max=6") == 5
+
+
+@pytest.mark.parametrize("value", ["abc", "0", "-1"])
+@glibc
+def test_a_malloc_arena_max_glibc_ignores_does_not_leave_the_heap_uncapped(value: str) -> None:
+    """glibc takes no such value: leaving the choice to it would leave up to 8 arenas a core."""
+    assert heaps("limited", MALLOC_ARENA_MAX=value) == MALLOC_ARENAS - 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 from datatrove.data import Document as DatatroveDocument
@@ -186,3 +186,37 @@ def test_an_s3_chunk_is_uploaded_with_one_put_up_to_five_gib(tmp_path: Path) -> 
     name = publisher._get_output_filename(None, 0, chunk_index=0)
     publisher.close_file(name)
     assert calls == [("bucket/run/00000_chunk_0.jsonl", 22, {"chunksize": 5 * 2**30})]
+
+
+def test_a_failure_to_look_for_chunk_0_is_raised_not_taken_for_a_new_rank(tmp_path: Path) -> None:
+    """A rank whose chunk 0 cannot be looked at (here a symlink loop; on a network file system EIO or
+    ESTALE) is not "new": answering -1 would make the job generate its whole published output again."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "00003").symlink_to(out / "00003")  # stat of anything under it: ELOOP
+    writer = ChunkPublisher(str(out), str(tmp_path / "ckpt"), "${rank}/c_${chunk_index}.jsonl")
+    with pytest.raises(OSError, match="Too many levels of symbolic links"):
+        writer.last_published_chunk(3)
+    assert writer.last_published_chunk(4) == -1  # a folder that is not there: new
+
+
+def test_a_remote_output_that_fails_to_answer_for_chunk_0_is_an_error_not_a_new_rank(tmp_path: Path) -> None:
+    """fsspec's generic `exists` takes any error (a timeout, throttling) for "absent"."""
+    import fsspec
+    from fsspec.implementations.memory import MemoryFileSystem
+
+    class Flaky(MemoryFileSystem):  # type: ignore[misc]
+        protocol = "flakytest"
+        store: ClassVar[dict[str, Any]] = {}
+        pseudo_dirs: ClassVar[list[str]] = [""]
+
+        def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
+            if "00007" in path:
+                raise TimeoutError("the endpoint did not answer")
+            return dict(super().info(path, **kwargs))
+
+    fsspec.register_implementation("flakytest", Flaky, clobber=True)
+    writer = ChunkPublisher("flakytest://bucket/out", str(tmp_path / "ckpt"))
+    with pytest.raises(TimeoutError):
+        writer.last_published_chunk(7)
+    assert writer.last_published_chunk(8) == -1

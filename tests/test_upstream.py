@@ -206,6 +206,10 @@ async def test_an_invalid_answer_is_a_502_at_once_without_retries(answer: bytes)
         ({"status": 99}, "status must be an integer from 200 to 599, not 99"),
         ({"error_with_status": 1000}, "error_with_status must be an integer from 200 to 599, not 1000"),
         ([{"status": 503}], "fake_upstream must be an object of faults (latency_ms, status,"),
+        ({"disconnect_after_chunks": 2}, "disconnect_after_chunks act(s) on streamed answers only"),
+        ({"error_with_status": 204}, "error_with_status 204 cannot carry the error it injects"),
+        ({"error_with_status": 304}, "error_with_status 304 cannot carry the error it injects"),
+        ({"chunk_delay_ms": 5, "latency_ms": 1}, "chunk_delay_ms act(s) on streamed answers only"),
     ],
 )
 async def test_the_fake_upstream_refuses_a_fault_it_does_not_know_rather_than_answer_without_it(
@@ -217,3 +221,48 @@ async def test_the_fake_upstream_refuses_a_fault_it_does_not_know_rather_than_an
     assert answer.status_code == 400
     assert says in answer.json()["error"]["message"]
     assert fake.generations == 0
+
+
+async def test_the_fake_upstreams_injected_304_has_no_body_to_spill_into_the_next_answer() -> None:
+    """A fault allowed (200-599) must give a well-formed answer: under uvicorn, a 304 written with its
+    error body left those bytes on the connection, where the client read them as the next answer."""
+    async with fake_upstream() as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        for fault in ({"status": 304}, {"status": 304, "fail_times": 5}):
+            body = orjson.dumps(chat_request(fake_upstream=fault))
+            head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            writer.write(head + b"content-length: %d\r\n\r\n%b" % (len(body), body))
+            status_line = await reader.readline()
+            assert status_line.startswith(b"HTTP/1.1 304"), status_line
+            headers = (await reader.readuntil(b"\r\n\r\n")).lower()
+            assert b"content-length" not in headers
+            assert b"transfer-encoding" not in headers
+        writer.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n")
+        assert (await reader.readline()).startswith(b"HTTP/1.1 200"), "the 304's body was read as the next answer"
+        writer.close()
+
+
+@pytest.mark.parametrize("fault", [[], 0, False, ""])
+async def test_the_fake_upstream_refuses_a_fake_upstream_that_is_empty_but_not_an_object(fault: object) -> None:
+    async with fake_upstream() as (url, fake), httpx.AsyncClient(base_url=url) as client:
+        answer = await client.post("/v1/chat/completions", json=chat_request(fake_upstream=fault))
+    assert answer.status_code == 400
+    assert "fake_upstream must be an object of faults" in answer.json()["error"]["message"]
+    assert fake.generations == 0
+
+
+@pytest.mark.parametrize("value", ["nan", "NaN", "-nan"])
+async def test_a_retry_after_of_nan_is_ignored_not_slept_on(value: str) -> None:
+    """float() takes "nan": asyncio.sleep(nan) never wakes under asyncio (the request stalls, holding its
+    slot), and raises ValueError under uvloop (a 500 in place of the retry)."""
+    busy = b"HTTP/1.1 503 Service Unavailable\r\nRetry-After: %b\r\nContent-Length: 2\r\n\r\n{}" % value.encode()
+    ok = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+    async with canned_server([busy, ok]) as server:
+        pool = UpstreamPool([server.url], retries=3, backoff_s=0.001, read_timeout_s=30)
+        async with (
+            asyncio.timeout(10),
+            pool.request("POST", "/v1/chat/completions", headers=JSON, body=body()) as answer,
+        ):
+            assert answer.status == 200
+        await pool.close()

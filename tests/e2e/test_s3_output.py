@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from app.documents import DocumentLike
 from app.publish import ChunkPublisher
 from tests.e2e.conftest import Upstream, start_proxy
 from tests.servers import free_port, process, wait_for_http
+from tests.test_memory import thread_heaps
 
 pytestmark = pytest.mark.e2e
 
@@ -323,3 +325,17 @@ def test_the_listing_for_a_lost_rank_sees_what_other_proxies_published_since_an_
     assert publisher.last_published_chunk(0) == 0
     s3.client.put_object(Bucket=s3.bucket, Key="run/00001_chunk_0.jsonl", Body=b'{"id":"b"}\n')  # another proxy
     assert publisher.last_published_chunk(1) == 0
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc arenas are glibc's")
+def test_a_proxy_publishing_to_s3_keeps_to_one_heap_besides_the_main_one(
+    upstream: Upstream, tmp_path: Path, s3: S3
+) -> None:
+    # serve capped the arenas after it had checked the s3:// output: fsspec's thread and the resolver's,
+    # started by that check, had each made an arena of its own (3 thread heaps at start, measured).
+    args, url = proxy_args(upstream, tmp_path, s3)
+    with process(*args, env=s3.env) as served:
+        wait_for_http(url + "/healthz")
+        report = job(url)
+        assert report.chunks == 3
+        assert thread_heaps(served.pid) <= 1
