@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 from app.cache import RequestCache
 from app.chunkfiles import CheckpointDurabilityError, ChunkFiles, FsyncPolicy
 from app.documents import Document, DocumentLike, OutputWriter, encode_document, is_removed
-from app.durable import atomic_write_bytes
+from app.durable import atomic_write_bytes, fsync_dir, open_regular
 from app.layout import META_FILENAME, CheckpointsLayout, RankPaths
 from app.publish import PublishError
 from app.resume import (
@@ -409,6 +409,17 @@ class CheckpointManager:
                 os.remove(path)
                 continue
             chunks.append((chunk_index, path, read_chunk_ids(path, self.records_per_chunk)))
+        if chunks and self._chunk_files.fsync == "always":
+            # What was read may never have been fsynced: written by a process killed before its fsync,
+            # it is in the page cache only. Counted as processed, a retry of such a document is
+            # acknowledged as a duplicate without writing anything, and a power cut then loses it.
+            for _, path, _ in chunks:
+                fd = open_regular(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            fsync_dir(os.path.dirname(chunks[0][1]))
         return chunks
 
     def _read_last_chunk(self, rank: int) -> int:

@@ -76,3 +76,37 @@ async def test_a_crash_at_each_step_of_chunk_completion_resumes_exactly(tmp_path
     }
     assert Path(last_chunk_path(tmp_path)).read_text() == "2"
     assert not os.path.exists(tmp_path / "00000")
+
+
+async def test_what_a_restart_reads_is_made_durable_before_a_retry_is_acknowledged_as_a_duplicate(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process killed between a document's append and its fsync leaves it in the page cache only. The
+    next process reads it and counts it processed, so the client's retry of that (never acknowledged)
+    document is acknowledged as a duplicate with nothing written; a power cut then took it (the chaos
+    suite's proxy kills, seed 20251201)."""
+    synced: dict[str, int] = {}
+    fsync = os.fsync
+
+    def recording(fd: int) -> None:  # as tests/chaos/faulty_serve.py: the size each file had when synced
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        size = os.fstat(fd).st_size
+        fsync(fd)
+        synced[path] = size
+
+    monkeypatch.setattr(os, "fsync", recording)
+    first = manager(tmp_path, RECORDS_PER_CHUNK)
+    await first.write_document(DOCS[0], 0, 0, RecordingWriter())
+    path = chunk_path(tmp_path, 0)
+    with open(path, "ab") as f:  # the killed process's last append: written, never fsynced
+        f.write(b'{"text":"text 1","id":"' + DOCS[1].id.encode() + b'"}\n')
+
+    second = manager(tmp_path, RECORDS_PER_CHUNK)
+    await second.restore(0, RecordingWriter())
+    outcome = await second.write_documents([DOCS[1]], 0, 0, RecordingWriter())  # the client's retry
+    assert (outcome.written, outcome.duplicates) == (0, 1)
+
+    os.truncate(path, synced.get(os.path.realpath(path), 0))  # the power cut
+    third = manager(tmp_path, RECORDS_PER_CHUNK)
+    await third.restore(0, RecordingWriter())
+    assert third.resume_state()[1] == sorted([DOCS[0].id, DOCS[1].id])
