@@ -48,7 +48,7 @@ from typing import Any, TypeVar
 from app.cache import RequestCache
 from app.chunkfiles import CheckpointDurabilityError, ChunkFiles, FsyncPolicy
 from app.documents import Document, DocumentLike, OutputWriter, encode_document, is_removed
-from app.durable import atomic_write_bytes, fsync_dir, open_regular
+from app.durable import atomic_write_bytes, fsync_dir, fsync_file
 from app.layout import META_FILENAME, CheckpointsLayout, RankPaths
 from app.publish import PublishError
 from app.resume import (
@@ -414,11 +414,7 @@ class CheckpointManager:
             # it is in the page cache only. Counted as processed, a retry of such a document is
             # acknowledged as a duplicate without writing anything, and a power cut then loses it.
             for _, path, _ in chunks:
-                fd = open_regular(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                fsync_file(path)
             fsync_dir(os.path.dirname(chunks[0][1]))
         return chunks
 

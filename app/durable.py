@@ -43,6 +43,15 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def fsync_file(path: str) -> None:
+    """fsync a regular file by its name (never through a link), so that what is in it persists."""
+    fd = open_regular(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def make_dirs_durable(path: str) -> None:
     """Create `path` and any missing parents, fsyncing each parent that gained an entry."""
     missing: list[str] = []
