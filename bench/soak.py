@@ -968,21 +968,19 @@ def main() -> None:
         args.warmup = saved["settings"]["warmup"] if warmup is None else warmup
         if memory_warmup is not None:
             args.memory_warmup = memory_warmup
-        elif saved["settings"].get("memory_warmup") is None:  # saved before --memory-warmup existed
-            args.memory_warmup = MEMORY_WARMUP_LONG_S if args.long else args.warmup
         result = {**saved, "probes": [Probe(*p) for p in saved["probes"]]}
     else:
         args.duration = args.duration or (3600.0 if args.long else 180.0)
         args.interval = args.interval or (30.0 if args.long else 10.0)
         args.warmup = args.warmup if args.warmup is not None else (300.0 if args.long else 30.0)
-        if args.memory_warmup is None:
-            args.memory_warmup = MEMORY_WARMUP_LONG_S if args.long else args.warmup
         if args.rest_s <= args.rank_idle_s + 1:
             parser.error(
                 f"--rest-s ({args.rest_s:g}) must exceed --rank-idle-s ({args.rank_idle_s:g}) by more than 1 s,"
                 " so that a resting rank is released"
             )
         result = soak(args)
+    if args.memory_warmup is None:  # neither given nor saved (a run saved before --memory-warmup existed)
+        args.memory_warmup = MEMORY_WARMUP_LONG_S if args.long else args.warmup
     judged = verdict(result, args.warmup, args.memory_warmup)
     print(report(args, result, judged))
     if args.json:
