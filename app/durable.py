@@ -23,7 +23,7 @@ import os
 import secrets
 import stat
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,23 +65,39 @@ def make_dirs_durable(path: str) -> None:
         fsync_dir(os.path.dirname(directory))
 
 
-def atomic_write_bytes(path: str, data: bytes, *, sole_writer: bool = False) -> None:
+def atomic_write_bytes(path: str, data: bytes, *, check: Callable[[], None] | None = None) -> None:
     """Replace `path` with `data`: readers see the old content or the new, never a mix.
 
-    `sole_writer`: only one writer ever replaces `path` (a rank's published chunk: its owner alone
-    publishes it). The temporary name is then always the same, so that one a crash left behind is
-    overwritten and renamed away by the next write instead of staying in the folder for good.
+    The temporary name is unique to this write (`.<name>.<random>.tmp`), so two writers of one
+    path never meet in one file: a writer that lost the right to write (a rank taken over by another
+    proxy) cannot truncate or cut the other's. `check`, if given, is called before each piece of
+    `data` is written and once more just before the rename: raising from it gives the write up,
+    the temporary file removed and `path` untouched.
     """
     directory = os.path.dirname(os.path.abspath(path))
     make_dirs_durable(directory)
-    tmp_path = _durable_temp(path, data, fixed_name=sole_writer)
+    tmp_path = _durable_temp(path, data, check=check)
     try:
+        if check is not None:
+            check()
         os.replace(tmp_path, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp_path)
         raise
     fsync_dir(directory)
+
+
+def temporary_target(name: str) -> str | None:
+    """The file a temporary file named `name` was written for by `atomic_write_bytes`
+    (`.<target>.<random>.tmp`, or `.<target>.tmp` as earlier versions named it); None for other names."""
+    if not (name.startswith(".") and name.endswith(".tmp")) or len(name) <= len("..tmp"):
+        return None
+    middle = name[1 : -len(".tmp")]
+    target, _, token = middle.rpartition(".")
+    if target and len(token) == 12 and all(c in "0123456789abcdef" for c in token):
+        return target
+    return middle
 
 
 def create_exclusive_bytes(path: str, data: bytes) -> None:
@@ -100,29 +116,32 @@ def create_exclusive_bytes(path: str, data: bytes) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
-def _durable_temp(path: str, data: bytes, *, fixed_name: bool = False) -> str:
+#: Bytes written between two calls of a write's `check` (a publication can be given up within one piece).
+WRITE_PIECE = 1 << 20
+
+
+def _durable_temp(path: str, data: bytes, *, check: Callable[[], None] | None = None) -> str:
     """A new file `.<name>.<random>.tmp` beside `path` holding `data`, fsynced; its path.
-    With `fixed_name`, `.<name>.tmp`, replacing any file of that name.
 
     Created with mode 0666 less the umask, as `open()` would make it (the
     file is published for other users and jobs; `mkstemp` makes 0600, and
     reading the umask means setting it, which races with other threads).
     """
     directory, name = os.path.split(os.path.abspath(path))
-    if fixed_name:
-        tmp_path = os.path.join(directory, f".{name}.tmp")
-        fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-    else:
-        while True:
-            tmp_path = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
-            try:
-                fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-                break
-            except FileExistsError:
-                continue
+    while True:
+        tmp_path = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+        try:
+            fd = os.open(tmp_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            break
+        except FileExistsError:
+            continue
     try:
         with os.fdopen(fd, "wb") as tmp:
-            tmp.write(data)
+            view = memoryview(data)
+            for start in range(0, len(data), WRITE_PIECE):
+                if check is not None:
+                    check()
+                tmp.write(view[start : start + WRITE_PIECE])
             tmp.flush()
             os.fsync(tmp.fileno())
     except BaseException:

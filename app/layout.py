@@ -5,9 +5,10 @@
     <root>/<rank:05d>/replay.sqlite3         a rank's RequestCache
     <root>/last_chunk/<rank:05d>.txt         a rank's last_chunk_index
     <root>/owners/<rank:05d>.lock            which proxy owns the rank (flock'ed; never deleted)
+    <root>/empty_chunks/<rank:05d>.txt       chunks published as no file (every document removed)
 
-The first four are datatrove's layout, file for file; `owners/` is
-inferproxy's own and datatrove ignores it. A published chunk's name comes
+The first four are datatrove's layout, file for file; `owners/` and
+`empty_chunks/` are inferproxy's own and datatrove ignores them. A published chunk's name comes
 from the output filename template, `${rank}` (zero-padded to five digits,
 as datatrove's writers pad it) and `${chunk_index}`.
 """
@@ -53,6 +54,12 @@ class RankPaths:
     @property
     def last_chunk_file(self) -> str:
         return os.path.join(self.root, "last_chunk", f"{self.name}.txt")
+
+    @property
+    def empty_chunks_file(self) -> str:
+        """The chunks of the rank published as nothing (no file in the output), one index a line: so that
+        a check of the output against `last_chunk` does not take them for lost."""
+        return os.path.join(self.root, "empty_chunks", f"{self.name}.txt")
 
     @property
     def owner_file(self) -> str:

@@ -6,10 +6,12 @@ nothing). When the checkpoint manager completes a chunk it closes the
 chunk's output file, and that is when the publisher reads the chunk file
 and publishes it as one file named by `output_filename`:
 
-- locally: written under a temporary name in the target folder, fsynced,
-  renamed over the final name, the folder fsynced: the file is whole or absent
-  (the temporary name is the chunk's own, `.<name>.tmp`: one a crash left is
-  replaced by the chunk's publication after the restart);
+- locally: written under a temporary name of its own in the target folder
+  (`.<name>.<random>.tmp`), fsynced, renamed over the final name, the folder
+  fsynced: the file is whole or absent, and two publishers of one chunk (an
+  owner that lost the rank, the one that took it over) never write into one
+  file. One a crash left is removed when the rank is next restored
+  (`remove_stale_temporaries`);
 - to an fsspec URL (`s3://bucket/prefix`, ...): uploaded in one piece (one
   PUT on S3, which stores an object only once its whole body has arrived);
 - `.gz` and `.zst` endings compress (zstd needs the `zstandard` package);
@@ -23,6 +25,13 @@ Publishing is deterministic (same documents, same order, gzip without a
 timestamp), so a chunk published again after a crash replaces the file
 with the same bytes: never a second copy.
 
+A publication runs in a daemon thread of its own (`close_file_async`), which
+checks between pieces of the file and just before its rename (or upload) that
+the proxy still owns the rank (`holds_rank`) and that the publication was not
+given up (`abandon`): a proxy that stops gives a slow publication up rather
+than let it outlive the rank's lock, and a thread stuck in a stalled upload
+never keeps the process from exiting.
+
 It has the surface of datatrove's `DiskWriter` that checkpointing uses
 (`write`, `close_file`, `_get_output_filename`, and `with`), so the library's
 `CheckpointManager` takes it as its `output_writer_context`. A manager
@@ -35,20 +44,31 @@ keep credentials written into an output URL out of every message.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import logging
 import os
+import threading
+from collections.abc import Callable
 from string import Template
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
 from app.documents import NO_ROLLOUTS_MARKER
-from app.durable import atomic_write_bytes, read_jsonl_whole_lines
+from app.durable import atomic_write_bytes, read_jsonl_whole_lines, temporary_target
 from app.layout import DEFAULT_OUTPUT_FILENAME, CheckpointsLayout, OutputNames, rank_name
 from app.resume import last_published_chunk
 
-__all__ = ["DEFAULT_OUTPUT_FILENAME", "ChunkPublisher", "PublishError", "check_output_filename", "is_remote"]
+__all__ = [
+    "DEFAULT_OUTPUT_FILENAME",
+    "ChunkFileGone",
+    "ChunkPublisher",
+    "PublicationAbandoned",
+    "PublishError",
+    "check_output_filename",
+    "is_remote",
+]
 from app.output_check import S3_PROTOCOLS, install_hint, protocols, redact_url, scrub
 
 logger = logging.getLogger(__name__)
@@ -85,6 +105,46 @@ class PublishError(RuntimeError):
         self.where = where
 
 
+class ChunkFileGone(FileNotFoundError):
+    """A complete chunk's checkpoint file is gone (removed under a running proxy): its documents cannot be
+    published, and retrying does not bring them back."""
+
+
+class PublicationAbandoned(RuntimeError):
+    """A publication given up before its rename or upload (the proxy stops, or no longer owns the rank):
+    its temporary file is removed and the output is untouched."""
+
+
+T = TypeVar("T")
+
+
+async def in_daemon_thread(function: Callable[[], T], name: str) -> T:
+    """`function()` in a daemon thread of its own, awaited: unlike `asyncio.to_thread`'s pool, whose
+    threads the interpreter joins at exit, a daemon thread stuck in a stalled upload never keeps a
+    stopping proxy from exiting (its rank locks go with the process)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result: T | None, error: BaseException | None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)  # type: ignore[arg-type]
+
+    def run() -> None:
+        try:
+            result, error = function(), None
+        except BaseException as exc:
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return await future
+
+
 def is_remote(output: str) -> bool:
     return "://" in output and not output.startswith("file://")
 
@@ -94,12 +154,23 @@ class ChunkPublisher:
     #: checkpoints need not hand this writer their documents again (`write` ignores them).
     needs_documents = False
 
-    def __init__(self, output: str, checkpoints_dir: str, output_filename: str = DEFAULT_OUTPUT_FILENAME) -> None:
+    def __init__(
+        self,
+        output: str,
+        checkpoints_dir: str,
+        output_filename: str = DEFAULT_OUTPUT_FILENAME,
+        *,
+        holds_rank: Callable[[int], bool] | None = None,
+    ) -> None:
         self.output = output.removeprefix("file://")
         self.layout = CheckpointsLayout(checkpoints_dir)
         check_output_filename(output_filename)
         self.names = OutputNames(output_filename)
+        #: Whether this process still owns a rank (`RankOwnership.owns`): checked before each rename
+        #: or upload, so that only the rank's owner ever replaces one of its chunks.
+        self.holds_rank = holds_rank
         self._chunks: dict[str, tuple[int, int]] = {}
+        self._abandon: dict[str, threading.Event] = {}  # name -> set to give its publication up
         self._fs: Any = None
         if is_remote(self.output):
             try:
@@ -122,25 +193,37 @@ class ChunkPublisher:
         return name
 
     def close_file(self, original_name: str) -> None:
-        self._publish(original_name)
+        self._publish(original_name, threading.Event())
 
     async def close_file_async(self, original_name: str) -> None:
-        """Publish off the event loop: reading, compressing and uploading a chunk takes a while."""
+        """Publish off the event loop, in a daemon thread: reading, compressing and uploading a chunk takes
+        a while. `abandon_file` gives it up (`PublicationAbandoned`) at its next check."""
+        abandon = self._abandon.setdefault(original_name, threading.Event())
         try:
-            await asyncio.to_thread(self._publish, original_name)
+            await in_daemon_thread(lambda: self._publish(original_name, abandon), f"publish {original_name}")
+        except PublicationAbandoned:
+            raise
         except Exception as exc:
             reason = scrub(str(exc), self.output)
             rank, chunk_index = self._chunks.get(original_name, (-1, -1))
-            # The client that triggered it gets a 500, but the operator reads the proxy's log.
+            # Whoever waits for it gets the error, but the operator reads the proxy's log.
             logger.error(
-                "publishing chunk %d of rank %d to %s failed: %s; its documents stay checkpointed and it "
-                "is retried with the rank's next write or chunk completion",
+                "publishing chunk %d of rank %d to %s failed: %s; its documents stay checkpointed",
                 chunk_index,
                 rank,
                 redact_url(os.path.join(self.output, original_name)),
                 reason,
             )
             raise PublishError(f"publishing {original_name} failed: {reason}", where=redact_url(self.output)) from exc
+        finally:
+            self._abandon.pop(original_name, None)
+
+    def abandon_file(self, original_name: str) -> None:
+        """Give up the publication of `original_name` running now, if any: it stops at its next check
+        (within one piece of the file, or before its upload), its temporary file removed."""
+        event = self._abandon.get(original_name)
+        if event is not None:
+            event.set()
 
     def close(self) -> None:
         """Nothing to flush: every chunk is published when the manager completes it."""
@@ -207,22 +290,84 @@ class ChunkPublisher:
         return found
 
     # -- publishing
-    def _publish(self, name: str) -> None:
+    def _publish(self, name: str, abandon: threading.Event) -> None:
         rank, chunk_index = self._chunks[name]
-        data = self._render(self.layout.rank(rank).chunk_file(chunk_index), name)
-        if data is not None:
-            if self._fs is not None:
-                self._fs.pipe_file(f"{self._root.rstrip('/')}/{name}", data, **self._put_options)
-            else:
-                atomic_write_bytes(os.path.join(self.output, name), data, sole_writer=True)
+
+        def check() -> None:
+            if abandon.is_set():
+                raise PublicationAbandoned(f"the publication of {name} was given up (the proxy is stopping)")
+            if self.holds_rank is not None and not self.holds_rank(rank):
+                raise PublicationAbandoned(
+                    f"the publication of {name} was given up: this proxy no longer owns rank {rank}"
+                )
+
+        paths = self.layout.rank(rank)
+        data = self._render(paths.chunk_file(chunk_index), name)
+        if data is None:
+            empty = self.empty_chunks(rank)
+            if chunk_index not in empty:
+                lines = "".join(f"{chunk}\n" for chunk in sorted({*empty, chunk_index}))
+                atomic_write_bytes(paths.empty_chunks_file, lines.encode(), check=check)
+        elif self._fs is not None:
+            check()
+            self._fs.pipe_file(f"{self._root.rstrip('/')}/{name}", data, **self._put_options)
+        else:
+            atomic_write_bytes(os.path.join(self.output, name), data, check=check)
         self._chunks.pop(name, None)
+
+    def empty_chunks(self, rank: int) -> set[int]:
+        """The rank's chunks published as nothing, as `<checkpoints>/empty_chunks/<rank>.txt` records them."""
+        try:
+            with open(self.layout.rank(rank).empty_chunks_file, "rb") as file:
+                return {int(line) for line in file.read().split() if line.isdigit()}
+        except FileNotFoundError:
+            return set()
+
+    # -- what a restore checks
+    def remove_stale_temporaries(self, rank: int) -> int:
+        """Remove the temporary files that publications of `rank`'s chunks left in a local output when
+        their process died mid-write; how many. Only for the rank's owner, which alone publishes them."""
+        if self._fs is not None:
+            return 0  # an upload leaves nothing behind
+        pattern = self.names.pattern(rank)
+        removed = 0
+        for relative in self._listing(rank):
+            folder, _, base = relative.rpartition(os.sep)
+            target = temporary_target(base)
+            if target is None or not pattern.match(os.path.join(folder, target) if folder else target):
+                continue
+            try:
+                os.remove(os.path.join(self.output, relative))
+                removed += 1
+            except FileNotFoundError:
+                pass
+        if removed:
+            where = redact_url(self.output)
+            logger.info(
+                "removed %d temporary files of rank %d in %s, left by a publication cut short", removed, rank, where
+            )
+        return removed
+
+    def missing_chunks(self, rank: int, last_chunk: int) -> list[int]:
+        """The chunks `0..last_chunk` of `rank` that are not in the output (but those published as nothing):
+        lost after they were published (a bucket emptied or recreated, files deleted)."""
+        if last_chunk < 0:
+            return []
+        empty = self.empty_chunks(rank)
+        pattern = self.names.pattern(rank)
+        present = set()
+        for name in self._listing(rank):
+            match = pattern.match(name)
+            if match:
+                present.add(int(match.group(1)))
+        return [chunk for chunk in range(last_chunk + 1) if chunk not in present and chunk not in empty]
 
     def _render(self, chunk_file: str, name: str) -> bytes | None:
         try:
             records = read_jsonl_whole_lines(chunk_file)
         except FileNotFoundError:
             # A chunk with documents always has its file until last_chunk has moved past it.
-            raise FileNotFoundError(
+            raise ChunkFileGone(
                 f"its checkpoint file {chunk_file} is gone (removed while the proxy ran?), so its documents "
                 f"cannot be published; restart the job: it generates again what the checkpoints lost"
             ) from None

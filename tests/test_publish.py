@@ -48,7 +48,7 @@ async def test_a_publication_cut_by_a_crash_leaves_nothing_behind_once_the_chunk
             await cm.write_document(document("b"), 0, 0, writer)
         monkeypatch.undo()
     assert [name for name in os.listdir(out) if not name.startswith(".")] == []
-    # the restart publishes the full chunk: over the crash's temporary file, not beside it
+    # the restart publishes the full chunk, and removes the crash's temporary file
     with ChunkPublisher(str(out), str(ckpt)) as writer:
         await manager(ckpt, 2).parse_existing_checkpoints(0, writer)
     assert os.listdir(out) == ["00000_chunk_0.jsonl"]
