@@ -36,10 +36,12 @@ Where datatrove can lose or repeat work, these do not:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
 import shutil
+import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -50,7 +52,7 @@ from app.chunkfiles import CheckpointDurabilityError, ChunkFiles, FsyncPolicy
 from app.documents import Document, DocumentLike, OutputWriter, encode_document, is_removed
 from app.durable import atomic_write_bytes, fsync_dir, fsync_file
 from app.layout import META_FILENAME, CheckpointsLayout, RankPaths
-from app.publish import PublishError
+from app.publish import PublicationAbandoned, PublishError
 from app.resume import (
     ChunkScan,
     RecordsPerChunkMismatch,
@@ -69,6 +71,8 @@ __all__ = [
     "CheckpointManager",
     "ChunkCompleteError",
     "Document",
+    "PublicationBacklog",
+    "PublicationFailure",
     "RecordsPerChunkMismatch",
     "RequestCache",
     "WriteOutcome",
@@ -78,10 +82,37 @@ logger = logging.getLogger(__name__)
 
 D = TypeVar("D", bound=DocumentLike)
 _SHOWN_CHUNKS = 10  # incomplete chunks named in a warning
+#: How long `close` waits for a publication it gave up to notice (it checks between 1 MiB pieces).
+_ABANDON_WAIT_S = 5.0
 
 
 class ChunkCompleteError(ValueError):
     """A document was sent to a chunk that is already complete."""
+
+
+@dataclass(frozen=True, slots=True)
+class PublicationFailure:
+    """Why the rank's complete chunks are not published: the last attempt's error, and when the next is."""
+
+    chunk_index: int
+    reason: str
+    error: PublishError
+    since: float  # time.time() of the first failure in a row
+    attempts: int
+    failed_at: float  # time.monotonic() of the last attempt's end
+    retry_at: float  # time.monotonic() of the next attempt
+
+    def retry_in_s(self) -> float:
+        return max(0.0, self.retry_at - time.monotonic())
+
+
+class PublicationBacklog(RuntimeError):
+    """`max_waiting_chunks` complete chunks of the rank wait for the output: new documents are refused
+    (nothing written) until some are published. `failure` says why they wait, if an attempt failed."""
+
+    def __init__(self, message: str, *, failure: PublicationFailure | None) -> None:
+        super().__init__(message)
+        self.failure = failure
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +149,16 @@ class CheckpointManager:
     test hook called with the name of each step of chunk completion
     (`output_closed`, `last_chunk_written`, `chunk_file_deleted`,
     `cache_rows_dropped`); raising from it simulates a crash there.
+
+    By default a write that completes a chunk publishes it before it returns,
+    as datatrove's does. With `publish_in_background` (the proxy's), complete
+    chunks are published by a task of their own while the rank's writes go on
+    into the next chunks: a publication that fails is retried with backoff
+    (`retry_backoff_s`, doubling up to `max_retry_backoff_s`) and whenever a
+    caller asks (`publish_pending`), `publication_failure` saying why meanwhile;
+    past `max_waiting_chunks` complete chunks waiting, new documents are refused
+    (`PublicationBacklog`). `close` waits for a publication under way, or gives
+    it up, before it returns.
     """
 
     def __init__(
@@ -129,6 +170,10 @@ class CheckpointManager:
         fsync: FsyncPolicy = "always",
         document_factory: Callable[[dict[str, Any]], DocumentLike] = Document.from_dict,
         fault: Callable[[str], None] | None = None,
+        publish_in_background: bool = False,
+        max_waiting_chunks: int | None = None,
+        retry_backoff_s: float = 1.0,
+        max_retry_backoff_s: float = 60.0,
     ) -> None:
         if checkpoints_local_dir is not None:
             checkpoints_local_dir = checkpoints_local_dir.removeprefix("file://")
@@ -144,6 +189,12 @@ class CheckpointManager:
         self.fsync: FsyncPolicy = fsync
         self.document_factory = document_factory
         self.fault = fault
+        self.publish_in_background = publish_in_background
+        self.max_waiting_chunks = max_waiting_chunks
+        self.retry_backoff_s = retry_backoff_s
+        self.max_retry_backoff_s = max_retry_backoff_s
+        #: Why the complete chunks waiting are not published, while the last attempt failed.
+        self.publication_failure: PublicationFailure | None = None
 
         self.file_locks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.checkpoint_file_lock = asyncio.Lock()
@@ -160,6 +211,9 @@ class CheckpointManager:
         self._ready: set[int] = set()
         self._publish_lock = asyncio.Lock()
         self._warned_duplicates: set[int] = set()
+        self._publisher: asyncio.Task[None] | None = None  # publishing in the background, retrying
+        self._retry_now = asyncio.Event()  # wakes the publisher from its backoff
+        self._closing = False
 
     # ----------------------------------------------------------------- writing
 
@@ -215,6 +269,7 @@ class CheckpointManager:
                     fresh[document.id] = position
             if fresh:
                 self._check_open_chunk(chunk_index)
+                self._check_backlog()
                 room = self.records_per_chunk - self.per_chunk_counts[chunk_index]
                 if len(fresh) > room:
                     raise ChunkCompleteError(
@@ -244,26 +299,141 @@ class CheckpointManager:
             count = self.per_chunk_counts[chunk_index]
         # Outside the chunk lock, so the chunk's other writers share this fsync.
         await self._chunk_files.make_durable(chunk_index)
-        if self._ready or self.last_chunk_index + 1 in self.new_completed_chunks:  # the latter: a failed advance
-            # Shielded: once started, publishing finishes even if this caller is cancelled.
-            await asyncio.shield(self._publish_ready(rank))
+        if self._publication_due():
+            if self.publish_in_background:
+                self._start_publisher(rank)
+            else:
+                # Shielded: once started, publishing finishes even if this caller is cancelled.
+                await asyncio.shield(self._publish_ready(rank))
         return BatchOutcome(
             written=len(fresh),
             duplicates=len(documents) - len(fresh),
             chunk_index=chunk_index,
             chunk_count=count,
-            chunk_complete=chunk_index <= self.last_chunk_index or chunk_index in self.new_completed_chunks,
+            chunk_complete=chunk_index <= self.last_chunk_index
+            or chunk_index in self.new_completed_chunks
+            or chunk_index in self._ready,
             last_chunk_index=self.last_chunk_index,
         )
 
     def busy(self) -> bool:
-        """Whether a write, a publication or a completion is under way (or a chunk awaits publication)."""
+        """Whether a write, a publication or a completion is under way, or a complete chunk is about to be
+        published. A chunk waiting for an output that failed is not: the rank may be released meanwhile,
+        the chunk staying in its checkpoints for the next owner to publish."""
         return bool(
-            self._ready
+            (self._ready and self.publication_failure is None)
             or self._publish_lock.locked()
             or self.checkpoint_file_lock.locked()
             or any(lock.locked() for lock in self.file_locks.values())
         )
+
+    def waiting_chunks(self) -> list[int]:
+        """The complete chunks not yet published, in order."""
+        return sorted(self._ready)
+
+    def _publication_due(self) -> bool:
+        # the latter: a chunk published whose last_chunk could not be recorded
+        return bool(self._ready) or self.last_chunk_index + 1 in self.new_completed_chunks
+
+    def _check_backlog(self) -> None:
+        limit = self.max_waiting_chunks
+        if limit is None or len(self._ready) < limit:
+            return
+        failure = self.publication_failure
+        why = f"the last attempt failed: {failure.reason}" if failure is not None else "the output is slow"
+        raise PublicationBacklog(
+            f"{len(self._ready)} complete chunks of this rank are waiting to be published ({why}); new "
+            f"documents are taken again once fewer than max_waiting_chunks={limit} wait",
+            failure=failure,
+        )
+
+    # ------------------------------------------------------------- publishing
+
+    def _start_publisher(self, rank: int) -> None:
+        """Publish what is due in a task of its own, unless one runs already (it takes the new chunks too)."""
+        if self._publisher is not None and not self._publisher.done():
+            return
+        self._publisher = asyncio.create_task(self._publish_in_background(rank), name=f"publish-rank-{rank}")
+
+    async def _publish_in_background(self, rank: int) -> None:
+        """Publish until nothing is due; after a failure, wait (backoff, or a `publish_pending`) and retry."""
+        while self._publication_due():
+            try:
+                await self._attempt(rank)
+            except PublishError:
+                failure = self.publication_failure
+                assert failure is not None
+                if self._closing:
+                    return  # not retried: the rank's next owner publishes it
+                self._retry_now.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._retry_now.wait(), failure.retry_in_s())
+                if self._closing:
+                    return
+            except (CheckpointDurabilityError, PublicationAbandoned):
+                return  # the manager refuses everything now, or is closing: the rank's next owner publishes
+            except Exception:
+                logger.exception("publishing rank %d's chunks failed; the rank's next write tries again", rank)
+                return
+
+    async def publish_pending(self, rank: int) -> None:
+        """Publish the complete chunks waiting now, retrying at once a publication that failed; raises
+        `PublishError` if that fails (the background retries go on). An attempt under way answers for
+        this call too: its failure is raised rather than tried again at once."""
+        if not self._publication_due():
+            return
+        asked = time.monotonic()
+        try:
+            if self._publish_lock.locked():
+                async with self._publish_lock:
+                    pass
+                failure = self.publication_failure
+                if failure is not None and failure.failed_at >= asked:
+                    raise failure.error
+                if not self._publication_due():
+                    return
+            await asyncio.shield(self._attempt(rank))
+        finally:
+            if self.publish_in_background and self._publication_due():
+                self._start_publisher(rank)
+
+    async def _attempt(self, rank: int) -> None:
+        """One round of `_publish_ready`, keeping `publication_failure` up to date."""
+        try:
+            await self._publish_ready(rank)
+        except PublishError as exc:
+            previous = self.publication_failure
+            attempts = previous.attempts + 1 if previous is not None else 1
+            delay = min(self.retry_backoff_s * 2 ** (attempts - 1), self.max_retry_backoff_s)
+            chunk_index = min(self._ready, default=self.last_chunk_index + 1)
+            self.publication_failure = PublicationFailure(
+                chunk_index=chunk_index,
+                reason=str(exc),
+                error=exc,
+                since=previous.since if previous is not None else time.time(),
+                attempts=attempts,
+                failed_at=time.monotonic(),
+                retry_at=time.monotonic() + delay,
+            )
+            if previous is None:
+                logger.error(
+                    "publishing rank %d's chunk %d failed: %s; its documents stay checkpointed, the rank's "
+                    "writes go on, and it is retried in %g s (then with backoff up to %g s)",
+                    rank,
+                    chunk_index,
+                    exc,
+                    delay,
+                    self.max_retry_backoff_s,
+                )
+            raise
+        if self.publication_failure is not None:
+            failure, self.publication_failure = self.publication_failure, None
+            logger.warning(
+                "rank %d's chunks are published again, after %d failed attempts over %.0f s",
+                rank,
+                failure.attempts,
+                time.time() - failure.since,
+            )
 
     def resume_state(self) -> tuple[int, list[str]]:
         """`(docs_to_skip, processed_ids)` as `parse_existing_checkpoints` would return them now, the ids
@@ -355,6 +525,12 @@ class CheckpointManager:
         async with self.checkpoint_file_lock:
             self.last_chunk_index = max(self.last_chunk_index, self._read_last_chunk(rank))
             chunks = await asyncio.to_thread(self._scan_chunks, rank)
+            clean = getattr(output_writer_context, "remove_stale_temporaries", None)
+            if clean is not None and (chunks or self.last_chunk_index >= 0):  # a new rank published nothing
+                try:
+                    await asyncio.to_thread(clean, rank)
+                except OSError as exc:  # left for the next restore; the publications do not need it
+                    logger.warning("could not look for temporary files of rank %d in the output: %s", rank, exc)
             for chunk_index, path, scan in chunks:
                 async with self.file_locks[chunk_index]:
                     known = self._chunk_ids[chunk_index]
@@ -381,7 +557,10 @@ class CheckpointManager:
             # cache rows leaves those rows behind; nothing will ask for them.
             await self.request_cache.drop_chunk(self.last_chunk_index)
         if self._ready:
-            await asyncio.shield(self._publish_ready(rank))
+            if self.publish_in_background:
+                self._start_publisher(rank)  # `publish_pending` waits for it, if the caller must know
+            else:
+                await asyncio.shield(self._publish_ready(rank))
         return docs_to_skip(self.last_chunk_index, self.records_per_chunk)
 
     async def _rewrite(
@@ -437,7 +616,10 @@ class CheckpointManager:
             # any later one is refused as a write to a complete chunk.
             async with self.file_locks[chunk_index]:
                 self._ready.add(chunk_index)
-            await asyncio.shield(self._publish_ready(rank))
+            if self.publish_in_background:
+                await self.publish_pending(rank)
+            else:
+                await asyncio.shield(self._publish_ready(rank))
         rank_dir = self._paths(rank).rank_dir
         if self.last_chunk_index >= chunk_index:
             if self.last_chunk_index == chunk_index and os.path.exists(rank_dir):
@@ -526,9 +708,34 @@ class CheckpointManager:
                 yield chunk_index
             chunk_index += 1
 
-    async def close(self) -> None:
-        """Make every append durable and close the chunk files; idempotent."""
+    async def close(self, *, grace_s: float | None = None) -> bool:
+        """Stop publishing, make every append durable and close the chunk files; idempotent.
+
+        Complete chunks are published within `grace_s` (None: as long as it takes), the one under way
+        then given up (its temporary file removed); a failed one is not retried. Returns False if one is
+        still running even so (a thread stuck in a stalled upload): the rank's lock must then stay
+        held until the process exits, so that no other proxy publishes beside it.
+        """
+        self._closing = True
+        self._retry_now.set()
+        stopped = await self._publications_stopped(grace_s)
+        if not stopped:
+            for writer, name in list(self._outputs.values()):
+                abandon = getattr(writer, "abandon_file", None)
+                if abandon is not None:
+                    abandon(name)
+            stopped = await self._publications_stopped(_ABANDON_WAIT_S)
         await self._chunk_files.close()
+        return stopped
+
+    async def _publications_stopped(self, timeout_s: float | None) -> bool:
+        """Wait up to `timeout_s` for the background publisher and any publication to end."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while (self._publisher is not None and not self._publisher.done()) or self._publish_lock.locked():
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.01)
+        return True
 
     # ----------------------------------------------------------------- helpers
 
