@@ -51,6 +51,15 @@ class RankOwnedElsewhere(ProxyJobError):
     """Another live proxy owns this rank (409 `rank_owned_error`); retried for `owned_wait_s`."""
 
 
+class ProxyUnavailable(ProxyJobError):
+    """503 (the output is away, the rank cannot be opened now): retried for `unavailable_wait_s`,
+    after the `Retry-After` the proxy gives."""
+
+    def __init__(self, status: int, message: str, retry_after_s: float | None) -> None:
+        super().__init__(status, message)
+        self.retry_after_s = retry_after_s
+
+
 class _RetriedConflict(ProxyJobError):
     """A 409 to a request sent again after its first attempt's answer was lost."""
 
@@ -85,12 +94,14 @@ class ProxyJob:
         retries: int = 5,
         client: HTTPClient | None = None,
         owned_wait_s: float = 180.0,
+        unavailable_wait_s: float = 3600.0,
         total_documents: int | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.rank = rank
         self.retries = retries
         self.owned_wait_s = owned_wait_s
+        self.unavailable_wait_s = unavailable_wait_s
         self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
         self._total = [(b"x-total-documents", str(total_documents).encode())] if total_documents is not None else []
         self._owns_client = client is None
@@ -249,19 +260,27 @@ class ProxyJob:
             await self._client.close()
 
     async def _call(self, method: str, path: str, body: bytes = b"", extra: Sequence[tuple[bytes, bytes]] = ()) -> Any:
-        """One checkpoint call, retried while the proxy restarts, and while another proxy still owns the rank
-        (it gives the rank up when it dies or leaves it idle): for up to `owned_wait_s`."""
-        deadline = time.monotonic() + self.owned_wait_s
+        """One checkpoint call, retried while the proxy restarts; while another proxy still owns the rank
+        (it gives the rank up when it dies or leaves it idle), for up to `owned_wait_s`; while the proxy
+        answers 503 (its output away: nothing of the request was taken, or what was is kept), for up to
+        `unavailable_wait_s`, as its `Retry-After` says."""
+        started = time.monotonic()
         delay = 0.5
+        warned: set[type] = set()
         while True:
             try:
                 return await self._call_once(method, path, body, extra)
-            except RankOwnedElsewhere as exc:
-                if time.monotonic() + delay > deadline:
+            except (RankOwnedElsewhere, ProxyUnavailable) as exc:
+                unavailable = isinstance(exc, ProxyUnavailable)
+                wait_s = self.unavailable_wait_s if unavailable else self.owned_wait_s
+                pause = max(delay, exc.retry_after_s or 0.0) if isinstance(exc, ProxyUnavailable) else delay
+                if time.monotonic() + pause > started + wait_s:
                     raise
-                if delay == 0.5:
-                    logger.warning("%s; waiting up to %g s for it to be released", exc.message, self.owned_wait_s)
-                await asyncio.sleep(delay)
+                if type(exc) not in warned:
+                    warned.add(type(exc))
+                    then = "retrying" if unavailable else "waiting for it to be released"
+                    logger.warning("%s; %s for up to %g s", exc.message, then, wait_s)
+                await asyncio.sleep(pause)
                 delay = min(delay * 2, 10.0)
 
     async def _call_once(self, method: str, path: str, body: bytes, extra: Sequence[tuple[bytes, bytes]]) -> Any:
@@ -284,11 +303,24 @@ class ProxyJob:
                     message, kind = data.decode("utf-8", "replace"), None
                 if answer.status == 409 and kind == "rank_owned_error":
                     raise RankOwnedElsewhere(answer.status, message)
+                if answer.status == 503:
+                    raise ProxyUnavailable(answer.status, message, _retry_after_s(answer.header(b"retry-after")))
                 if answer.status == 409 and attempt > 0:
                     raise _RetriedConflict(answer.status, message)
                 raise ProxyJobError(answer.status, message)
             return orjson.loads(data)
         raise AssertionError("unreachable")
+
+
+def _retry_after_s(value: bytes | None) -> float | None:
+    """`Retry-After` in seconds (at most 60), None if absent or not a number of seconds."""
+    try:
+        seconds = float(value) if value is not None else None
+    except ValueError:
+        return None
+    if seconds is None or not 0 <= seconds < float("inf"):
+        return None
+    return min(seconds, 60.0)
 
 
 @dataclass

@@ -10,8 +10,10 @@
     ├── RankOwned               409 rank_owned_error         (another live proxy owns the rank: retry later)
     ├── PayloadTooLarge         413 invalid_request_error
     ├── UpstreamUnreachable     502 upstream_error
+    ├── OutputLost              409 output_lost_error        (chunks recorded as published are gone from the output)
     ├── ServiceUnavailable      503 service_unavailable
-    │   └── TooManyRanks        503 too_many_ranks           (every open rank busy: retry, or raise max_open_ranks)
+    │   ├── TooManyRanks        503 too_many_ranks           (every open rank busy: retry, or raise max_open_ranks)
+    │   └── OutputUnavailable   503 output_unavailable       (the output refuses or stalls: retry, with Retry-After)
     ├── UpstreamTimeout         504 upstream_timeout
     └── InsufficientStorage     507 insufficient_storage     (disk full: nothing was written)
 
@@ -21,6 +23,8 @@ itself produces use this envelope:
 """
 
 from __future__ import annotations
+
+import math
 
 import orjson
 
@@ -105,6 +109,35 @@ class ServiceUnavailable(ProxyError):
 
 class TooManyRanks(ServiceUnavailable):
     type = "too_many_ranks"
+
+
+class OutputUnavailable(ServiceUnavailable):
+    """The output cannot take (or show) a rank's chunks now: full, refusing, stalled. Retried by clients
+    after `Retry-After`; the message names the output and the error."""
+
+    type = "output_unavailable"
+
+    def __init__(self, message: str, *, retry_after_s: float) -> None:
+        seconds = max(1, math.ceil(retry_after_s))
+        super().__init__(message, headers=[(b"retry-after", str(seconds).encode())])
+
+
+class OutputLost(ProxyError):
+    """Chunks `last_chunk` records as published are not in the output: a job resuming would skip them for
+    good. Not retried: a person decides (put the files back, or have them generated again)."""
+
+    status = 409
+    type = "output_lost_error"
+
+    def __init__(self, rank: int, missing: list[int], last_chunk: int, output: str, last_chunk_file: str) -> None:
+        shown = ", ".join(map(str, missing[:10])) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
+        super().__init__(
+            f"rank {rank}'s chunks [{shown}] are recorded as published (last_chunk {last_chunk}) but are not in "
+            f"the output {output}: they were lost after publication (the output emptied, recreated or pruned?). "
+            f"Put the files back; or, to have them generated again, write {missing[0] - 1} into {last_chunk_file} "
+            f"and restart the job"
+        )
+        self.missing = missing
 
 
 class UpstreamTimeout(ProxyError):

@@ -41,6 +41,7 @@ class RankOwnership:
         if port:
             self.identity["port"] = port
         self._fds: dict[int, int] = {}
+        self._kept: set[int] = set()  # held until the process exits, whatever asks to release them
 
     def owns(self, rank: int) -> bool:
         return rank in self._fds
@@ -88,9 +89,21 @@ class RankOwnership:
                 previous.get("host"),
             )
 
+    def keep_until_exit(self, rank: int) -> None:
+        """Never release `rank` in this process: something of it still runs (a publication that could not
+        be stopped), and no other proxy may take the rank over before the kernel drops the lock at exit."""
+        if rank in self._fds:
+            self._kept.add(rank)
+
+    def kept(self, rank: int) -> bool:
+        return rank in self._kept
+
     def release(self, rank: int) -> None:
         """Idempotent. The file stays (removing it would race with the next owner), emptied: the next
-        owner then knows the rank was given up, not left by a proxy that died."""
+        owner then knows the rank was given up, not left by a proxy that died. A rank kept until exit
+        stays held."""
+        if rank in self._kept:
+            return
         fd = self._fds.pop(rank, None)
         if fd is not None:
             try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import sqlite3
 import time
@@ -16,14 +17,14 @@ from pathlib import Path
 from app.cache import RequestCache, StoredResponse
 from app.checkpointing import CheckpointManager
 from app.durable import atomic_write_bytes
-from app.errors import ServiceUnavailable, TooManyRanks
+from app.errors import OutputLost, OutputUnavailable, ServiceUnavailable, TooManyRanks
 from app.layout import CheckpointsLayout
 from app.limits import files_short_for_a_rank, open_files_limit, out_of_files
 from app.metrics import Metrics
-from app.output_check import redact_url
+from app.output_check import redact_url, scrub
 from app.ownership import RankOwnership
 from app.publish import ChunkPublisher
-from app.resume import check_records_per_chunk, read_last_chunk
+from app.resume import check_records_per_chunk, docs_to_skip, read_last_chunk
 from app.settings import Settings
 from app.upstream import UpstreamPool
 
@@ -217,15 +218,25 @@ class CheckpointRegistry:
         self.ownership = caches.ownership
         self.root = str(settings.checkpoints_dir)
         self.layout = CheckpointsLayout(self.root)
-        self.publisher = ChunkPublisher(settings.output, self.root, settings.output_filename)
+        self.publisher = ChunkPublisher(
+            settings.output, self.root, settings.output_filename, holds_rank=self.ownership.owns
+        )
         self._managers: dict[int, CheckpointManager] = {}
         self._opening = RankLocks()
         self._admitting = asyncio.Lock()
         caches.admit = self.admit
+        #: Ranks whose published chunks were found missing from the output, with those chunks.
+        self.lost: dict[int, list[int]] = {}
 
     async def admit(self, rank: int) -> None:
         """Claim `rank` (`RankOwned` if another proxy has it), closing the least recently used idle
         rank first if `max_open_ranks` are open."""
+        if self.ownership.kept(rank):
+            raise ServiceUnavailable(
+                f"rank {rank} cannot be opened again in this proxy: a publication of it that could not be "
+                f"stopped is still running (a stalled output?). Restart this proxy, or send the rank elsewhere",
+                headers=[(b"retry-after", b"10")],
+            )
         if self.ownership.owns(rank):
             return
         async with self._admitting:  # one rank admitted at a time: two must not both take the last place
@@ -257,7 +268,8 @@ class CheckpointRegistry:
 
     def _is_idle(self, rank: int) -> bool:
         manager = self._managers.get(rank)
-        return not self.activity.in_flight[rank] and (manager is None or not manager.busy())
+        busy = manager is not None and manager.busy()
+        return not self.activity.in_flight[rank] and not busy and not self.ownership.kept(rank)
 
     def _least_recently_used_idle(self) -> int | None:
         idle = [rank for rank in self.ownership.owned() if self._is_idle(rank)]
@@ -275,9 +287,16 @@ class CheckpointRegistry:
                     try:
                         await self.admit(rank)
                         await self.recover_from_output(rank)
+                        await self.check_output(rank)
                         cache = await self.caches.get(rank)
                         manager = CheckpointManager(
-                            self.root, self.settings.records_per_chunk, request_cache=cache, fsync=self.settings.fsync
+                            self.root,
+                            self.settings.records_per_chunk,
+                            request_cache=cache,
+                            fsync=self.settings.fsync,
+                            publish_in_background=True,
+                            max_waiting_chunks=self.settings.max_waiting_chunks,
+                            max_retry_backoff_s=self.settings.publish_retry_max_s,
                         )
                         await manager.restore(rank, self.publisher)
                     except Exception:
@@ -289,6 +308,12 @@ class CheckpointRegistry:
 
     def is_open(self, rank: int) -> bool:
         return rank in self._managers
+
+    def opened(self, rank: int) -> CheckpointManager | None:
+        return self._managers.get(rank)
+
+    def open_managers(self) -> dict[int, CheckpointManager]:
+        return dict(self._managers)
 
     def has_working_files(self, rank: int) -> bool:
         return self.layout.rank(rank).has_working_files()
@@ -307,7 +332,7 @@ class CheckpointRegistry:
             with opening_files(rank):
                 await self.admit(rank)
                 await self.recover_from_output(rank)
-                return read_last_chunk(self.layout.rank(rank).last_chunk_file)
+                return await self.check_output(rank)
 
     async def recover_from_output(self, rank: int) -> None:
         """A rank without any checkpoint on disk resumes after its last published chunk.
@@ -337,6 +362,32 @@ class CheckpointRegistry:
         await asyncio.to_thread(check_records_per_chunk, self.layout, self.settings.records_per_chunk, record=True)
         await asyncio.to_thread(atomic_write_bytes, paths.last_chunk_file, str(last).encode())
 
+    async def check_output(self, rank: int) -> int:
+        """The rank's `last_chunk`, once the output is found to hold every chunk up to it (`OutputLost`
+        otherwise).
+
+        A chunk recorded as published but missing from the output (a bucket emptied or recreated, files
+        deleted) would be skipped by every restarted job for good: it is said loudly instead.
+        """
+        last = read_last_chunk(self.layout.rank(rank).last_chunk_file)
+        try:
+            missing = await asyncio.to_thread(self.publisher.missing_chunks, rank, last)
+        except OSError as exc:
+            raise OutputUnavailable(
+                f"the output {redact_url(self.settings.output)} cannot be read to check rank {rank}'s published "
+                f"chunks: {scrub(str(exc), self.settings.output)}",
+                retry_after_s=5.0,
+            ) from exc
+        if missing:
+            paths = self.layout.rank(rank)
+            lost = OutputLost(rank, missing, last, redact_url(self.settings.output), paths.last_chunk_file)
+            if self.lost.get(rank) != missing:
+                logger.error("%s", lost.message)
+            self.lost[rank] = missing
+            raise lost
+        self.lost.pop(rank, None)
+        return last
+
     async def complete(self, rank: int, chunk_index: int) -> CheckpointManager:
         manager = await self.get(rank)
         await manager.cleanup_last_chunk(rank, chunk_index)
@@ -349,9 +400,12 @@ class CheckpointRegistry:
         return manager
 
     async def release_idle(self, idle_s: float) -> list[int]:
-        """Give up every owned rank that no request has used for `idle_s`; return them."""
+        """Give up every owned rank that no request has used for `idle_s`; return them. A rank whose complete
+        chunks wait for an output that fails is released too: its next owner publishes them."""
         released = []
         for rank in self.ownership.owned():
+            if self.ownership.kept(rank):
+                continue
             if self.activity.idle(rank, idle_s) and await self._release(rank, lambda r: self.activity.idle(r, idle_s)):
                 released.append(rank)
         # Finished ranks too: released by their last chunk, then stamped as that request ended.
@@ -374,22 +428,67 @@ class CheckpointRegistry:
                 return False
             manager = self._managers.pop(rank, None)
             cache = self.caches.take(rank)
+            stopped = True
             try:
                 try:
                     if manager is not None:
-                        await manager.close()
+                        stopped = await manager.close(grace_s=self.settings.shutdown_grace_s)
                 finally:  # the lock goes: nothing of the rank may stay open, whatever failed
                     if cache is not None:
                         await cache.close()
             finally:
-                self.ownership.release(rank)
+                self._let_go(rank, stopped)
         self.activity.last_used.pop(rank, None)
         return True
 
+    def _let_go(self, rank: int, stopped: bool) -> None:
+        """Release the rank's lock, unless a publication of it still runs: then it is held until exit."""
+        if not stopped:
+            logger.error(
+                "a publication of rank %d is still running and could not be given up; this proxy keeps the "
+                "rank's lock until it exits, so that no other proxy publishes beside it",
+                rank,
+            )
+            self.ownership.keep_until_exit(rank)
+        self.ownership.release(rank)
+
     async def close(self) -> None:
+        """Close every manager, letting publications under way finish within `shutdown_grace_s` (then
+        giving them up); a rank with one still running keeps its lock until the process exits."""
         managers, self._managers = self._managers, {}
-        for manager in managers.values():
-            await manager.close()
+        grace_s = self.settings.shutdown_grace_s
+        results = await asyncio.gather(
+            *(manager.close(grace_s=grace_s) for manager in managers.values()), return_exceptions=True
+        )
+        failed: BaseException | None = None
+        for rank, result in zip(managers, results, strict=True):
+            if isinstance(result, BaseException):
+                logger.error("closing rank %d's checkpoints failed: %s", rank, result)
+                failed = failed or result
+            elif not result:
+                self._let_go_later(rank)
+        if failed is not None:
+            raise failed
+
+    def _let_go_later(self, rank: int) -> None:
+        logger.error(
+            "a publication of rank %d is still running past shutdown_grace_s and could not be given up; "
+            "the rank's lock is held until this process exits",
+            rank,
+        )
+        self.ownership.keep_until_exit(rank)
+
+
+@dataclass(frozen=True, slots=True)
+class PublicationState:
+    """A rank's complete chunks waiting for the output, and why, for `/stats`, `/metrics` and the page."""
+
+    waiting: int
+    error: str | None  # the last attempt's, while they fail
+    failing_since: float | None  # time.time()
+    attempts: int
+    retry_in_s: float | None
+    lost: tuple[int, ...] = ()  # chunks recorded as published but missing from the output
 
 
 @dataclass
@@ -401,3 +500,37 @@ class Services:
     activity: RankActivity = field(default_factory=RankActivity)
     flights: dict[CacheKey, asyncio.Future[StoredResponse | None]] = field(default_factory=dict)
     metrics: Metrics = field(default_factory=Metrics)
+
+    def note_progress(self, rank: int, manager: CheckpointManager) -> None:
+        """The rank's progress for `/stats` and `/metrics`: where its checkpoints stood when it was first
+        seen (published chunks counted as full), then each chunk published since."""
+        counters = self.metrics.rank(rank)
+        last = manager.last_chunk_index
+        if not counters.known:
+            in_open_chunks = sum(count for chunk, count in manager.per_chunk_counts.items() if chunk > last)
+            counters.done_documents = docs_to_skip(last, manager.records_per_chunk) + in_open_chunks
+            counters.known_at, counters.known_done = time.time(), counters.done_documents
+        elif last > counters.last_chunk_index:
+            counters.chunks_published += last - counters.last_chunk_index
+        counters.known = True
+        counters.last_chunk_index = last
+
+    def publications(self) -> dict[int, PublicationState]:
+        """Each open rank's publications now (its progress brought up to date too: chunks are published
+        in the background, between the rank's requests)."""
+        states = {}
+        for rank, manager in self.checkpoints.open_managers().items():
+            if self.metrics.rank(rank).known:
+                self.note_progress(rank, manager)
+            failure = manager.publication_failure
+            states[rank] = PublicationState(
+                waiting=len(manager.waiting_chunks()),
+                error=failure.reason if failure is not None else None,
+                failing_since=round(failure.since, 3) if failure is not None else None,
+                attempts=failure.attempts if failure is not None else 0,
+                retry_in_s=round(failure.retry_in_s(), 1) if failure is not None else None,
+            )
+        for rank, missing in list(self.checkpoints.lost.items()):
+            state = states.get(rank) or PublicationState(0, None, None, 0, None)
+            states[rank] = dataclasses.replace(state, lost=tuple(missing))
+        return states

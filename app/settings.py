@@ -122,6 +122,14 @@ class Settings(BaseSettings):
     rank_idle_s: float = Field(
         60.0, ge=0, description="a rank unused this long is released for another proxy to take over (0: never)"
     )
+    max_waiting_chunks: int = Field(
+        8,
+        gt=0,
+        description="complete chunks of a rank waiting for the output (slow or away); past it new documents get 503",
+    )
+    publish_retry_max_s: float = Field(
+        60.0, gt=0, description="longest wait between two tries of a publication that failed (backoff from 1 s)"
+    )
     max_open_ranks: int = Field(
         256,
         gt=0,

@@ -271,7 +271,8 @@ async def test_a_document_the_proxy_refuses_is_counted_logged_and_fails_the_task
             assert runner.stats["failed_documents"].total == 1
             logger.remove(sink)
             assert any("refused document 'doc-4'" in e and "NOT in the output" in e for e in errors)
-            # the other documents are published; the last chunk, doc-4's, is left open for a rerun
+            # the other documents are published (once /resume answers); the last chunk, doc-4's, is left open
+            await _resume(env)
             assert sorted(d["id"] for d in env.published()) == [f"doc-{i}" for i in range(4)]
             docs[4].text = "short again"
             await env.runner().run_async(docs, rank=0)

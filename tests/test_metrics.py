@@ -153,6 +153,7 @@ async def test_a_declared_total_gives_progress_and_an_eta(env: Env) -> None:
     docs = [{"id": f"d{i}", "text": "t"} for i in range(4)]
     written = await env.client.post("/documents", json=docs, headers={"X-Rank": "2", "X-Chunk-Index": "0"})
     assert written.status_code == 200
+    await env.client.get("/resume", headers=headers)  # answered once the complete chunk is published
     view = next(r for r in (await env.stats())["ranks"] if r["rank"] == 2)
     assert view["done_documents"] == 4
     assert view["progress"] == 0.1

@@ -196,8 +196,8 @@ async def test_a_rank_whose_checkpoints_fail_to_close_when_idle_leaves_nothing_o
 ) -> None:
     real_close = CheckpointManager.close
 
-    async def eio(self: CheckpointManager) -> None:
-        await real_close(self)  # its chunk files are closed, but their last fsync failed
+    async def eio(self: CheckpointManager, **options: Any) -> bool:
+        await real_close(self, **options)  # its chunk files are closed, but their last fsync failed
         raise OSError(errno.EIO, "Input/output error")
 
     async with fake_upstream() as (url, _):

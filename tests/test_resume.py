@@ -100,6 +100,9 @@ async def test_a_large_dir_resumes_the_same_with_ids_only_with_documents_and_in_
         output=str(tmp_path / "out"),
         records_per_chunk=RPC,
     )
+    (tmp_path / "out").mkdir()
+    for chunk in range(5):  # what a real run would have published before last_chunk moved past it
+        (tmp_path / "out" / f"00000_chunk_{chunk}.jsonl").write_bytes(b"")
     async with proxy_client(settings) as client:
         resume = (await client.get("/resume")).json()
     assert (resume["docs_to_skip"], resume["processed_ids"]) == (skip, processed)

@@ -27,12 +27,13 @@ from app.checkpointing import (
     CheckpointDurabilityError,
     CheckpointManager,
     ChunkCompleteError,
+    PublicationBacklog,
     RecordsPerChunkMismatch,
 )
 from app.documents import Document, DocumentError
-from app.errors import BadRequest, ChunkConflict, InsufficientStorage, ProxyError
+from app.errors import BadRequest, ChunkConflict, InsufficientStorage, OutputUnavailable, ProxyError
 from app.headers import parse_int, parse_rank, single_header
-from app.publish import PublishError, is_remote
+from app.publish import ChunkFileGone, PublishError, is_remote
 from app.resume import docs_to_skip
 from app.services import Services
 
@@ -84,21 +85,6 @@ def keep_total(services: Services, rank: int, total: int | None) -> None:
         services.metrics.rank(rank).total_documents = total
 
 
-def note_progress(services: Services, rank: int, manager: CheckpointManager) -> None:
-    """The rank's progress for `/stats` and `/metrics`: where its checkpoints stood when it was first
-    seen (published chunks counted as full), then each chunk published since."""
-    counters = services.metrics.rank(rank)
-    last = manager.last_chunk_index
-    if not counters.known:
-        in_open_chunks = sum(count for chunk, count in manager.per_chunk_counts.items() if chunk > last)
-        counters.done_documents = docs_to_skip(last, manager.records_per_chunk) + in_open_chunks
-        counters.known_at, counters.known_done = time.time(), counters.done_documents
-    elif last > counters.last_chunk_index:
-        counters.chunks_published += last - counters.last_chunk_index
-    counters.known = True
-    counters.last_chunk_index = last
-
-
 async def post_documents(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
     rank = rank_of(scope)
     total = declared_total(scope)
@@ -109,18 +95,26 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
     documents = parse_documents(await read_body(scope, receive, services.settings.max_body_bytes))
     manager = await manager_of(services, rank)
     if not services.metrics.rank(rank).known:
-        note_progress(services, rank, manager)  # where the rank stood: what this write publishes is counted
+        services.note_progress(rank, manager)  # where the rank stood: what this write publishes is counted
     try:
         outcome = await manager.write_documents(documents, rank, chunk_index, services.checkpoints.publisher)
     except DocumentError as exc:
         raise BadRequest(str(exc)) from exc
     except ChunkCompleteError as exc:
         raise ChunkConflict(str(exc)) from exc
+    except PublicationBacklog as exc:
+        failure = exc.failure
+        raise OutputUnavailable(
+            f"rank {rank}: {exc}; nothing of this request was written, send it again later "
+            f"(output: {public_output(services.settings.output)})",
+            retry_after_s=failure.retry_in_s() if failure is not None else 1.0,
+        ) from exc
     except PublishError as exc:
         raise publication_error(
             exc,
-            f"the documents are stored, but {exc}; it is retried with the next write, and sending this "
-            f"request again is harmless (its documents count as duplicates)",
+            services,
+            rank,
+            "the documents are stored, and sending this request again is harmless (they count as duplicates)",
         ) from exc
     except OSError as exc:
         raise storage_error(exc, services) from exc
@@ -128,7 +122,7 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
     counters.documents += outcome.written
     counters.done_documents += outcome.written
     counters.duplicates += outcome.duplicates
-    note_progress(services, rank, manager)
+    services.note_progress(rank, manager)
     keep_total(services, rank, total)
     cache = services.caches.opened_cache(rank)
     if cache is not None:
@@ -145,13 +139,25 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
     }
 
 
-def publication_error(exc: PublishError, message: str) -> ProxyError:
-    """A complete chunk not published (its documents stay checkpointed, and it is retried): 507 if a
-    disk is full, else 500."""
+def publication_error(exc: PublishError, services: Services, rank: int, stored: str) -> ProxyError:
+    """Complete chunks not published (they stay checkpointed, and are retried in the background): 503
+    with `Retry-After`, naming the disk or output that refused them and its error (full, refusing,
+    stalled: the job client retries it); 500 if a chunk's checkpoint file is gone (no retry helps)."""
     cause = exc.__cause__
-    if isinstance(cause, OSError) and cause.errno in _DISK_FULL:
-        return InsufficientStorage(f"{message}: the disk of {exc.where} is full, free space there first")
-    return ProxyError(message)
+    if isinstance(cause, ChunkFileGone):
+        return ProxyError(f"{exc}; {stored}")
+    manager = services.checkpoints.opened(rank)
+    failure = manager.publication_failure if manager is not None else None
+    full = isinstance(cause, OSError) and cause.errno in _DISK_FULL
+    if exc.where == str(services.settings.checkpoints_dir):  # recording it in last_chunk failed
+        where = f"recorded in the checkpoints dir {exc.where}{' (its disk is full: free space there)' if full else ''}"
+    else:
+        where = f"published to the output {exc.where}{' (its disk is full: free space there)' if full else ''}"
+    return OutputUnavailable(
+        f"rank {rank}'s complete chunks cannot be {where} now: {exc}. They stay checkpointed and are retried "
+        f"in the background; {stored}",
+        retry_after_s=failure.retry_in_s() if failure is not None else 1.0,
+    )
 
 
 def storage_error(exc: OSError, services: Services) -> ProxyError:
@@ -207,10 +213,10 @@ async def complete_chunk(services: Services, scope: Scope, receive: Receive) -> 
     try:
         manager = await services.checkpoints.complete(rank, chunk_index)
     except PublishError as exc:
-        raise publication_error(exc, f"{exc}; send this request again to retry") from exc
+        raise publication_error(exc, services, rank, "send this request again to know when it is done") from exc
     except OSError as exc:
         raise storage_error(exc, services) from exc
-    note_progress(services, rank, manager)
+    services.note_progress(rank, manager)
     return {
         "rank": rank,
         "last_chunk_index": manager.last_chunk_index,
@@ -224,9 +230,16 @@ async def get_resume(services: Services, scope: Scope, receive: Receive) -> dict
     registry = services.checkpoints
     if registry.is_open(rank) or registry.has_working_files(rank):
         manager = await manager_of(services, rank)
+        try:
+            # Complete chunks waiting (left by a crash, or by an output that failed) are tried now.
+            await manager.publish_pending(rank)
+        except PublishError as exc:
+            raise publication_error(
+                exc, services, rank, "this answer is given once they are (the job client retries it)"
+            ) from exc
         records_per_chunk, last = manager.records_per_chunk, manager.last_chunk_index
         skip, processed = manager.resume_state()
-        note_progress(services, rank, manager)
+        services.note_progress(rank, manager)
     else:
         # Nothing in progress for this rank: answer from last_chunk (or the output) alone, opening nothing.
         records_per_chunk, last = services.settings.records_per_chunk, await registry.last_chunk(rank)

@@ -27,7 +27,7 @@ from app.asgi import JSON_HEADERS, Receive, Scope, Send, send_bytes, send_error
 from app.cache import count_rows
 from app.errors import ServiceUnavailable
 from app.metrics import COUNTS, FSYNC_SECONDS, Histogram, Metrics, RankCounters
-from app.services import Services
+from app.services import PublicationState, Services
 
 #: How long a rank's counted cache entries are shown before they are counted again: a count scans the
 #: table, so a second per this many rows (a few ms of scanning), at least one.
@@ -53,21 +53,23 @@ async def readyz(services: Services, scope: Scope, receive: Receive, send: Send)
 
 async def stats(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
     """Everything in one JSON object (docs/contract.md, "Operations")."""
-    sizes = await cache_sizes(services)
-    body = await asyncio.to_thread(lambda: orjson.dumps(snapshot(services, sizes)))
+    sizes, publications = await cache_sizes(services), services.publications()
+    body = await asyncio.to_thread(lambda: orjson.dumps(snapshot(services, sizes, publications)))
     await send_bytes(send, 200, JSON_HEADERS, body)
 
 
 async def metrics(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
     """The same numbers in Prometheus' text format."""
-    sizes = await cache_sizes(services)
-    body = await asyncio.to_thread(render_metrics, services, sizes)
+    sizes, publications = await cache_sizes(services), services.publications()
+    body = await asyncio.to_thread(render_metrics, services, sizes, publications)
     await send_bytes(send, 200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], body)
 
 
-def render_metrics(services: Services, sizes: dict[int, tuple[int | None, int]]) -> bytes:
+def render_metrics(
+    services: Services, sizes: dict[int, tuple[int | None, int]], publications: dict[int, PublicationState]
+) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(_Collector(snapshot(services, sizes), services.metrics, services))
+    registry.register(_Collector(snapshot(services, sizes, publications), services.metrics, services))
     return generate_latest(registry)
 
 
@@ -80,9 +82,14 @@ async def page(services: Services, scope: Scope, receive: Receive, send: Send) -
 # -- the snapshot -----------------------------------------------------------------------
 
 
-def snapshot(services: Services, sizes: dict[int, tuple[int | None, int]]) -> dict[str, Any]:
-    """The numbers now; `sizes` from `cache_sizes`. Safe in a thread beside the event loop: it changes
-    nothing and iterates only over copies."""
+def snapshot(
+    services: Services,
+    sizes: dict[int, tuple[int | None, int]],
+    publications: dict[int, PublicationState] | None = None,
+) -> dict[str, Any]:
+    """The numbers now; `sizes` from `cache_sizes`, `publications` from `Services.publications` (read on the
+    event loop). Safe in a thread beside the event loop: it changes nothing and iterates only over copies."""
+    publications = publications or {}
     metrics = services.metrics
     now = time.time()
     counted, forgotten = tracked = metrics.tracked()  # one reading: the ranks and `forgotten` add up to the totals
@@ -103,8 +110,15 @@ def snapshot(services: Services, sizes: dict[int, tuple[int | None, int]]) -> di
     answered = replayed + totals["misses"] + totals["refreshed"]
     owned = services.caches.ownership.owned()
     ranks = [
-        rank_view(rank, counted.get(rank) or RankCounters(), rank in owned, rank_rates.get(rank), sizes.get(rank))
-        for rank in sorted(set(counted) | set(owned))
+        rank_view(
+            rank,
+            counted.get(rank) or RankCounters(),
+            rank in owned,
+            rank_rates.get(rank),
+            sizes.get(rank),
+            publications.get(rank),
+        )
+        for rank in sorted(set(counted) | set(owned) | {r for r, p in publications.items() if p.lost})
     ]
     return {
         "version": __version__,
@@ -154,7 +168,12 @@ def request_counts(metrics: Metrics, totals: dict[str, int]) -> dict[str, int]:
 
 
 def rank_view(
-    rank: int, counters: RankCounters, owned: bool, rate: float | None, size: tuple[int | None, int] | None
+    rank: int,
+    counters: RankCounters,
+    owned: bool,
+    rate: float | None,
+    size: tuple[int | None, int] | None,
+    publication: PublicationState | None = None,
 ) -> dict[str, Any]:
     total = counters.total_documents
     # Chunks published before this process counted are taken as full: a finished job's short last chunk
@@ -184,6 +203,13 @@ def rank_view(
         "eta_s": eta,
         "cache_entries": entries,
         "cache_bytes": size_bytes,
+        # complete chunks not yet published (the output slow or failing), and why while it fails
+        "chunks_waiting": publication.waiting if publication is not None else 0,
+        "publication_error": publication.error if publication is not None else None,
+        "publication_failing_since": publication.failing_since if publication is not None else None,
+        "publication_attempts": publication.attempts if publication is not None else 0,
+        "publication_retry_in_s": publication.retry_in_s if publication is not None else None,
+        "chunks_lost": list(publication.lost) if publication is not None else [],
     }
 
 
@@ -279,6 +305,21 @@ class _Collector(Collector):
         last_chunk = GaugeMetricFamily("inferproxy_last_chunk_index", "the last chunk published", labels=["rank"])
         done = GaugeMetricFamily("inferproxy_documents_done", "documents checkpointed or published", labels=["rank"])
         total = GaugeMetricFamily("inferproxy_documents_total", "documents the job declared", labels=["rank"])
+        waiting = GaugeMetricFamily(
+            "inferproxy_chunks_waiting",
+            "complete chunks not yet published (the output slow or failing)",
+            labels=["rank"],
+        )
+        failing = GaugeMetricFamily(
+            "inferproxy_publication_failing",
+            "1 while the rank's publications fail (retried with backoff)",
+            labels=["rank"],
+        )
+        lost = GaugeMetricFamily(
+            "inferproxy_chunks_lost",
+            "chunks recorded as published but missing from the output (GET /resume refuses the rank)",
+            labels=["rank"],
+        )
         entries = GaugeMetricFamily("inferproxy_cache_entries", "answers stored in the rank's cache", labels=["rank"])
         size = GaugeMetricFamily("inferproxy_cache_bytes", "size of the rank's cache files", labels=["rank"])
         forgotten = self.view["forgotten"]
@@ -298,10 +339,14 @@ class _Collector(Collector):
                 total.add_metric(label, rank["total_documents"])
             if rank["cache_entries"] is not None:
                 entries.add_metric(label, rank["cache_entries"])
+            if rank["chunks_lost"]:
+                lost.add_metric(label, len(rank["chunks_lost"]))
             if rank["owned"]:
                 size.add_metric(label, rank["cache_bytes"])
+                waiting.add_metric(label, rank["chunks_waiting"])
+                failing.add_metric(label, 1.0 if rank["publication_error"] is not None else 0.0)
         yield from families.values()
-        yield from (generations, last_chunk, done, total, entries, size)
+        yield from (generations, last_chunk, done, total, entries, size, waiting, failing, lost)
 
         yield _histogram("inferproxy_fsync_seconds", "checkpoint fsync rounds", FSYNC_SECONDS)
         yield GaugeMetricFamily("inferproxy_in_flight", "upstream generations in flight", value=self.view["in_flight"])

@@ -19,6 +19,10 @@ While the file LOG + `.io` exists, holding `ERRNO CALLS DIR` (`EIO fsync,write /
 `os.write` and `os.fsync` (those of CALLS) on files under DIR fail with that errno (a write after
 taking half of its bytes): a disk that fails, switched on and off from outside by writing and
 removing that file.
+
+While the file LOG + `.slow` exists, holding `SECONDS DIR`, `os.open` of a path under DIR first sleeps
+SECONDS (a slow or starved output filesystem, a node that stalls mid-publish); the file LOG +
+`.slowed` is created as such an open begins, LOG + `.slept` once its sleep is over.
 """
 
 from __future__ import annotations
@@ -167,6 +171,25 @@ def failing_io(switch: Path) -> None:
     os.fsync = failing(os.fsync, "fsync")
 
 
+def slow_io(switch: Path) -> None:
+    """`os.open` of a path under the switch's DIR sleeps its SECONDS first, while the switch file exists."""
+    real_open = os.open
+    slowed = switch.with_suffix(".slowed")
+
+    def opening(path: Any, flags: int, mode: int = 0o777, *args: Any, **kwargs: Any) -> int:
+        try:
+            seconds, where = switch.read_text().split(maxsplit=1)
+        except (FileNotFoundError, ValueError):
+            return real_open(path, flags, mode, *args, **kwargs)
+        if str(path).startswith(where.rstrip(os.sep) + os.sep):
+            slowed.touch()
+            time.sleep(float(seconds))
+            slowed.with_suffix(".slept").touch()
+        return real_open(path, flags, mode, *args, **kwargs)
+
+    os.open = opening
+
+
 if __name__ == "__main__":
     fault, log_path, *args = sys.argv[1:]
     output = next(arg.split("=", 1)[1] for arg in args if arg.startswith("--output="))
@@ -175,4 +198,5 @@ if __name__ == "__main__":
         inject(fault, log_path, output)
     recording_synced_sizes(Path(log_path + ".synced"), os.path.realpath(checkpoints))
     failing_io(Path(log_path + ".io"))  # outermost: an fsync that fails records nothing
+    slow_io(Path(log_path + ".slow"))
     sys.exit(main(args))

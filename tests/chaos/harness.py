@@ -187,6 +187,20 @@ class ProxyProcess(Process):
     def heal_io(self) -> None:
         self.io_switch.unlink(missing_ok=True)
 
+    def slow_io(self, seconds: float, where: Path) -> None:
+        """From now on every `os.open` under `where` first sleeps `seconds` (see `faulty_serve`)."""
+        Path(f"{self.fault_log}.slowed").unlink(missing_ok=True)
+        Path(f"{self.fault_log}.slept").unlink(missing_ok=True)
+        Path(f"{self.fault_log}.slow").write_text(f"{seconds} {where}")
+
+    def slowed(self) -> bool:
+        """Whether an `os.open` under `slow_io`'s folder has begun (and is sleeping, or has slept)."""
+        return Path(f"{self.fault_log}.slowed").exists()
+
+    def slept(self) -> bool:
+        """Whether such an `os.open` has come out of its sleep."""
+        return Path(f"{self.fault_log}.slept").exists()
+
 
 class ProxyDied(Exception):
     """The connection to the proxy broke: it was killed under the job."""

@@ -35,6 +35,7 @@ from typing import Any
 import orjson
 
 from app.client import Resume
+from app.durable import temporary_target
 
 _OUTPUT_NAME = re.compile(r"^(\d{5})_chunk_(\d+)\.jsonl$")
 _CHUNK_FILE = re.compile(r"^chunk_(\d{5})\.jsonl$")
@@ -193,14 +194,15 @@ def read_output(
 ) -> dict[int, dict[str, int]]:
     """Every published document: `{rank: {doc_id: chunk_index}}`; what is wrong goes to `problems`.
 
-    `temporaries_allowed`: a chunk's `.<name>.tmp`, which a crash mid-publication leaves until the
-    chunk is published after the restart, is no fault yet.
+    `temporaries_allowed`: a chunk's `.<name>.<random>.tmp`, which a crash mid-publication leaves until
+    the rank is restored after the restart, is no fault yet.
     """
     published: dict[int, dict[str, int]] = defaultdict(dict)
     if not output.exists():
         return published
     for path in sorted(output.iterdir()):
-        temporary = _OUTPUT_NAME.match(path.name.removeprefix(".").removesuffix(".tmp"))
+        target = temporary_target(path.name)
+        temporary = _OUTPUT_NAME.match(target) if target is not None else None
         if path.name.startswith(".") and temporary and temporaries_allowed:
             continue
         match = _OUTPUT_NAME.match(path.name)
