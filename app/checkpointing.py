@@ -728,10 +728,14 @@ class CheckpointManager:
         await self._chunk_files.close()
         return stopped
 
+    def publishing(self) -> bool:
+        """Whether a publication (or the task that makes them) still runs."""
+        return (self._publisher is not None and not self._publisher.done()) or self._publish_lock.locked()
+
     async def _publications_stopped(self, timeout_s: float | None) -> bool:
         """Wait up to `timeout_s` for the background publisher and any publication to end."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while (self._publisher is not None and not self._publisher.done()) or self._publish_lock.locked():
+        while self.publishing():
             if deadline is not None and time.monotonic() >= deadline:
                 return False
             await asyncio.sleep(0.01)

@@ -28,6 +28,7 @@ from app.cache import SQLITE_SUFFIXES, count_entries
 from app.documents import Document
 from app.durable import CorruptFileError, UnsafeFileError, check_safe, scan_jsonl
 from app.layout import DEFAULT_OUTPUT_FILENAME, META_FILENAME, CheckpointsLayout, RankPaths
+from app.output_check import redact_url
 from app.ownership import OwnerLock, probe_owner
 from app.publish import ChunkPublisher
 from app.resume import (
@@ -207,6 +208,20 @@ def _rank_report(
     if records_per_chunk is None or restorable is None or refused:
         return report
     start = report.last_chunk_index
+    if publisher is not None and start >= 0:
+        # As a restarted proxy checks it: what last_chunk says is published must be in the output.
+        try:
+            missing = publisher.missing_chunks(paths.rank, start)
+        except Exception as exc:  # an object store's errors are its own
+            report.problems.append(f"cannot list the output {publisher.output}: {exc}")
+        else:
+            if missing:
+                shown = ", ".join(map(str, missing[:10])) + (", ..." if len(missing) > 10 else "")
+                report.problems.append(
+                    f"chunks [{shown}] are recorded as published (last_chunk {start}) but are not in the output "
+                    f"{redact_url(publisher.output)}: a restarted proxy refuses the rank (409 output_lost_error) "
+                    f"until they are put back, or {missing[0] - 1} is written into {paths.last_chunk_file}"
+                )
     if not paths.has_checkpoints():
         # A restarted proxy first recovers such a rank's last chunk from the output's listing.
         report.resume_source = "unchecked_output"

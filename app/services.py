@@ -428,16 +428,17 @@ class CheckpointRegistry:
                 return False
             manager = self._managers.pop(rank, None)
             cache = self.caches.take(rank)
-            stopped = True
             try:
                 try:
                     if manager is not None:
-                        stopped = await manager.close(grace_s=self.settings.shutdown_grace_s)
+                        await manager.close(grace_s=self.settings.shutdown_grace_s)
                 finally:  # the lock goes: nothing of the rank may stay open, whatever failed
                     if cache is not None:
                         await cache.close()
             finally:
-                self._let_go(rank, stopped)
+                # Asked of the manager, not of close()'s answer: a close cut short (cancelled, failed) may
+                # leave a publication running.
+                self._let_go(rank, manager is None or not manager.publishing())
         self.activity.last_used.pop(rank, None)
         return True
 
@@ -461,22 +462,19 @@ class CheckpointRegistry:
             *(manager.close(grace_s=grace_s) for manager in managers.values()), return_exceptions=True
         )
         failed: BaseException | None = None
-        for rank, result in zip(managers, results, strict=True):
+        for (rank, manager), result in zip(managers.items(), results, strict=True):
             if isinstance(result, BaseException):
                 logger.error("closing rank %d's checkpoints failed: %s", rank, result)
                 failed = failed or result
-            elif not result:
-                self._let_go_later(rank)
+            if manager.publishing():
+                logger.error(
+                    "a publication of rank %d is still running past shutdown_grace_s and could not be given "
+                    "up; the rank's lock is held until this process exits",
+                    rank,
+                )
+                self.ownership.keep_until_exit(rank)
         if failed is not None:
             raise failed
-
-    def _let_go_later(self, rank: int) -> None:
-        logger.error(
-            "a publication of rank %d is still running past shutdown_grace_s and could not be given up; "
-            "the rank's lock is held until this process exits",
-            rank,
-        )
-        self.ownership.keep_until_exit(rank)
 
 
 @dataclass(frozen=True, slots=True)

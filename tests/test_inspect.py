@@ -510,3 +510,18 @@ def test_an_owner_lock_not_written_by_inferproxy_keeps_the_json_types_and_prints
     assert "\x1b" not in table
     assert "\r" not in table
     assert "free (pid ? on \\x1b[31mred\\r\\nfake line, port 80 is gone)" in table
+
+
+def test_chunks_recorded_as_published_but_missing_from_the_output_are_a_problem_with_output(tmp_path: Path) -> None:
+    root = checkpoints(tmp_path / "checkpoints", "3", {4: ["a"]})
+    output = tmp_path / "output"
+    output.mkdir()
+    for chunk_index in (0, 2):  # 1 and 3 were lost after publication (a pruned or recreated bucket)
+        (output / f"00000_chunk_{chunk_index}.jsonl").write_text("{}\n")
+    (rank,) = inspect_dir(str(root), output=str(output)).ranks
+    (problem,) = rank.problems
+    assert "chunks [1, 3] are recorded as published (last_chunk 3)" in problem
+    assert "409 output_lost_error" in problem
+    assert "0 is written into" in problem
+    (unchecked,) = inspect_dir(str(root)).ranks  # without --output the output is not looked at
+    assert unchecked.problems == []
