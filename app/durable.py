@@ -21,17 +21,38 @@ import errno
 import logging
 import os
 import secrets
+import sqlite3
 import stat
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
 from app.metrics import FSYNC_SECONDS
 
 logger = logging.getLogger(__name__)
+
+
+#: How the system refuses a write for want of space: none left on the disk, or the user's quota there used up.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def is_disk_full(exc: BaseException | None) -> TypeGuard[OSError | sqlite3.Error]:
+    """Whether `exc` is a write refused because its disk is full: ENOSPC or EDQUOT, or SQLite's
+    SQLITE_FULL ("database or disk is full"). Storage errors that wrap one (`CacheWriteError`,
+    `PublishError`) hold it as their `__cause__`: the caller, which knows what failed, asks about that.
+    """
+    if isinstance(exc, OSError):
+        return exc.errno in DISK_FULL_ERRNOS
+    return isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+
+
+def refusal_reason(exc: OSError | sqlite3.Error) -> str:
+    """Why a write was refused, in the system's words ("No space left on device", "Disk quota exceeded") or
+    SQLite's, without the file: for a message that names the folder to act on itself."""
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
 
 
 def fsync_dir(path: str) -> None:

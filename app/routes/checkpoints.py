@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import time
@@ -30,6 +29,7 @@ from app.checkpointing import (
     RecordsPerChunkMismatch,
 )
 from app.documents import Document, DocumentError
+from app.durable import is_disk_full, refusal_reason
 from app.errors import BadRequest, ChunkConflict, InsufficientStorage, ProxyError
 from app.headers import parse_int, parse_rank, single_header
 from app.publish import PublishError, is_remote
@@ -39,7 +39,6 @@ from app.services import Services
 logger = logging.getLogger(__name__)
 
 _FIELDS = frozenset({"id", "text", "media", "metadata"})
-_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 #: One route's work: (services, scope, receive) -> the JSON object it answers 200 with.
 Work = Callable[[Services, Scope, Receive], Awaitable[dict[str, Any]]]
@@ -148,8 +147,7 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
 def publication_error(exc: PublishError, message: str) -> ProxyError:
     """A complete chunk not published (its documents stay checkpointed, and it is retried): 507 if a
     disk is full, else 500."""
-    cause = exc.__cause__
-    if isinstance(cause, OSError) and cause.errno in _DISK_FULL:
+    if is_disk_full(exc.__cause__):
         return InsufficientStorage(f"{message}: the disk of {exc.where} is full, free space there first")
     return ProxyError(message)
 
@@ -159,9 +157,9 @@ def storage_error(exc: OSError, services: Services) -> ProxyError:
     if isinstance(exc, CheckpointDurabilityError):
         # The rank stays refused while this proxy has it open: a restarted job would only get this again.
         return ProxyError(f"{exc}; here, that means: restart inferproxy serve, then the job")
-    if exc.errno in _DISK_FULL:
+    if is_disk_full(exc):
         return InsufficientStorage(
-            f"the checkpoints disk is full ({exc.strerror}); nothing of this request was written: "
+            f"the checkpoints disk is full ({refusal_reason(exc)}); nothing of this request was written: "
             f"free space under {services.settings.checkpoints_dir} and send it again"
         )
     logger.exception("checkpoint storage failed")
