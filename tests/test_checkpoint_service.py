@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import shutil
+import sqlite3
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -17,12 +18,17 @@ from typing import Any
 import httpx
 import pytest
 
+import app.cache
 import app.checkpointing
 import app.durable
 import app.publish
+import app.resume
+import app.services
 from app.publish import ChunkPublisher
 from app.routes.checkpoints import public_output
 from app.settings import Settings
+from tests import faults
+from tests.factories import completion_request, last_chunk_path, write_chunk_file
 from tests.servers import fake_upstream, proxy_client
 
 # Under both servers: the app must behave the same under the built-in one and under uvicorn.
@@ -160,8 +166,8 @@ async def test_disk_full_gets_507_writes_nothing_and_the_next_write_succeeds(
     assert (await post(client, [doc("b"), doc("c")])).json()["written"] == 2
 
 
-def disk_full(path: str, data: bytes, **options: Any) -> None:
-    """`atomic_write_bytes` on a full disk."""
+def disk_full(path: str, *args: Any, **options: Any) -> None:
+    """`atomic_write_bytes` (or any other write of `path`: `make_dirs_durable`, ...) on a full disk."""
     raise OSError(errno.ENOSPC, "No space left on device", path)
 
 
@@ -194,6 +200,86 @@ async def test_a_full_disk_refusing_last_chunk_after_the_append_says_the_documen
     again = await post(client, [doc("a"), doc("b"), doc("c")])
     assert (again.status_code, again.json()["duplicates"], again.json()["last_chunk_index"]) == (200, 3, 0)
     assert (tmp_path / "ckpt" / "last_chunk" / "00000.txt").read_text() == "0"
+
+
+def opening_refused(answer: httpx.Response, tmp_path: Path, reason: str) -> None:
+    """`answer` is the 507 of a rank that a full checkpoints disk kept from opening."""
+    assert answer.status_code == 507
+    assert answer.json()["error"] == {
+        "message": f"rank 0 cannot be opened: the checkpoints disk is full ({reason}), and nothing of this "
+        f"request was written; free space under {tmp_path / 'ckpt'}, then send it again",
+        "type": "insufficient_storage",
+        "param": None,
+        "code": 507,
+    }
+
+
+@pytest.mark.parametrize("route", ["documents", "v1"])
+@pytest.mark.parametrize("refused", ["rank folder", "cache file"])
+async def test_a_full_disk_refusing_a_rank_s_request_cache_gets_507_and_leaves_the_rank_free(
+    client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: str, route: str
+) -> None:
+    # Was a 500: the OSError of the rank's folder, or SQLite's "database or disk is full".
+    real_migrations = app.cache.apply_migrations
+
+    def full_file(conn: sqlite3.Connection) -> list[str]:
+        conn.execute("PRAGMA max_page_count = 1")  # SQLite refuses to grow the file, as on a full disk
+        return real_migrations(conn)
+
+    if refused == "rank folder":
+        monkeypatch.setattr(app.cache, "make_dirs_durable", disk_full)
+    else:
+        monkeypatch.setattr(app.cache, "apply_migrations", full_file)
+
+    async def send() -> httpx.Response:
+        if route == "documents":
+            return await post(client, doc("a"))
+        return await client.post("/v1/completions", json=completion_request(), headers={"X-Doc-Id": "a"})
+
+    answer = await send()
+    monkeypatch.undo()
+    opening_refused(
+        answer, tmp_path, "No space left on device" if refused == "rank folder" else "database or disk is full"
+    )
+    assert (await client.get("/stats")).json()["owned_ranks"] == []
+    assert (await send()).status_code == 200
+
+
+@pytest.mark.parametrize("refused", ["last_chunk", "checkpoint_meta.json"])
+async def test_a_full_disk_refusing_the_recovery_of_a_rank_from_the_output_gets_507_and_a_retry_recovers_it(
+    client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: str
+) -> None:
+    # Was a 500. Checkpoints lost, chunk 0 published: the recovery records both in the checkpoints dir.
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "00000_chunk_0.jsonl").write_text(json.dumps({"id": "d0", "text": "t"}) + "\n")
+    if refused == "last_chunk":
+        monkeypatch.setattr(app.services, "atomic_write_bytes", disk_full)
+    else:
+        monkeypatch.setattr(app.resume, "create_exclusive_bytes", disk_full)
+    answer = await client.get("/resume")
+    monkeypatch.undo()
+    opening_refused(answer, tmp_path, "No space left on device")
+    again = await client.get("/resume")
+    assert (again.status_code, again.json()["last_chunk_index"]) == (200, 0)
+
+
+async def test_a_full_disk_refusing_to_drop_the_last_chunk_s_cache_rows_on_restore_gets_507_and_a_retry_restores(
+    client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Was a 500 (CacheWriteError): a restore drops the rows of the last chunk, which a crash may have left.
+    Path(last_chunk_path(tmp_path / "ckpt")).parent.mkdir(parents=True)
+    Path(last_chunk_path(tmp_path / "ckpt")).write_text("0")
+    write_chunk_file(tmp_path / "ckpt", 1, ["d3"])
+
+    def full(*_: Any) -> Any:
+        raise faults.sqlite_full()
+
+    monkeypatch.setattr(app.cache, "_write_batch", full)
+    answer = await client.get("/resume")
+    monkeypatch.undo()
+    opening_refused(answer, tmp_path, "database or disk is full")
+    again = (await client.get("/resume")).json()
+    assert (again["last_chunk_index"], again["processed_ids"]) == (0, ["d3"])
 
 
 async def test_after_a_failed_fsync_the_rank_refuses_writes_until_the_proxy_restarts_and_says_so(
