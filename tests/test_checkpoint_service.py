@@ -11,7 +11,7 @@ import os
 import shutil
 import sqlite3
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -280,6 +280,55 @@ async def test_a_full_disk_refusing_to_drop_the_last_chunk_s_cache_rows_on_resto
     opening_refused(answer, tmp_path, "database or disk is full")
     again = (await client.get("/resume")).json()
     assert (again["last_chunk_index"], again["processed_ids"]) == (0, ["d3"])
+
+
+@pytest.mark.parametrize("route", ["documents", "complete"])
+@pytest.mark.parametrize(
+    ("refusal", "status"), [(faults.sqlite_full, 507), (faults.sqlite_read_only, 500)], ids=["full", "read-only"]
+)
+async def test_a_chunk_published_whose_cache_rows_a_full_disk_keeps_gets_507_saying_what_is_done(
+    client: httpx.AsyncClient,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    refusal: Callable[[], sqlite3.Error],
+    status: int,
+    route: str,
+) -> None:
+    # Was a 500 (CacheWriteError) for either, after the chunk was published and recorded in last_chunk.
+    def refused(*_: Any) -> Any:
+        raise refusal()
+
+    if route == "complete":
+        assert (await post(client, doc("a"))).status_code == 200
+    monkeypatch.setattr(app.cache, "_write_batch", refused)
+    if route == "documents":
+        answer = await post(client, [doc("a"), doc("b"), doc("c")])
+    else:
+        answer = await client.post("/chunks/0/complete", headers={"X-Rank": "0"})
+    monkeypatch.undo()
+    assert answer.status_code == status
+    message = answer.json()["error"]["message"]
+    if status == 500:
+        assert "CacheWriteError: could not commit 0 cache entries" in message  # as before
+    elif route == "documents":
+        assert message == (
+            f"the documents are stored, but the request cache could not be updated after a chunk was published "
+            f"(nothing needs to be sent again): the checkpoints disk is full (database or disk is full), free "
+            f"space under {tmp_path / 'ckpt'}"
+        )
+    else:
+        assert message == (
+            f"chunk 0 is marked complete, but the request cache could not be updated after a chunk was published "
+            f"(send this request again to finish): the checkpoints disk is full (database or disk is full), free "
+            f"space under {tmp_path / 'ckpt'}"
+        )
+    assert published(tmp_path) == {"00000_chunk_0.jsonl": ["a", "b", "c"] if route == "documents" else ["a"]}
+    assert Path(last_chunk_path(tmp_path / "ckpt")).read_text() == "0"
+    if route == "documents":
+        assert (await post(client, doc("d"), chunk=1)).json()["written"] == 1
+    else:
+        assert (await client.post("/chunks/0/complete", headers={"X-Rank": "0"})).status_code == 200
+        assert not (tmp_path / "ckpt" / "00000").exists()
 
 
 async def test_after_a_failed_fsync_the_rank_refuses_writes_until_the_proxy_restarts_and_says_so(

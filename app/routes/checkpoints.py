@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -22,6 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import orjson
 
 from app.asgi import JSON_HEADERS, Receive, Scope, Send, check_json_cost, read_body, send_bytes
+from app.cache import CacheWriteError
 from app.checkpointing import (
     CheckpointDurabilityError,
     CheckpointManager,
@@ -121,6 +123,15 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
             f"the documents are stored, but {exc}; it is retried with the next write, and sending this "
             f"request again is harmless (its documents count as duplicates)",
         ) from exc
+    except CacheWriteError as exc:
+        if is_disk_full(exc.__cause__):
+            raise cache_full(
+                exc.__cause__,
+                services,
+                "the documents are stored, but the request cache could not be updated after a chunk was "
+                "published (nothing needs to be sent again)",
+            ) from exc
+        raise
     except OSError as exc:
         raise storage_error(exc, services) from exc
     counters = services.metrics.rank(rank)
@@ -166,6 +177,15 @@ def storage_error(exc: OSError, services: Services) -> ProxyError:
     return ProxyError(f"checkpoint storage failed: {exc}")
 
 
+def cache_full(refused: OSError | sqlite3.Error, services: Services, message: str) -> InsufficientStorage:
+    """507 for a chunk published whose rows a full disk kept in the request cache (rows nothing asks for
+    again): `message` says what is done and what to do, this adds which disk is full."""
+    return InsufficientStorage(
+        f"{message}: the checkpoints disk is full ({refusal_reason(refused)}), free space under "
+        f"{services.settings.checkpoints_dir}"
+    )
+
+
 def parse_documents(body: bytes) -> list[Document]:
     """One document or a JSON array of them, each validated; the first fault is named, nothing kept."""
     check_json_cost(body)
@@ -206,6 +226,15 @@ async def complete_chunk(services: Services, scope: Scope, receive: Receive) -> 
         manager = await services.checkpoints.complete(rank, chunk_index)
     except PublishError as exc:
         raise publication_error(exc, f"{exc}; send this request again to retry") from exc
+    except CacheWriteError as exc:
+        if is_disk_full(exc.__cause__):
+            raise cache_full(
+                exc.__cause__,
+                services,
+                f"chunk {chunk_index} is marked complete, but the request cache could not be updated after a "
+                f"chunk was published (send this request again to finish)",
+            ) from exc
+        raise
     except OSError as exc:
         raise storage_error(exc, services) from exc
     note_progress(services, rank, manager)
