@@ -331,6 +331,28 @@ async def test_a_chunk_published_whose_cache_rows_a_full_disk_keeps_gets_507_say
         assert not (tmp_path / "ckpt" / "00000").exists()
 
 
+@pytest.mark.parametrize("full", ["ckpt", "out"])
+async def test_a_full_disk_refusing_to_publish_a_chunk_a_restore_found_complete_gets_507_and_a_retry_publishes_it(
+    client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, full: str
+) -> None:
+    # Was a 500 (PublishError): a proxy killed after a chunk's last document, before its publication.
+    write_chunk_file(tmp_path / "ckpt", 0, ["a", "b", "c"])
+    monkeypatch.setattr(app.checkpointing if full == "ckpt" else app.publish, "atomic_write_bytes", disk_full)
+    answer = await client.get("/resume")
+    monkeypatch.undo()
+    message = answer.json()["error"]["message"]
+    assert answer.status_code == 507
+    assert message.startswith(
+        "rank 0 cannot be opened (nothing of this request was written): its checkpoints hold a complete chunk, but "
+    )
+    assert message.endswith(
+        f"; it is retried with the rank's next request: the disk of {tmp_path / full} is full, free space there first"
+    )
+    again = (await client.get("/resume")).json()
+    assert (again["last_chunk_index"], again["processed_ids"]) == (0, [])
+    assert published(tmp_path) == {"00000_chunk_0.jsonl": ["a", "b", "c"]}
+
+
 async def test_after_a_failed_fsync_the_rank_refuses_writes_until_the_proxy_restarts_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

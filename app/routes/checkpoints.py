@@ -71,6 +71,12 @@ async def manager_of(services: Services, rank: int) -> CheckpointManager:
         return await services.checkpoints.get(rank)
     except RecordsPerChunkMismatch as exc:
         raise ChunkConflict(str(exc)) from exc
+    except PublishError as exc:  # a chunk its restore found complete: its documents stay checkpointed
+        raise publication_error(
+            exc,
+            f"rank {rank} cannot be opened (nothing of this request was written): its checkpoints hold a "
+            f"complete chunk, but {exc}; it is retried with the rank's next request",
+        ) from exc
 
 
 def declared_total(scope: Scope) -> int | None:
