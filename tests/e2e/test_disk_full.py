@@ -58,3 +58,40 @@ async def test_a_full_disk_gives_507_keeps_the_checkpoint_intact_and_recovers(tm
         assert await post(ids) == 200
         resume = (await client.get("/resume")).json()
         assert set(resume["processed_ids"]) == {*acknowledged, *ids}
+
+
+async def test_ranks_opened_on_a_full_disk_get_507_naming_the_checkpoints_dir_and_open_once_space_is_freed(
+    tmp_path: Path, small_disk: Path
+) -> None:
+    settings = Settings(
+        upstream=["http://127.0.0.1:9"],
+        checkpoints_dir=small_disk / "ckpt",
+        output=str(tmp_path / "out"),
+        records_per_chunk=100,
+    )
+    async with proxy_client(settings) as client:
+        first = await client.post("/documents", json={"id": "a", "text": "x"}, headers={"X-Chunk-Index": "0"})
+        assert first.status_code == 200  # owners/ and checkpoint_meta.json exist, as under a job that fills the disk
+        filler = faults.fill_disk(small_disk)
+
+        # A new rank's first request claims it: the owner lock's write is refused, before anything else.
+        refusals = [
+            await client.get("/resume", headers={"X-Rank": "1"}),
+            await client.post(
+                "/documents", json={"id": "b", "text": "x"}, headers={"X-Rank": "2", "X-Chunk-Index": "0"}
+            ),
+            await client.post("/v1/completions", json={"prompt": "p"}, headers={"X-Rank": "3", "X-Doc-Id": "c"}),
+        ]
+        for answer in refusals:
+            assert answer.status_code == 507, answer.text
+            message = answer.json()["error"]["message"]
+            assert "the checkpoints disk is full (No space left on device)" in message
+            assert f"free space under {settings.checkpoints_dir}, then send it again" in message
+        assert (await client.get("/stats")).json()["owned_ranks"] == [0]
+
+        filler.unlink()
+        assert (await client.get("/resume", headers={"X-Rank": "1"})).status_code == 200
+        again = await client.post(
+            "/documents", json={"id": "b", "text": "x"}, headers={"X-Rank": "2", "X-Chunk-Index": "0"}
+        )
+        assert again.status_code == 200
