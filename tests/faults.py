@@ -47,6 +47,15 @@ def sqlite_full() -> sqlite3.OperationalError:
     return _refused_by_sqlite(":memory:", "PRAGMA max_page_count = 1")
 
 
+def sqlite_shm_not_grown() -> sqlite3.OperationalError:
+    """The error SQLite gives when it cannot grow a WAL index (`-shm`) on a full disk (SQLITE_IOERR_SHMSIZE),
+    as SQLite words it: only a full disk makes it, which tests/e2e/test_disk_full.py fills for real."""
+    error = sqlite3.OperationalError("disk I/O error")
+    error.sqlite_errorcode = sqlite3.SQLITE_IOERR_SHMSIZE  # type: ignore[attr-defined]
+    error.sqlite_errorname = "SQLITE_IOERR_SHMSIZE"  # type: ignore[attr-defined]
+    return error
+
+
 def sqlite_read_only() -> sqlite3.OperationalError:
     """The error SQLite gives a write to a read-only database (SQLITE_READONLY), raised by SQLite itself."""
     return _refused_by_sqlite("file::memory:?mode=ro")

@@ -33,11 +33,12 @@ from tests import faults
         (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/ckpt/f"), True, os.strerror(errno.ENOSPC)),
         (OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)), True, os.strerror(errno.EDQUOT)),
         (faults.sqlite_full(), True, "database or disk is full"),
+        (faults.sqlite_shm_not_grown(), True, "disk I/O error"),
         (OSError(errno.EIO, os.strerror(errno.EIO)), False, os.strerror(errno.EIO)),
         (UnsafeFileError("/ckpt/f is a symbolic link"), False, "/ckpt/f is a symbolic link"),
         (faults.sqlite_read_only(), False, "attempt to write a readonly database"),
     ],
-    ids=["ENOSPC", "EDQUOT", "SQLITE_FULL", "EIO", "unsafe", "SQLITE_READONLY"],
+    ids=["ENOSPC", "EDQUOT", "SQLITE_FULL", "SQLITE_IOERR_SHMSIZE", "EIO", "unsafe", "SQLITE_READONLY"],
 )
 def test_a_full_disk_is_told_from_other_refusals_in_the_system_s_words_and_sqlite_s(
     refusal: OSError | sqlite3.Error, full: bool, reason: str
