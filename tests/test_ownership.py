@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+import app.ownership
 from app.checkpointing import CheckpointManager
 from app.client import ProxyJob, RankOwnedElsewhere
 from app.errors import RankOwned
@@ -73,18 +74,19 @@ async def first_request(client: httpx.AsyncClient, route: str) -> httpx.Response
 
 
 @pytest.mark.parametrize(
-    ("route", "code"),
+    ("route", "code", "refused"),
     [
-        pytest.param("documents", errno.ENOSPC, id="documents-ENOSPC"),
-        pytest.param("documents", errno.EDQUOT, id="documents-EDQUOT"),
-        pytest.param("resume", errno.ENOSPC, id="resume"),
-        pytest.param("complete", errno.ENOSPC, id="complete"),
-        pytest.param("lookup", errno.ENOSPC, id="lookup"),
-        pytest.param("v1", errno.ENOSPC, id="v1"),
+        pytest.param("documents", errno.ENOSPC, "pwrite", id="documents-ENOSPC"),
+        pytest.param("documents", errno.EDQUOT, "pwrite", id="documents-EDQUOT"),
+        pytest.param("documents", errno.ENOSPC, "owners folder", id="documents-owners-folder"),
+        pytest.param("resume", errno.ENOSPC, "pwrite", id="resume"),
+        pytest.param("complete", errno.ENOSPC, "pwrite", id="complete"),
+        pytest.param("lookup", errno.ENOSPC, "pwrite", id="lookup"),
+        pytest.param("v1", errno.ENOSPC, "pwrite", id="v1"),
     ],
 )
 async def test_a_full_disk_refusing_the_owner_lock_gets_507_naming_the_checkpoints_dir_and_leaves_the_rank_free(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str, code: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str, code: int, refused: str
 ) -> None:
     # Was a 500 ("inferproxy failed on this request: OSError: ..."), as if the proxy were at fault.
     def disk_full(*_: object) -> int:
@@ -93,7 +95,10 @@ async def test_a_full_disk_refusing_the_owner_lock_gets_507_naming_the_checkpoin
     async with fake_upstream() as (url, upstream):
         settings = config(tmp_path, url)
         async with proxy_client(settings) as client:
-            monkeypatch.setattr(os, "pwrite", disk_full)
+            if refused == "pwrite":
+                monkeypatch.setattr(os, "pwrite", disk_full)
+            else:
+                monkeypatch.setattr(app.ownership, "make_dirs_durable", disk_full)
             answer = await first_request(client, route)
             monkeypatch.undo()
             assert answer.status_code == 507
