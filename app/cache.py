@@ -135,7 +135,8 @@ class StoredResponse(NamedTuple):
 
 
 class CacheWriteError(RuntimeError):
-    """Stored answers could not be made durable; they stay queued and are retried."""
+    """Stored answers could not be made durable; they stay queued and are retried. Its `__cause__` is what
+    refused them (SQLite's error: a full disk is `durable.is_disk_full`)."""
 
 
 class _Row(NamedTuple):

@@ -21,17 +21,42 @@ import errno
 import logging
 import os
 import secrets
+import sqlite3
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 import orjson
 
 from app.metrics import FSYNC_SECONDS
 
 logger = logging.getLogger(__name__)
+
+
+#: How the system refuses a write for want of space: none left on the disk, or the user's quota there used up.
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+#: How SQLite does: SQLITE_FULL ("database or disk is full") for a write, SQLITE_IOERR_SHMSIZE ("disk I/O
+#: error") for the WAL index (`-shm`) it creates when it opens a file, which SQLite's documentation says
+#: "may indicate that the underlying filesystem volume is out of space" (a released rank reopened so).
+_SQLITE_DISK_FULL = frozenset({sqlite3.SQLITE_FULL, sqlite3.SQLITE_IOERR_SHMSIZE})
+
+
+def is_disk_full(exc: BaseException | None) -> TypeGuard[OSError | sqlite3.Error]:
+    """Whether `exc` is a write refused because its disk is full: ENOSPC or EDQUOT, or SQLite's words for
+    it (`_SQLITE_DISK_FULL`). Storage errors that wrap one (`CacheWriteError`, `PublishError`) hold it as
+    their `__cause__`: the caller, which knows what failed, asks about that.
+    """
+    if isinstance(exc, OSError):
+        return exc.errno in DISK_FULL_ERRNOS
+    return isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", None) in _SQLITE_DISK_FULL
+
+
+def refusal_reason(exc: OSError | sqlite3.Error) -> str:
+    """Why a write was refused, in the system's words ("No space left on device", "Disk quota exceeded") or
+    SQLite's, without the file: for a message that names the folder to act on itself."""
+    return (exc.strerror if isinstance(exc, OSError) else None) or str(exc)
 
 
 def fsync_dir(path: str) -> None:

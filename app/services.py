@@ -14,10 +14,10 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.cache import RequestCache, StoredResponse
+from app.cache import CacheWriteError, RequestCache, StoredResponse
 from app.checkpointing import CheckpointManager
-from app.durable import atomic_write_bytes
-from app.errors import OutputLost, OutputUnavailable, ServiceUnavailable, TooManyRanks
+from app.durable import atomic_write_bytes, is_disk_full, refusal_reason
+from app.errors import InsufficientStorage, OutputLost, OutputUnavailable, ServiceUnavailable, TooManyRanks
 from app.layout import CheckpointsLayout
 from app.limits import files_short_for_a_rank, open_files_limit, out_of_files
 from app.metrics import Metrics
@@ -86,7 +86,7 @@ class CacheRegistry:
             cache = self._caches.get(rank)
             if cache is None:
                 claimed = not self.ownership.owns(rank)
-                with opening_files(rank):
+                with opening_files(rank, self.root):
                     try:
                         await self.admit(rank)
                         # replay_same_run: the proxy answers a repeated request with the first answer at once.
@@ -137,12 +137,20 @@ class CacheRegistry:
 
 
 @contextlib.contextmanager
-def opening_files(rank: int) -> Iterator[None]:
-    """Around opening a rank's files: failing for want of file descriptors is 503, worth retrying, not 500."""
+def opening_files(rank: int, checkpoints_dir: str | Path) -> Iterator[None]:
+    """Around opening a rank's files (its claim, its cache, its checkpoints restored): failing for want of
+    file descriptors is 503, worth retrying, and for want of disk space 507, naming the disk; not 500."""
     try:
         yield
-    except (OSError, sqlite3.OperationalError) as exc:
-        if not out_of_files(exc):
+    except (OSError, sqlite3.OperationalError, CacheWriteError) as exc:
+        refused = exc.__cause__ if isinstance(exc, CacheWriteError) else exc
+        if is_disk_full(refused):
+            logger.warning("rank %d could not be opened: the checkpoints disk is full (%s)", rank, refused)
+            raise InsufficientStorage(
+                f"rank {rank} cannot be opened: the checkpoints disk is full ({refusal_reason(refused)}), and "
+                f"nothing of this request was written; free space under {checkpoints_dir}, then send it again"
+            ) from exc
+        if isinstance(exc, CacheWriteError) or not out_of_files(exc):
             raise
         logger.warning("rank %d could not be opened: out of file descriptors (%s)", rank, exc)
         raise ServiceUnavailable(
@@ -283,7 +291,7 @@ class CheckpointRegistry:
             manager = self._managers.get(rank)
             if manager is None:
                 claimed = not self.ownership.owns(rank)
-                with opening_files(rank):
+                with opening_files(rank, self.root):
                     try:
                         await self.admit(rank)
                         await self.recover_from_output(rank)
@@ -329,7 +337,7 @@ class CheckpointRegistry:
             manager = self._managers.get(rank)
             if manager is not None:  # opened while this request waited: it knows best
                 return manager.last_chunk_index
-            with opening_files(rank):
+            with opening_files(rank, self.root):
                 await self.admit(rank)
                 await self.recover_from_output(rank)
                 return await self.check_output(rank)

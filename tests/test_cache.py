@@ -11,6 +11,7 @@ from datatrove.pipeline.inference.checkpointing import RequestCache as Datatrove
 
 import app.cache
 from app.cache import MIGRATIONS, CacheWriteError, RequestCache, apply_migrations
+from app.durable import is_disk_full
 from app.hashing import payload_hash
 
 PAYLOAD = {"messages": [{"role": "user", "content": "hello"}]}
@@ -161,6 +162,22 @@ async def test_flush_failure_raises_and_keeps_the_rows_for_the_next_attempt(
     await cache.store_result(0, "b", 0, {"v": 2}, payload_hash=H)
     await cache.flush()
     assert [r[1] for r in rows(tmp_path)] == ["a", "b"]
+    await cache.close()
+
+
+async def test_a_commit_a_full_disk_refuses_is_a_cache_write_error_caused_by_it(tmp_path: Path) -> None:
+    # The checkpoint routes answer 507 for it, not 500, by asking the cause.
+    cache = await opened(tmp_path, flush_interval_ms=60_000)
+    assert cache._writer is not None
+    pages = cache._writer.execute("PRAGMA page_count").fetchone()[0]
+    cache._writer.execute(f"PRAGMA max_page_count = {pages}")  # SQLite refuses to grow the file, as on a full disk
+    await cache.store_result(0, "a", 0, {"v": "x" * 100_000}, payload_hash=H)
+    with pytest.raises(CacheWriteError, match="database or disk is full") as refused:
+        await cache.flush()
+    assert is_disk_full(refused.value.__cause__)
+    cache._writer.execute(f"PRAGMA max_page_count = {2**30}")  # space freed: the queued row is committed
+    await cache.flush()
+    assert [r[1] for r in rows(tmp_path)] == ["a"]
     await cache.close()
 
 

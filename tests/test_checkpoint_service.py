@@ -9,20 +9,26 @@ import json
 import logging
 import os
 import shutil
+import sqlite3
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
+import app.cache
 import app.checkpointing
 import app.durable
 import app.publish
+import app.resume
+import app.services
 from app.publish import ChunkPublisher
 from app.routes.checkpoints import public_output
 from app.settings import Settings
+from tests import faults
+from tests.factories import completion_request, last_chunk_path, write_chunk_file
 from tests.servers import fake_upstream, proxy_client
 
 # Under both servers: the app must behave the same under the built-in one and under uvicorn.
@@ -161,8 +167,8 @@ async def test_disk_full_gets_507_writes_nothing_and_the_next_write_succeeds(
     assert (await post(client, [doc("b"), doc("c")])).json()["written"] == 2
 
 
-def disk_full(path: str, data: bytes, **options: Any) -> None:
-    """`atomic_write_bytes` on a full disk."""
+def disk_full(path: str, *args: Any, **options: Any) -> None:
+    """`atomic_write_bytes` (or any other write of `path`: `make_dirs_durable`, ...) on a full disk."""
     raise OSError(errno.ENOSPC, "No space left on device", path)
 
 
@@ -202,6 +208,160 @@ async def test_a_full_checkpoints_disk_refusing_last_chunk_is_503_naming_it_and_
     resume = await client.get("/resume")
     assert (resume.status_code, resume.json()["last_chunk_index"]) == (200, 0)
     assert (tmp_path / "ckpt" / "last_chunk" / "00000.txt").read_text() == "0"
+
+
+def opening_refused(answer: httpx.Response, tmp_path: Path, reason: str) -> None:
+    """`answer` is the 507 of a rank that a full checkpoints disk kept from opening."""
+    assert answer.status_code == 507
+    assert answer.json()["error"] == {
+        "message": f"rank 0 cannot be opened: the checkpoints disk is full ({reason}), and nothing of this "
+        f"request was written; free space under {tmp_path / 'ckpt'}, then send it again",
+        "type": "insufficient_storage",
+        "param": None,
+        "code": 507,
+    }
+
+
+@pytest.mark.parametrize("route", ["documents", "v1"])
+@pytest.mark.parametrize("refused", ["rank folder", "cache file"])
+async def test_a_full_disk_refusing_a_rank_s_request_cache_gets_507_and_leaves_the_rank_free(
+    client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: str, route: str
+) -> None:
+    # Was a 500: the OSError of the rank's folder, or SQLite's "database or disk is full".
+    real_migrations = app.cache.apply_migrations
+
+    def full_file(conn: sqlite3.Connection) -> list[str]:
+        conn.execute("PRAGMA max_page_count = 1")  # SQLite refuses to grow the file, as on a full disk
+        return real_migrations(conn)
+
+    if refused == "rank folder":
+        monkeypatch.setattr(app.cache, "make_dirs_durable", disk_full)
+    else:
+        monkeypatch.setattr(app.cache, "apply_migrations", full_file)
+
+    async def send() -> httpx.Response:
+        if route == "documents":
+            return await post(client, doc("a"))
+        return await client.post("/v1/completions", json=completion_request(), headers={"X-Doc-Id": "a"})
+
+    answer = await send()
+    monkeypatch.undo()
+    opening_refused(
+        answer, tmp_path, "No space left on device" if refused == "rank folder" else "database or disk is full"
+    )
+    assert (await client.get("/stats")).json()["owned_ranks"] == []
+    assert (await send()).status_code == 200
+
+
+@pytest.mark.parametrize("refused", ["last_chunk", "checkpoint_meta.json"])
+async def test_a_full_disk_refusing_the_recovery_of_a_rank_from_the_output_gets_507_and_a_retry_recovers_it(
+    client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, refused: str
+) -> None:
+    # Was a 500. Checkpoints lost, chunk 0 published: the recovery records both in the checkpoints dir.
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "00000_chunk_0.jsonl").write_text(json.dumps({"id": "d0", "text": "t"}) + "\n")
+    if refused == "last_chunk":
+        monkeypatch.setattr(app.services, "atomic_write_bytes", disk_full)
+    else:
+        monkeypatch.setattr(app.resume, "create_exclusive_bytes", disk_full)
+    answer = await client.get("/resume")
+    monkeypatch.undo()
+    opening_refused(answer, tmp_path, "No space left on device")
+    again = await client.get("/resume")
+    assert (again.status_code, again.json()["last_chunk_index"]) == (200, 0)
+
+
+async def test_a_full_disk_refusing_to_drop_the_last_chunk_s_cache_rows_on_restore_gets_507_and_a_retry_restores(
+    client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Was a 500 (CacheWriteError): a restore drops the rows of the last chunk, which a crash may have left.
+    Path(last_chunk_path(tmp_path / "ckpt")).parent.mkdir(parents=True)
+    Path(last_chunk_path(tmp_path / "ckpt")).write_text("0")
+    write_chunk_file(tmp_path / "ckpt", 1, ["d3"])
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "00000_chunk_0.jsonl").write_text("{}\n")  # what last_chunk says was published
+
+    def full(*_: Any) -> Any:
+        raise faults.sqlite_full()
+
+    monkeypatch.setattr(app.cache, "_write_batch", full)
+    answer = await client.get("/resume")
+    monkeypatch.undo()
+    opening_refused(answer, tmp_path, "database or disk is full")
+    again = (await client.get("/resume")).json()
+    assert (again["last_chunk_index"], again["processed_ids"]) == (0, ["d3"])
+
+
+@pytest.mark.parametrize("route", ["complete"])  # a write's chunk is published in the background
+@pytest.mark.parametrize(
+    ("refusal", "status"), [(faults.sqlite_full, 507), (faults.sqlite_read_only, 500)], ids=["full", "read-only"]
+)
+async def test_a_chunk_published_whose_cache_rows_a_full_disk_keeps_gets_507_saying_what_is_done(
+    client: httpx.AsyncClient,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    refusal: Callable[[], sqlite3.Error],
+    status: int,
+    route: str,
+) -> None:
+    # Was a 500 (CacheWriteError) for either, after the chunk was published and recorded in last_chunk.
+    def refused(*_: Any) -> Any:
+        raise refusal()
+
+    if route == "complete":
+        assert (await post(client, doc("a"))).status_code == 200
+    monkeypatch.setattr(app.cache, "_write_batch", refused)
+    if route == "documents":
+        answer = await post(client, [doc("a"), doc("b"), doc("c")])
+    else:
+        answer = await client.post("/chunks/0/complete", headers={"X-Rank": "0"})
+    monkeypatch.undo()
+    assert answer.status_code == status
+    message = answer.json()["error"]["message"]
+    if status == 500:
+        assert "CacheWriteError: could not commit 0 cache entries" in message  # as before
+    elif route == "documents":
+        assert message == (
+            f"the documents are stored, but the request cache could not be updated after a chunk was published "
+            f"(nothing needs to be sent again): the checkpoints disk is full (database or disk is full), free "
+            f"space under {tmp_path / 'ckpt'}"
+        )
+    else:
+        assert message == (
+            f"chunk 0 is marked complete, but the request cache could not be updated after a chunk was published "
+            f"(send this request again to finish): the checkpoints disk is full (database or disk is full), free "
+            f"space under {tmp_path / 'ckpt'}"
+        )
+    assert published(tmp_path) == {"00000_chunk_0.jsonl": ["a", "b", "c"] if route == "documents" else ["a"]}
+    assert Path(last_chunk_path(tmp_path / "ckpt")).read_text() == "0"
+    if route == "documents":
+        assert (await post(client, doc("d"), chunk=1)).json()["written"] == 1
+    else:
+        assert (await client.post("/chunks/0/complete", headers={"X-Rank": "0"})).status_code == 200
+        assert not (tmp_path / "ckpt" / "00000").exists()
+
+
+@pytest.mark.parametrize("full", ["ckpt", "out"])
+async def test_a_full_disk_refusing_to_publish_a_chunk_a_restore_found_complete_gets_503_and_a_retry_publishes_it(
+    client: httpx.AsyncClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, full: str
+) -> None:
+    # Was a 500 (PublishError): a proxy killed after a chunk's last document, before its publication.
+    write_chunk_file(tmp_path / "ckpt", 0, ["a", "b", "c"])
+    monkeypatch.setattr(app.checkpointing if full == "ckpt" else app.publish, "atomic_write_bytes", disk_full)
+    answer = await client.get("/resume")
+    monkeypatch.undo()
+    message = answer.json()["error"]["message"]
+    assert answer.status_code == 503
+    assert int(answer.headers["retry-after"]) >= 1
+    where = "recorded in the checkpoints dir" if full == "ckpt" else "published to the output"
+    assert message.startswith(f"rank 0's complete chunks cannot be {where} {tmp_path / full} (its disk is full")
+    assert message.endswith(
+        "They stay checkpointed and are retried in the background; this answer is given once "
+        "they are (the job client retries it)"
+    )
+    again = (await client.get("/resume")).json()
+    assert (again["last_chunk_index"], again["processed_ids"]) == (0, [])
+    assert published(tmp_path) == {"00000_chunk_0.jsonl": ["a", "b", "c"]}
 
 
 async def test_after_a_failed_fsync_the_rank_refuses_writes_until_the_proxy_restarts_and_says_so(
@@ -258,8 +418,8 @@ async def test_removed_documents_are_counted_but_not_published_and_an_empty_chun
     gone = {"__no_rollouts_remove": True}
     await post(client, [doc("a", metadata=gone), doc("b"), doc("c", metadata=gone)])
     await post(client, [doc("d", metadata=gone), doc("e", metadata=gone), doc("f", metadata=gone)], chunk=1)
+    assert (await client.get("/resume")).json()["last_chunk_index"] == 1  # answered once both are published
     assert published(tmp_path) == {"00000_chunk_0.jsonl": ["b"]}
-    assert (await client.get("/resume")).json()["last_chunk_index"] == 1
 
 
 async def test_resume_reports_what_datatrove_would(client: httpx.AsyncClient) -> None:

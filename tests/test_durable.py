@@ -3,6 +3,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import sqlite3
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,11 +17,42 @@ from app.durable import (
     UnsafeFileError,
     atomic_write_bytes,
     create_exclusive_bytes,
+    is_disk_full,
     read_jsonl_repairing_tail,
     read_jsonl_whole_lines,
     read_regular,
+    refusal_reason,
     scan_jsonl,
 )
+from tests import faults
+
+
+@pytest.mark.parametrize(
+    ("refusal", "full", "reason"),
+    [
+        (OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), "/ckpt/f"), True, os.strerror(errno.ENOSPC)),
+        (OSError(errno.EDQUOT, os.strerror(errno.EDQUOT)), True, os.strerror(errno.EDQUOT)),
+        (faults.sqlite_full(), True, "database or disk is full"),
+        (faults.sqlite_shm_not_grown(), True, "disk I/O error"),
+        (OSError(errno.EIO, os.strerror(errno.EIO)), False, os.strerror(errno.EIO)),
+        (UnsafeFileError("/ckpt/f is a symbolic link"), False, "/ckpt/f is a symbolic link"),
+        (faults.sqlite_read_only(), False, "attempt to write a readonly database"),
+    ],
+    ids=["ENOSPC", "EDQUOT", "SQLITE_FULL", "SQLITE_IOERR_SHMSIZE", "EIO", "unsafe", "SQLITE_READONLY"],
+)
+def test_a_full_disk_is_told_from_other_refusals_in_the_system_s_words_and_sqlite_s(
+    refusal: OSError | sqlite3.Error, full: bool, reason: str
+) -> None:
+    assert is_disk_full(refusal) is full
+    assert refusal_reason(refusal) == reason
+
+
+def test_an_error_caused_by_a_full_disk_is_not_one_itself() -> None:
+    # A failed fsync on a full disk breaks a rank for good: freeing space does not mend it.
+    wrapper = OSError("a checkpoint file could not be made durable earlier")
+    wrapper.__cause__ = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert not is_disk_full(wrapper)
+    assert not is_disk_full(None)
 
 
 def test_append_that_fails_mid_line_leaves_the_file_as_it_was(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

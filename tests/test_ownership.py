@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+import app.ownership
 from app.checkpointing import CheckpointManager
 from app.client import ProxyJob, RankOwnedElsewhere
 from app.errors import RankOwned
@@ -57,6 +58,62 @@ def test_a_claim_that_fails_half_way_is_not_left_taken(tmp_path: Path, monkeypat
         with pytest.raises(OSError, match="No space left"):
             RankOwnership(layout).claim(0)
     RankOwnership(layout).claim(0)  # not held by the failed attempt
+
+
+async def first_request(client: httpx.AsyncClient, route: str) -> httpx.Response:
+    """A route's request for rank 0: each claims the rank first when it is not open."""
+    if route == "documents":
+        return await post(client, doc("a"))
+    if route == "resume":
+        return await client.get("/resume", headers={"X-Rank": "0"})
+    if route == "complete":
+        return await client.post("/chunks/0/complete", headers={"X-Rank": "0"})
+    if route == "lookup":
+        return await client.post("/lookup", json=[{"doc_id": "a", "body": completion_request()}])
+    return await client.post("/v1/completions", json=completion_request(), headers={"X-Doc-Id": "a"})
+
+
+@pytest.mark.parametrize(
+    ("route", "code", "refused"),
+    [
+        pytest.param("documents", errno.ENOSPC, "pwrite", id="documents-ENOSPC"),
+        pytest.param("documents", errno.EDQUOT, "pwrite", id="documents-EDQUOT"),
+        pytest.param("documents", errno.ENOSPC, "owners folder", id="documents-owners-folder"),
+        pytest.param("resume", errno.ENOSPC, "pwrite", id="resume"),
+        pytest.param("complete", errno.ENOSPC, "pwrite", id="complete"),
+        pytest.param("lookup", errno.ENOSPC, "pwrite", id="lookup"),
+        pytest.param("v1", errno.ENOSPC, "pwrite", id="v1"),
+    ],
+)
+async def test_a_full_disk_refusing_the_owner_lock_gets_507_naming_the_checkpoints_dir_and_leaves_the_rank_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str, code: int, refused: str
+) -> None:
+    # Was a 500 ("inferproxy failed on this request: OSError: ..."), as if the proxy were at fault.
+    def disk_full(*_: object) -> int:
+        raise OSError(code, os.strerror(code))
+
+    async with fake_upstream() as (url, upstream):
+        settings = config(tmp_path, url)
+        async with proxy_client(settings) as client:
+            if refused == "pwrite":
+                monkeypatch.setattr(os, "pwrite", disk_full)
+            else:
+                monkeypatch.setattr(app.ownership, "make_dirs_durable", disk_full)
+            answer = await first_request(client, route)
+            monkeypatch.undo()
+            assert answer.status_code == 507
+            error = answer.json()["error"]
+            assert error["type"] == "insufficient_storage"
+            assert error["message"] == (
+                f"rank 0 cannot be opened: the checkpoints disk is full ({os.strerror(code)}), and nothing of this "
+                f"request was written; free space under {settings.checkpoints_dir}, then send it again"
+            )
+            assert upstream.requests == 0
+            assert not (settings.checkpoints_dir / "00000").exists()
+            other = RankOwnership(CheckpointsLayout(str(settings.checkpoints_dir)))
+            other.claim(0)  # the failed claim holds nothing
+            other.release(0)
+            assert (await first_request(client, route)).status_code == 200
 
 
 async def test_two_proxies_share_a_checkpoints_dir_and_each_rank_has_one_owner(tmp_path: Path) -> None:

@@ -12,9 +12,9 @@
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
+import sqlite3
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -23,6 +23,7 @@ from urllib.parse import urlsplit, urlunsplit
 import orjson
 
 from app.asgi import JSON_HEADERS, Receive, Scope, Send, check_json_cost, read_body, send_bytes
+from app.cache import CacheWriteError
 from app.checkpointing import (
     CheckpointDurabilityError,
     CheckpointManager,
@@ -31,6 +32,7 @@ from app.checkpointing import (
     RecordsPerChunkMismatch,
 )
 from app.documents import Document, DocumentError
+from app.durable import is_disk_full, refusal_reason
 from app.errors import BadRequest, ChunkConflict, InsufficientStorage, OutputUnavailable, ProxyError
 from app.headers import parse_int, parse_rank, single_header
 from app.publish import ChunkFileGone, PublishError, is_remote
@@ -40,7 +42,6 @@ from app.services import Services
 logger = logging.getLogger(__name__)
 
 _FIELDS = frozenset({"id", "text", "media", "metadata"})
-_DISK_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 #: One route's work: (services, scope, receive) -> the JSON object it answers 200 with.
 Work = Callable[[Services, Scope, Receive], Awaitable[dict[str, Any]]]
@@ -71,6 +72,8 @@ async def manager_of(services: Services, rank: int) -> CheckpointManager:
         return await services.checkpoints.get(rank)
     except RecordsPerChunkMismatch as exc:
         raise ChunkConflict(str(exc)) from exc
+    except PublishError as exc:  # a chunk its restore found complete: its documents stay checkpointed
+        raise publication_error(exc, services, rank, "nothing of this request was written") from exc
 
 
 def declared_total(scope: Scope) -> int | None:
@@ -116,6 +119,15 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
             rank,
             "the documents are stored, and sending this request again is harmless (they count as duplicates)",
         ) from exc
+    except CacheWriteError as exc:
+        if is_disk_full(exc.__cause__):
+            raise cache_full(
+                exc.__cause__,
+                services,
+                "the documents are stored, but the request cache could not be updated after a chunk was "
+                "published (nothing needs to be sent again)",
+            ) from exc
+        raise
     except OSError as exc:
         raise storage_error(exc, services) from exc
     counters = services.metrics.rank(rank)
@@ -148,7 +160,7 @@ def publication_error(exc: PublishError, services: Services, rank: int, stored: 
         return ProxyError(f"{exc}; {stored}")
     manager = services.checkpoints.opened(rank)
     failure = manager.publication_failure if manager is not None else None
-    full = isinstance(cause, OSError) and cause.errno in _DISK_FULL
+    full = is_disk_full(cause)
     if exc.where == str(services.settings.checkpoints_dir):  # recording it in last_chunk failed
         where = f"recorded in the checkpoints dir {exc.where}{' (its disk is full: free space there)' if full else ''}"
     else:
@@ -165,13 +177,22 @@ def storage_error(exc: OSError, services: Services) -> ProxyError:
     if isinstance(exc, CheckpointDurabilityError):
         # The rank stays refused while this proxy has it open: a restarted job would only get this again.
         return ProxyError(f"{exc}; here, that means: restart inferproxy serve, then the job")
-    if exc.errno in _DISK_FULL:
+    if is_disk_full(exc):
         return InsufficientStorage(
-            f"the checkpoints disk is full ({exc.strerror}); nothing of this request was written: "
+            f"the checkpoints disk is full ({refusal_reason(exc)}); nothing of this request was written: "
             f"free space under {services.settings.checkpoints_dir} and send it again"
         )
     logger.exception("checkpoint storage failed")
     return ProxyError(f"checkpoint storage failed: {exc}")
+
+
+def cache_full(refused: OSError | sqlite3.Error, services: Services, message: str) -> InsufficientStorage:
+    """507 for a chunk published whose rows a full disk kept in the request cache (rows nothing asks for
+    again): `message` says what is done and what to do, this adds which disk is full."""
+    return InsufficientStorage(
+        f"{message}: the checkpoints disk is full ({refusal_reason(refused)}), free space under "
+        f"{services.settings.checkpoints_dir}"
+    )
 
 
 def parse_documents(body: bytes) -> list[Document]:
@@ -214,6 +235,15 @@ async def complete_chunk(services: Services, scope: Scope, receive: Receive) -> 
         manager = await services.checkpoints.complete(rank, chunk_index)
     except PublishError as exc:
         raise publication_error(exc, services, rank, "send this request again to know when it is done") from exc
+    except CacheWriteError as exc:
+        if is_disk_full(exc.__cause__):
+            raise cache_full(
+                exc.__cause__,
+                services,
+                f"chunk {chunk_index} is marked complete, but the request cache could not be updated after a "
+                f"chunk was published (send this request again to finish)",
+            ) from exc
+        raise
     except OSError as exc:
         raise storage_error(exc, services) from exc
     services.note_progress(rank, manager)

@@ -3,6 +3,7 @@ and writes succeed again once space is freed. Needs root to mount, as CI and dev
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,3 +59,71 @@ async def test_a_full_disk_gives_507_keeps_the_checkpoint_intact_and_recovers(tm
         assert await post(ids) == 200
         resume = (await client.get("/resume")).json()
         assert set(resume["processed_ids"]) == {*acknowledged, *ids}
+
+
+async def test_ranks_opened_on_a_full_disk_get_507_naming_the_checkpoints_dir_and_open_once_space_is_freed(
+    tmp_path: Path, small_disk: Path
+) -> None:
+    settings = Settings(
+        upstream=["http://127.0.0.1:9"],
+        checkpoints_dir=small_disk / "ckpt",
+        output=str(tmp_path / "out"),
+        records_per_chunk=100,
+    )
+    async with proxy_client(settings) as client:
+        first = await client.post("/documents", json={"id": "a", "text": "x"}, headers={"X-Chunk-Index": "0"})
+        assert first.status_code == 200  # owners/ and checkpoint_meta.json exist, as under a job that fills the disk
+        filler = faults.fill_disk(small_disk)
+
+        # A new rank's first request claims it: the owner lock's write is refused, before anything else.
+        refusals = [
+            await client.get("/resume", headers={"X-Rank": "1"}),
+            await client.post(
+                "/documents", json={"id": "b", "text": "x"}, headers={"X-Rank": "2", "X-Chunk-Index": "0"}
+            ),
+            await client.post("/v1/completions", json={"prompt": "p"}, headers={"X-Rank": "3", "X-Doc-Id": "c"}),
+        ]
+        for answer in refusals:
+            assert answer.status_code == 507, answer.text
+            message = answer.json()["error"]["message"]
+            assert "the checkpoints disk is full (No space left on device)" in message
+            assert f"free space under {settings.checkpoints_dir}, then send it again" in message
+        assert (await client.get("/stats")).json()["owned_ranks"] == [0]
+
+        filler.unlink()
+        assert (await client.get("/resume", headers={"X-Rank": "1"})).status_code == 200
+        again = await client.post(
+            "/documents", json={"id": "b", "text": "x"}, headers={"X-Rank": "2", "X-Chunk-Index": "0"}
+        )
+        assert again.status_code == 200
+
+
+async def test_a_released_rank_reopened_on_a_full_disk_gets_507_when_sqlite_cannot_grow_its_wal_index(
+    tmp_path: Path, small_disk: Path
+) -> None:
+    # Its owner lock, emptied on release, takes the last free page again; SQLite then fails to create the
+    # cache's `-shm` with SQLITE_IOERR_SHMSIZE, "disk I/O error": it was a 500.
+    settings = Settings(
+        upstream=["http://127.0.0.1:9"],
+        checkpoints_dir=small_disk / "ckpt",
+        output=str(tmp_path / "out"),
+        records_per_chunk=100,
+        rank_idle_s=0.1,
+    )
+    async with proxy_client(settings) as client:
+        assert (
+            await client.post("/documents", json={"id": "a", "text": "x"}, headers={"X-Chunk-Index": "0"})
+        ).status_code == 200
+        for _ in range(200):  # released once idle
+            if not (await client.get("/stats")).json()["owned_ranks"]:
+                break
+            await asyncio.sleep(0.05)
+        filler = faults.fill_disk(small_disk, leave=8192)
+        answer = await client.get("/resume")
+        assert answer.status_code == 507, answer.text
+        assert answer.json()["error"]["message"] == (
+            f"rank 0 cannot be opened: the checkpoints disk is full (disk I/O error), and nothing of this request "
+            f"was written; free space under {settings.checkpoints_dir}, then send it again"
+        )
+        filler.unlink()
+        assert (await client.get("/resume")).json()["processed_ids"] == ["a"]
