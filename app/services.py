@@ -380,7 +380,7 @@ class CheckpointRegistry:
         last = read_last_chunk(self.layout.rank(rank).last_chunk_file)
         try:
             missing = await asyncio.to_thread(self.publisher.missing_chunks, rank, last)
-        except OSError as exc:
+        except Exception as exc:  # OSError, or an object store's own errors
             raise OutputUnavailable(
                 f"the output {redact_url(self.settings.output)} cannot be read to check rank {rank}'s published "
                 f"chunks: {scrub(str(exc), self.settings.output)}",
