@@ -4,6 +4,8 @@ On a terminal the screen is cleared and redrawn every `REFRESH_S` until Ctrl-C; 
 where stdout is not a terminal, one snapshot is printed; `--json` prints `/stats`' JSON object. An
 unreachable proxy is one line and exit code 1 for a single snapshot, and "retrying" above the last
 numbers while refreshing. A missing or refused API key ends either (trying again cannot help).
+A rank's chunks waiting for the output (and why, while publishing them fails) and chunks lost from it
+are a column and lines under the ranks table, as the page has them; older proxies' /stats lack them.
 
 Whatever answers at the URL is not trusted: a redirect is not followed (the API key would go
 along), a fetch has a deadline and a size bound, an answer that is not `/stats` is one line saying
@@ -190,9 +192,16 @@ async def _fetch(url: str, api_key: str | None, timeout_s: float) -> bytes:
     raise StatusError(f"GET {target} answered {status}: is {url} an inferproxy?")
 
 
+class Added:
+    """A key of `/stats` that older proxies do not send: checked where it is there, let go where it is not."""
+
+    def __init__(self, shape: Any) -> None:
+        self.shape = shape
+
+
 #: The shape of `/stats` as `render` reads it (docs/contract.md §10); other keys are let through.
 #: A key whose value may be null may also be missing, and so may an object whose keys all may.
-NUMBER, NUMBER_OR_NULL = "a number >= 0", "a number >= 0 or null"
+NUMBER, NUMBER_OR_NULL, TEXT_OR_NULL = "a number >= 0", "a number >= 0 or null", "text or null"
 _UPSTREAM = {
     "url": str,
     "healthy": bool,
@@ -203,6 +212,11 @@ _RANK = {
     "rank": int,
     **dict.fromkeys(("hits", "coalesced", "misses", "tokens_saved", "chunks_published"), NUMBER),
     **dict.fromkeys(("done_documents", "total_documents", "progress", "eta_s", "documents_per_s"), NUMBER_OR_NULL),
+    # the output's side of the rank (proxies before publications in the background have none of these)
+    **dict.fromkeys(("chunks_waiting", "publication_attempts"), Added(NUMBER)),
+    "publication_error": TEXT_OR_NULL,
+    **dict.fromkeys(("publication_failing_since", "publication_retry_in_s"), NUMBER_OR_NULL),
+    "chunks_lost": Added([int]),
 }
 STATS_SHAPE: dict[str, Any] = {
     "version": str,
@@ -232,7 +246,9 @@ class _Wrong(ValueError):
 
 
 def _check(value: Any, shape: Any, where: str) -> None:
-    if isinstance(shape, dict):
+    if isinstance(shape, Added):
+        _check(value, shape.shape, where)
+    elif isinstance(shape, dict):
         if not isinstance(value, dict):
             raise _Wrong(f"{where or 'the answer'} is {_shown(value)}, not an object")
         for key, inner in shape.items():
@@ -246,6 +262,9 @@ def _check(value: Any, shape: Any, where: str) -> None:
             raise _Wrong(f"{where} is {_shown(value)}, not a list")
         for i, item in enumerate(value):
             _check(item, shape[0], f"{where}[{i}]")
+    elif shape == TEXT_OR_NULL:
+        if value is not None and not isinstance(value, str):
+            raise _Wrong(f"{where} is {_shown(value)}, not {shape}")
     elif shape in (NUMBER, NUMBER_OR_NULL):
         if value is None and shape == NUMBER_OR_NULL:
             return
@@ -258,7 +277,7 @@ def _check(value: Any, shape: Any, where: str) -> None:
 def _may_be_missing(shape: Any) -> bool:
     if isinstance(shape, dict):
         return all(_may_be_missing(inner) for inner in shape.values())
-    return bool(shape == NUMBER_OR_NULL)
+    return isinstance(shape, Added) or shape in (NUMBER_OR_NULL, TEXT_OR_NULL)
 
 
 _KINDS = {str: "text", bool: "true or false", int: "an integer"}
@@ -310,15 +329,78 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
         ],
         left=2,
     )
-    rows = [_rank_row(r) for r in sorted(ranks, key=SORTS[sort])]
+    ordered = sorted(ranks, key=SORTS[sort])
+    rows = [_rank_row(r) for r in ordered]
     header = ["rank", "progress", "docs/s", "ETA", "chunks", "from cache", "generated", "tokens saved"]
+    outputs = [_output_cell(r) for r in ordered]
+    if any(outputs):  # a column of its own only while some rank's chunks wait for the output, or are lost
+        header.insert(5, "output")
+        for row, cell in zip(rows, outputs, strict=True):
+            row.insert(5, cell)
     table = _table(header, rows, left=2) if rows else ["no job has talked to this proxy since it started"]
+    notes = publication_notes(ranks, stats["now"])
     if height is not None:
         room = max(height - len(head) - len(upstreams) - 2, 2)  # the blank line, the "more" line
+        if notes:  # lost chunks first; at most half the room unless the table leaves more
+            shown = max(min(len(notes), max((room - 1) // 2, room - 1 - len(table))), 1)
+            if len(notes) > shown:
+                more = len(notes) - shown + 1
+                notes = [*notes[: shown - 1], f"… {more} more ranks whose chunks wait or are lost (--once: all)"]
+            room = max(room - len(notes) - 1, 2)
         if len(table) > room:
             hidden = len(table) - room
             table = [*table[:room], f"… {hidden} more ranks (--sort progress: least done first; --once: all)"]
-    return [*head, *table, "", *upstreams]
+    return [*head, *table, *(["", *notes] if notes else []), "", *upstreams]
+
+
+def _output_cell(r: Rank) -> str:
+    """The rank's chunks not in the output: lost ones (GET /resume refuses the rank), waiting ones."""
+    lost, waiting = len(r.get("chunks_lost") or ()), r.get("chunks_waiting") or 0
+    return ", ".join([*([f"{count(lost)} LOST"] if lost else []), *([f"{count(waiting)} waiting"] if waiting else [])])
+
+
+#: Lost chunks named in a line before the rest are counted.
+LOST_SHOWN = 8
+
+
+def publication_notes(ranks: list[Rank], now: float) -> list[str]:
+    """One line per rank whose chunks are missing from the output, then one per rank whose publications
+    fail (the page has the same lines)."""
+    lost, failing = [], []
+    for r in sorted(ranks, key=lambda r: r["rank"]):
+        if missing := r.get("chunks_lost"):
+            if len(missing) == 1:
+                which = f"chunk {missing[0]} is"
+            else:
+                named = ", ".join(str(c) for c in missing[:LOST_SHOWN])
+                rest = f", … {len(missing) - LOST_SHOWN} more" if len(missing) > LOST_SHOWN else ""
+                which = f"chunks [{named}{rest}] are"
+            lost.append(
+                f"rank {r['rank']}: {which} missing from the output: GET /resume refuses the rank (see the proxy's log)"
+            )
+        if (error := r.get("publication_error")) is not None:
+            waiting = r.get("chunks_waiting") or 0
+            since, retry_in = r.get("publication_failing_since"), r.get("publication_retry_in_s")
+            attempts = r.get("publication_attempts") or 0
+            tries = [f"{count(attempts)} attempt" + ("" if attempts == 1 else "s")]
+            if retry_in is not None:
+                tries.append(f"next in {duration(retry_in)}")
+            failing.append(
+                f"rank {r['rank']}: {count(waiting)} chunk{'' if waiting == 1 else 's'} waiting for the output"
+                + (f" since {clock(since, now)}" if since is not None else "")
+                + f" ({', '.join(tries)}): {printable(error)}"
+            )
+    return lost + failing
+
+
+def clock(at: float, now: float) -> str:
+    """12:03 on the day of `now`, 2024-03-04 12:03 on another (local time: the page's rule too)."""
+    try:
+        then, today = time.localtime(at), time.localtime(now)
+    except (OverflowError, OSError, ValueError):  # a time no calendar of this platform reaches
+        return "--:--"
+    same_day = then[:3] == today[:3]
+    return time.strftime("%H:%M" if same_day else "%Y-%m-%d %H:%M", then)
 
 
 def _forgotten(ranks: int | None) -> list[str]:

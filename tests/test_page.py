@@ -4,13 +4,18 @@ and stays usable with hundreds of ranks; never a console error."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+import app
 from app import status
 from app.main import create_server
 from tests.browser import Browser, CannotInstall, Page, browser, chromium_path
@@ -238,4 +243,174 @@ async def test_the_page_formats_numbers_as_inferproxy_status_does(chrome: Browse
         for name, values in cases.items():
             shown = await page.evaluate(f"{json.dumps(values)}.map(v => {name}(v))")
             assert shown == [getattr(status, name)(v) for v in values], name
+        assert page.errors == []
+
+
+# -- a rank's chunks and the output ---------------------------------------------------------------
+
+NOTES = """[...document.querySelectorAll('#publications-list li')].map(li => ({
+    kind: li.className, text: li.textContent, error: li.querySelector('code')?.textContent ?? null}))"""
+BADGES = """Object.fromEntries([...document.querySelectorAll('#ranks tbody tr')].map(row => [row.dataset.rank,
+    {chunks: row.cells[4].textContent, row: row.className,
+     badges: [...row.querySelectorAll('.badge')].map(b => b.className + ': ' + b.textContent)}]))"""
+
+
+async def write_chunks(proxy: str, rank: int, chunks: range, per_chunk: int = 4) -> None:
+    """Complete chunks of `rank` written through the proxy (`records_per_chunk` documents each)."""
+    async with httpx.AsyncClient(base_url=proxy, timeout=30) as client:
+        for chunk in chunks:
+            docs = [{"id": f"r{rank}-{chunk}-{i}", "text": "t"} for i in range(per_chunk)]
+            headers = {"X-Rank": str(rank), "X-Chunk-Index": str(chunk)}
+            (await client.post("/documents", json=docs, headers=headers)).raise_for_status()
+
+
+async def test_the_page_says_which_ranks_chunks_wait_for_the_output_and_why_and_which_are_lost(
+    chrome: Browser, tmp_path: Path
+) -> None:
+    (tmp_path / "out").write_text("a file where the output folder should be")  # every publication fails
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url, publish_retry_max_s=1)) as proxy:
+        await write_chunks(proxy, 0, range(2))  # rank 0: published, before the output fails
+        await write_chunks(proxy, 3, range(1))
+        page = await chrome.open(proxy + "/")
+        await page.wait_for("!document.getElementById('publications').hidden")
+        assert await page.evaluate(text_of("publications-title")) == "Chunks waiting for the output"
+        summary = "publications failing on 2 ranks, retried in the background"
+        assert await page.evaluate(text_of("publications-summary")) == summary
+        notes = await page.evaluate(NOTES)
+        assert [n["kind"] for n in notes] == ["failing", "failing"]
+        assert notes[1]["text"].startswith("rank 3: 1 chunk waiting for the output since ")
+        assert " attempt" in notes[1]["text"]
+        assert notes[1]["error"].startswith("publishing 00003_chunk_0.jsonl failed: [Errno 20] Not a directory: ")
+        rows = await page.evaluate(BADGES)
+        assert rows["3"] == {"chunks": "0 1 waiting", "row": "failing", "badges": ["badge waiting: 1 waiting"]}
+
+        # The output back: the chunks are published at the next try, and the page says nothing more of it.
+        (tmp_path / "out").unlink()
+        await page.wait_for("document.getElementById('publications').hidden")
+        await page.wait_for("document.querySelector('#ranks tr[data-rank=\"3\"]').cells[4].textContent === '1'")
+        assert (await page.evaluate(BADGES))["3"] == {"chunks": "1", "row": "", "badges": []}
+        assert page.errors == []
+        await write_chunks(proxy, 3, range(1, 3))
+        async with httpx.AsyncClient(base_url=proxy, timeout=30) as client:
+            resumed = await client.get("/resume", headers={"X-Rank": "3"})
+            assert resumed.json()["last_chunk_index"] == 2  # once all three are published
+
+    # The output loses chunks 0 and 2 while nobody runs; the next proxy finds out when the rank comes back.
+    for chunk in (0, 2):
+        (tmp_path / "out" / f"00003_chunk_{chunk}.jsonl").unlink()
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url)) as proxy:
+        async with httpx.AsyncClient(base_url=proxy, timeout=30) as client:
+            refused = await client.get("/resume", headers={"X-Rank": "3"})
+            assert (refused.status_code, refused.json()["error"]["type"]) == (409, "output_lost_error")
+        page = await chrome.open(proxy + "/")
+        await page.wait_for("!document.getElementById('publications').hidden")
+        assert await page.evaluate("document.getElementById('publications').className") == "lost"
+        assert await page.evaluate(text_of("publications-title")) == "Chunks missing from the output"
+        assert await page.evaluate(text_of("publications-summary")) == "1 rank refused by GET /resume"
+        line = "rank 3: chunks [0, 2] are missing from the output: GET /resume refuses the rank (see the proxy's log)"
+        assert await page.evaluate(NOTES) == [{"kind": "lost", "text": line, "error": None}]
+        rows = await page.evaluate(BADGES)
+        assert rows["3"] == {"chunks": "0 2 LOST", "row": "released lost", "badges": ["badge lost: 2 LOST"]}
+        assert page.errors == []
+
+
+@contextlib.asynccontextmanager
+async def canned_stats(stats: dict[str, Any]) -> AsyncIterator[str]:
+    """The page at `/` and `stats` as given (changed in place, it is answered as it is then): what no proxy
+    of this version sends (an older proxy's /stats, hostile strings)."""
+    page_html = (Path(app.__file__).parent / "static" / "page.html").read_bytes()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+            path = head.split(b" ", 2)[1]
+            body, kind = (
+                (json.dumps(stats).encode(), b"application/json") if path == b"/stats" else (page_html, b"text/html")
+            )
+            writer.write(
+                b"HTTP/1.1 200 OK\r\nContent-Type: " + kind + b"\r\nCache-Control: no-store\r\n"
+                b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n" + body
+            )
+            await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+PUBLICATION_KEYS = (
+    "chunks_waiting",
+    "publication_error",
+    "publication_failing_since",
+    "publication_attempts",
+    "publication_retry_in_s",
+    "chunks_lost",
+)
+
+
+async def test_an_error_from_stats_is_shown_as_text_and_an_older_proxys_stats_as_before(
+    chrome: Browser, tmp_path: Path
+) -> None:
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url)) as proxy:
+        await write_chunks(proxy, 0, range(1))
+        async with httpx.AsyncClient(base_url=proxy) as client:
+            assert (await client.get("/resume", headers={"X-Rank": "0"})).json()["last_chunk_index"] == 0  # published
+            stats = (await client.get("/stats")).json()
+    [rank] = stats["ranks"]
+    # A proxy from before publications in the background: none of these keys.
+    older = {key: value for key, value in rank.items() if key not in PUBLICATION_KEYS}
+    stats["ranks"] = [older]
+    async with canned_stats(stats) as served:
+        page = await chrome.open(served + "/")
+        await page.wait_for("document.querySelectorAll('#ranks tbody tr').length === 1")
+        assert await page.evaluate(BADGES) == {"0": {"chunks": "1", "row": "", "badges": []}}
+        assert await page.evaluate("document.getElementById('publications').hidden")
+
+        hostile = "<img src=x onerror=\"document.title='PWNED'\"></code><b>disk</b> full"
+        stats["ranks"] = [{**rank, "chunks_waiting": 3, "publication_error": hostile, "publication_attempts": 2}]
+        await page.wait_for("!document.getElementById('publications').hidden")
+        [note] = await page.evaluate(NOTES)
+        assert note["error"] == hostile
+        assert note["text"] == "rank 0: 3 chunks waiting for the output (2 attempts): " + hostile
+        assert await page.evaluate("document.querySelectorAll('#publications img, #publications b').length") == 0
+        assert await page.evaluate("document.querySelector('#ranks .badge.waiting').title") == (
+            "3 complete chunks not yet published to the output; publishing fails: " + hostile
+        )
+        assert await page.evaluate("document.title") == "inferproxy"
+        assert page.errors == []
+
+
+async def test_the_page_says_of_the_output_what_inferproxy_status_says(chrome: Browser, tmp_path: Path) -> None:
+    now = time.time()
+    failing = {
+        "rank": 3,
+        "chunks_waiting": 2,
+        "publication_error": "publishing 00003_chunk_4.jsonl failed: [Errno 28] No space left on device",
+        "publication_failing_since": now - 610,
+        "publication_attempts": 5,
+        "publication_retry_in_s": 30.4,
+        "chunks_lost": [],
+    }
+    ranks: list[dict[str, Any]] = [
+        failing,
+        {**failing, "rank": 4, "chunks_waiting": 1, "publication_attempts": 1, "publication_retry_in_s": 0.0},
+        {**failing, "rank": 5, "publication_failing_since": now - 3 * 86_400, "publication_retry_in_s": None},
+        {**failing, "rank": 6, "publication_failing_since": None, "chunks_waiting": 1_234_567},
+        {"rank": 7, "chunks_waiting": 1, "chunks_lost": [0, 2]},  # lost: first, whatever its rank
+        {"rank": 1, "chunks_lost": [4]},
+        {"rank": 8, "chunks_lost": list(range(3, 30))},
+        {"rank": 0, "chunks_waiting": 4},  # waiting for a slow output: nothing failed
+        {"rank": 2},  # a proxy from before these keys
+    ]
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url)) as proxy:
+        page = await chrome.open(proxy + "/")
+        shown = await page.evaluate(f"publicationNotes({json.dumps(ranks)}, {now}).map(n => n.text + n.error)")
+        assert shown == status.publication_notes(ranks, now)
+        assert len(shown) == 7
         assert page.errors == []

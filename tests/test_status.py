@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -330,6 +330,22 @@ NOT_STATS = {
         'forgotten.ranks is "4", not a number >= 0 or null',
     ),
     "invalid UTF-8": (orjson.dumps({**STATS, "version": "v"}).replace(b'"v"', b'"\xff\xfe"'), "not JSON (str is not"),
+    "chunks waiting as text": (
+        orjson.dumps({**STATS, "ranks": [{**RANK, "chunks_waiting": "2"}]}),
+        'ranks[0].chunks_waiting is "2", not a number >= 0',
+    ),
+    "a publication error as a number": (
+        orjson.dumps({**STATS, "ranks": [{**RANK, "publication_error": 5}]}),
+        "ranks[0].publication_error is 5, not text or null",
+    ),
+    "lost chunks as text": (
+        orjson.dumps({**STATS, "ranks": [{**RANK, "chunks_lost": "0, 2"}]}),
+        'ranks[0].chunks_lost is "0, 2", not a list',
+    ),
+    "a lost chunk as text": (
+        orjson.dumps({**STATS, "ranks": [{**RANK, "chunks_lost": [0, "2"]}]}),
+        'ranks[0].chunks_lost[1] is "2", not an integer',
+    ),
 }
 
 
@@ -413,3 +429,182 @@ def test_absurd_numbers_are_shown_in_a_few_characters() -> None:
     assert lines[-1].endswith("> 999d  1h 06m")
     assert [status.duration(s) for s in (-5, 86_400_000, 86_399_999)] == ["0s", "> 999d", "999d 23h"]
     assert [status.count(n) for n in (999e15, 1e18, 2.0**64)] == ["999P", "1e+18", "1.84e+19"]
+
+
+# -- a rank's chunks and the output ---------------------------------------------------------------
+
+
+@pytest.fixture
+def utc() -> Iterator[None]:
+    """Local time is UTC: the clock times in the lines are known."""
+    before = os.environ.get("TZ")
+    os.environ["TZ"] = "UTC"
+    time.tzset()
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TZ"]
+        else:
+            os.environ["TZ"] = before
+        time.tzset()
+
+
+NOW = 1_700_000_000.0  # 2023-11-14 22:13:20 UTC
+FAILING: dict[str, Any] = {
+    **RANK,
+    "rank": 3,
+    "chunks_published": 4,
+    "chunks_waiting": 2,
+    "publication_error": "publishing 00003_chunk_4.jsonl failed: [Errno 28] No space left on device",
+    "publication_failing_since": NOW - 610,  # 22:03:10
+    "publication_attempts": 5,
+    "publication_retry_in_s": 30.0,
+    "chunks_lost": [],
+}
+FINE: dict[str, Any] = {
+    **RANK,
+    "chunks_waiting": 0,
+    "publication_error": None,
+    "publication_failing_since": None,
+    "publication_attempts": 0,
+    "publication_retry_in_s": None,
+    "chunks_lost": [],
+}
+LOST: dict[str, Any] = {**FINE, "rank": 5, "chunks_lost": [0, 2]}
+SLOW: dict[str, Any] = {**FINE, "rank": 4, "chunks_waiting": 1}  # the output slow: waiting, nothing failed
+
+
+def rendered(*ranks: dict[str, Any], height: int | None = None) -> list[str]:
+    stats = {**STATS, "now": NOW, "ranks": list(ranks)}
+    return status.render(status.decode(orjson.dumps(stats), "u"), "u", height=height)
+
+
+def rows_of(lines: list[str]) -> dict[str, str]:
+    return {line.split()[0]: line for line in lines if line[:1].isdigit()}
+
+
+@pytest.mark.usefixtures("utc")
+def test_chunks_waiting_for_the_output_and_lost_ones_are_said_per_rank_and_why() -> None:
+    lines = rendered(FINE, FAILING, SLOW, LOST)
+    header = next(line for line in lines if line.startswith("rank "))
+    assert header.split()[:7] == ["rank", "progress", "docs/s", "ETA", "chunks", "output", "from"]
+    rows = rows_of(lines)
+    assert rows["3"].split("  5s  ")[1].split()[:3] == ["4", "2", "waiting"]
+    assert "1 waiting" in rows["4"]
+    assert "2 LOST" in rows["5"]
+    assert "waiting" not in rows["0"]
+    assert "LOST" not in rows["0"]
+    # Under the table: the lost chunks first (GET /resume refuses the rank), then why chunks wait.
+    start = lines.index("", lines.index(header))
+    assert lines[start : start + 4] == [
+        "",
+        "rank 5: chunks [0, 2] are missing from the output: GET /resume refuses the rank (see the proxy's log)",
+        "rank 3: 2 chunks waiting for the output since 22:03 (5 attempts, next in 30s): publishing "
+        "00003_chunk_4.jsonl failed: [Errno 28] No space left on device",
+        "",
+    ]
+    assert lines[start + 4].startswith("upstream ")
+
+    # One chunk, one attempt, failing since yesterday, retried now; thousands of chunks lost.
+    once = {**FAILING, "chunks_waiting": 1, "publication_attempts": 1, "publication_retry_in_s": 0.0}
+    once["publication_failing_since"] = NOW - 86_400
+    many = {**LOST, "chunks_lost": list(range(5000))}
+    notes = status.publication_notes([once, {**LOST, "rank": 6, "chunks_lost": [7]}, many], NOW)
+    assert notes == [
+        "rank 5: chunks [0, 1, 2, 3, 4, 5, 6, 7, … 4992 more] are missing from the output: GET /resume refuses "
+        "the rank (see the proxy's log)",
+        "rank 6: chunk 7 is missing from the output: GET /resume refuses the rank (see the proxy's log)",
+        "rank 3: 1 chunk waiting for the output since 2023-11-13 22:13 (1 attempt, next in 0s): publishing "
+        "00003_chunk_4.jsonl failed: [Errno 28] No space left on device",
+    ]
+    assert "5k LOST" in rows_of(rendered(many))["5"]
+
+    # All published, or a proxy from before these fields: the table as it was, nothing under it.
+    for ranks in ([FINE], [RANK]):
+        lines = rendered(*ranks)
+        assert "output" not in next(line for line in lines if line.startswith("rank "))
+        assert not any("waiting" in line or "missing" in line for line in lines)
+        assert lines[lines.index("", 6) + 1].startswith("upstream ")
+
+
+def test_a_publication_error_cannot_act_on_the_terminal() -> None:
+    hostile = {**FAILING, "publication_error": "\x1b[2J\x1b]0;title\x07\r\ndisk full\u202e"}
+    lines = rendered(hostile)
+    assert not any(c in line for line in lines for c in "\x1b\x07\r\n\u202e")
+    assert any(line.endswith("): \\x1b[2J\\x1b]0;title\\x07\\r\\ndisk full\\u202e") for line in lines)
+
+
+def test_on_a_small_terminal_the_ranks_whose_chunks_wait_stay_in_view_with_the_table() -> None:
+    # The output away: every rank's publications fail, each says why in a line of its own.
+    ranks = [{**FAILING, "rank": r} for r in range(300)] + [{**LOST, "rank": 300}]
+    lines = rendered(*ranks, height=30)
+    assert len(lines) == 30
+    assert lines[-1].startswith("http://127.0.0.1:8000")  # the replicas stay in view
+    notes = [line for line in lines if line.startswith("rank ") and ": " in line]
+    assert notes[0].startswith("rank 300: chunks [0, 2] are missing from the output")  # the loudest first
+    assert notes[1].startswith("rank 0: 2 chunks waiting for the output since ")
+    assert f"… {301 - len(notes)} more ranks whose chunks wait or are lost (--once: all)" in lines
+    table = [line for line in lines if line[:1].isdigit()]
+    assert len(table) >= 5
+    assert f"… {301 - len(table)} more ranks (--sort progress: least done first; --once: all)" in lines
+    # --once: every line.
+    assert len([line for line in rendered(*ranks) if line.startswith("rank ") and ": " in line]) == 301
+
+
+async def write_chunks(proxy: str, rank: int, chunks: range, per_chunk: int = 4) -> None:
+    """Complete chunks of `rank` written through the proxy (`records_per_chunk` documents each)."""
+    async with httpx.AsyncClient(base_url=proxy, timeout=30) as client:
+        for chunk in chunks:
+            docs = [{"id": f"r{rank}-{chunk}-{i}", "text": "t"} for i in range(per_chunk)]
+            headers = {"X-Rank": str(rank), "X-Chunk-Index": str(chunk)}
+            (await client.post("/documents", json=docs, headers=headers)).raise_for_status()
+
+
+async def status_until(proxy: str, shown: Callable[[str], bool]) -> str:
+    """`inferproxy status PROXY --once`'s output once `shown` is true of it (publications run in the background)."""
+    deadline = time.monotonic() + 30
+    while True:
+        code, out, err = await inferproxy_status(proxy, "--once")
+        assert (code, err) == (0, "")
+        if shown(out):
+            return out
+        assert time.monotonic() < deadline, out
+        await asyncio.sleep(0.2)
+
+
+async def test_once_says_why_a_ranks_chunks_wait_and_which_are_lost_from_the_output(tmp_path: Path) -> None:
+    (tmp_path / "out").write_text("a file where the output folder should be")  # every publication fails
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url, publish_retry_max_s=1)) as proxy:
+        await write_chunks(proxy, 3, range(1))
+        lines = (await status_until(proxy, lambda out: "waiting for the output since" in out)).splitlines()
+        assert "1 waiting" in rows_of(lines)["3"]
+        [note] = [line for line in lines if line.startswith("rank 3: ")]
+        assert note.startswith("rank 3: 1 chunk waiting for the output since ")
+        assert " attempt" in note
+        assert ": publishing 00003_chunk_0.jsonl failed: [Errno 20] Not a directory: " in note
+
+        # The output back: the chunk is published at the next try, and the lines go.
+        (tmp_path / "out").unlink()
+        out = await status_until(proxy, lambda out: "waiting" not in out)
+        assert "output" not in next(line for line in out.splitlines() if line.startswith("rank "))
+        assert os.listdir(tmp_path / "out") == ["00003_chunk_0.jsonl"]
+        await write_chunks(proxy, 3, range(1, 3))
+        async with httpx.AsyncClient(base_url=proxy, timeout=30) as client:
+            resumed = await client.get("/resume", headers={"X-Rank": "3"})
+            assert resumed.json()["last_chunk_index"] == 2  # once all three are published
+
+    # The output loses chunks 0 and 2 while nobody runs; the next proxy finds out when the rank comes back.
+    for chunk in (0, 2):
+        (tmp_path / "out" / f"00003_chunk_{chunk}.jsonl").unlink()
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url)) as proxy:
+        async with httpx.AsyncClient(base_url=proxy, timeout=30) as client:
+            refused = await client.get("/resume", headers={"X-Rank": "3"})
+            assert (refused.status_code, refused.json()["error"]["type"]) == (409, "output_lost_error")
+        code, out, _ = await inferproxy_status(proxy, "--once")
+        assert code == 0
+        assert "2 LOST" in rows_of(out.splitlines())["3"]
+        assert (
+            "rank 3: chunks [0, 2] are missing from the output: GET /resume refuses the rank (see the proxy's log)"
+            in out.splitlines()
+        )
