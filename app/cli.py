@@ -350,10 +350,13 @@ def describe_errors(exc: ValidationError, config_file: Path | None = None, flags
 
 
 def check_checkpoints_dir(settings: Settings) -> None:
-    """Refuse to start on checkpoints written with another records_per_chunk, before serving anything."""
+    """Refuse to start, before serving anything, on a checkpoints dir that cannot take files (or has no
+    room for them), or holds checkpoints written with another records_per_chunk."""
     from app.layout import CheckpointsLayout
+    from app.output_check import check_folder
     from app.resume import check_records_per_chunk
 
+    check_folder(str(settings.checkpoints_dir), "--checkpoints-dir", room=True)
     check_records_per_chunk(CheckpointsLayout(str(settings.checkpoints_dir)), settings.records_per_chunk, record=False)
 
 

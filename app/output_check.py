@@ -10,6 +10,7 @@ written into an output URL never appear in a message: `redact_url` and
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -115,7 +116,24 @@ def _check_location(fs: Any, root: str, shown: str) -> None:
 
 
 def _check_folder(path: str) -> None:
-    """The folder, or the nearest one above it that exists (it is created later), must take a new file.
+    try:
+        check_folder(path, "--output")
+    except FolderError as exc:
+        raise OutputError(str(exc)) from None
+
+
+class FolderError(ValueError):
+    """A folder given to `inferproxy serve` cannot take its files; the message (one line) says what to fix."""
+
+
+#: What `check_folder(room=True)` writes to find out whether the disk has room: a few of a chunk file's pages.
+ROOM_PROBE_BYTES = 64 * 1024
+
+
+def check_folder(path: str, flag: str, *, room: bool = False) -> None:
+    """The folder, or the nearest one above it that exists (it is created later), must take a new file,
+    and with `room`, `ROOM_PROBE_BYTES` of it; a `FolderError` naming `flag` says otherwise. Nothing is
+    left behind.
 
     A file is created there and removed, rather than asking `os.access`: that
     says yes to root whatever the folder, and knows nothing of what refuses
@@ -126,17 +144,40 @@ def _check_folder(path: str) -> None:
     while not os.path.exists(here):
         here = os.path.dirname(here)
     if not os.path.isdir(here):
-        raise OutputError(f"--output {path}: {here} is a file, not a folder: choose another output")
-    # A leftover (a kill between the two calls) is a dot file ending in .tmp: never taken for a chunk.
+        raise FolderError(f"{flag} {path}: {here} is a file, not a folder: choose another folder")
+    # A leftover (a kill between the calls) is a dot file ending in .tmp: never taken for a chunk.
     probe = os.path.join(here, f".inferproxy-write-check.{secrets.token_hex(6)}.tmp")
     try:
-        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
-        os.unlink(probe)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except OSError as exc:
-        raise OutputError(
-            f"--output {path}: cannot create a file in {here} ({exc.strerror}): "
-            f"choose another output or fix its permissions"
+        raise FolderError(
+            f"{flag} {path}: cannot create a file in {here} ({exc.strerror}): user {_user()} needs write and "
+            f"execute permission on it (and a writable filesystem); fix that, or choose another folder"
         ) from None
+    try:
+        if room:
+            os.write(fd, bytes(ROOM_PROBE_BYTES))
+            os.fsync(fd)
+    except OSError as exc:
+        raise FolderError(
+            f"{flag} {path}: {here} has no room for a file ({exc.strerror}): free some space on its disk, "
+            f"or choose another folder"
+        ) from None
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+
+
+def _user() -> str:
+    """The name this process writes files as (its uid where it has none)."""
+    uid = os.geteuid()
+    try:
+        import pwd
+
+        return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
+    except (ImportError, KeyError):
+        return f"uid {uid}"
 
 
 def protocols(output: str) -> set[str]:

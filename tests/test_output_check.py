@@ -15,7 +15,8 @@ import fsspec
 import pytest
 from fsspec.implementations.memory import MemoryFileSystem
 
-from app.output_check import OutputError, check_output, redact_url, scrub
+from app.output_check import FolderError, OutputError, check_folder, check_output, redact_url, scrub
+from tests.faults import fill_disk, small_disk
 from tests.servers import serve_once
 
 
@@ -87,6 +88,37 @@ def test_serve_refuses_an_output_that_takes_no_file_in_one_line_and_creates_noth
     assert done.stderr.count("\n") == 1
     assert done.stderr.startswith(f"inferproxy serve: --output {output}: ")
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("under", ["/sys", "file"])
+def test_serve_refuses_a_checkpoints_dir_that_takes_no_file_in_one_line_and_creates_nothing(
+    tmp_path: Path, under: str
+) -> None:
+    (tmp_path / "file").write_text("x")
+    checkpoints = f"{under if under.startswith('/') else tmp_path / under}/ckpt"
+    done = serve_once(checkpoints, tmp_path / "out")
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"inferproxy serve: --checkpoints-dir {checkpoints}: ")
+    assert ("needs write and execute permission" if under == "/sys" else "is a file, not a folder") in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]  # neither the output nor a probe
+
+
+def test_serve_refuses_a_checkpoints_dir_on_a_full_disk_in_one_line_and_leaves_nothing(tmp_path: Path) -> None:
+    with small_disk(tmp_path / "disk") as disk:
+        fill_disk(disk)
+        before = sorted(p.name for p in disk.iterdir())
+        done = serve_once(disk / "ckpt", tmp_path / "out")
+        assert done.returncode == 2
+        assert done.stderr.count("\n") == 1, done.stderr
+        assert done.stderr.startswith(f"inferproxy serve: --checkpoints-dir {disk / 'ckpt'}: {disk} has no room")
+        assert "free some space" in done.stderr
+        assert sorted(p.name for p in disk.iterdir()) == before
+
+
+def test_a_folder_check_names_the_user_that_needs_the_permission() -> None:
+    with pytest.raises(FolderError, match=r"^--x /sys/y: cannot create a file in /sys \(.*\): user \S+ \(uid \d+\)"):
+        check_folder("/sys/y", "--x")
 
 
 def test_the_replicas_example_config_without_s3fs_ends_in_one_line_naming_what_to_install() -> None:

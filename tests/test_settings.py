@@ -120,10 +120,12 @@ def test_serve_that_cannot_start_says_why_in_one_line(tmp_path: Path, capsys: py
 
     (tmp_path / "a-file").write_text("")
     common = ["serve", "--upstream=http://127.0.0.1:9", f"--output={tmp_path / 'out'}"]
-    assert main([*common, f"--checkpoints-dir={tmp_path / 'a-file' / 'ckpt'}"]) == 1
+    assert main([*common, f"--checkpoints-dir={tmp_path / 'a-file' / 'ckpt'}"]) == 2
     err = capsys.readouterr().err
-    assert "could not start" in err
-    assert "Not a directory" in err
+    assert err == (
+        f"inferproxy serve: --checkpoints-dir {tmp_path / 'a-file' / 'ckpt'}: {tmp_path / 'a-file'} is a file, "
+        "not a folder: choose another folder\n"
+    )
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
         assert main([*common, f"--checkpoints-dir={tmp_path / 'ckpt'}", f"--port={port}"]) == 1
