@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import sqlite3
 import time
@@ -136,6 +137,10 @@ class CacheRegistry:
             raise errors[0]
 
 
+#: A checkpoints dir remounted read-only, or its permissions taken away, under a running proxy.
+UNWRITABLE_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
+
+
 @contextlib.contextmanager
 def opening_files(rank: int, checkpoints_dir: str | Path) -> Iterator[None]:
     """Around opening a rank's files (its claim, its cache, its checkpoints restored): failing for want of
@@ -149,6 +154,15 @@ def opening_files(rank: int, checkpoints_dir: str | Path) -> Iterator[None]:
             raise InsufficientStorage(
                 f"rank {rank} cannot be opened: the checkpoints disk is full ({refusal_reason(refused)}), and "
                 f"nothing of this request was written; free space under {checkpoints_dir}, then send it again"
+            ) from exc
+        if isinstance(refused, OSError) and refused.errno in UNWRITABLE_ERRNOS:
+            where = refused.filename or checkpoints_dir
+            logger.warning("rank %d could not be opened: the checkpoints dir cannot be written (%s)", rank, refused)
+            raise ServiceUnavailable(
+                f"rank {rank} cannot be opened: the checkpoints dir cannot be written ({refused.strerror}: {where}), "
+                f"and nothing of this request was written; make {checkpoints_dir} writable for the proxy's user "
+                f"(remount it read-write, or fix its permissions), then send it again",
+                headers=[(b"retry-after", b"10")],
             ) from exc
         if isinstance(exc, CacheWriteError) or not out_of_files(exc):
             raise

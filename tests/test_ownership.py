@@ -116,6 +116,34 @@ async def test_a_full_disk_refusing_the_owner_lock_gets_507_naming_the_checkpoin
             assert (await first_request(client, route)).status_code == 200
 
 
+@pytest.mark.parametrize("route", ["documents", "resume", "v1"])
+@pytest.mark.parametrize("code", [errno.EROFS, errno.EACCES], ids=["EROFS", "EACCES"])
+async def test_a_checkpoints_dir_that_became_unwritable_gets_503_saying_what_to_fix_and_leaves_the_rank_free(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, route: str, code: int
+) -> None:
+    # Was a 500 with a traceback logged for every request ("inferproxy failed on this request: OSError").
+    lock = str(tmp_path / "ckpt" / "owners" / "00000.lock")
+
+    def unwritable(*_: object) -> int:
+        raise OSError(code, os.strerror(code), lock)
+
+    async with fake_upstream() as (url, upstream):
+        settings = config(tmp_path, url)
+        async with proxy_client(settings) as client:
+            monkeypatch.setattr(os, "pwrite", unwritable)
+            answer = await first_request(client, route)
+            monkeypatch.undo()
+            assert answer.status_code == 503
+            assert answer.headers["retry-after"] == "10"
+            assert answer.json()["error"]["message"] == (
+                f"rank 0 cannot be opened: the checkpoints dir cannot be written ({os.strerror(code)}: {lock}), and "
+                f"nothing of this request was written; make {settings.checkpoints_dir} writable for the proxy's "
+                f"user (remount it read-write, or fix its permissions), then send it again"
+            )
+            assert upstream.requests == 0
+            assert (await first_request(client, route)).status_code == 200
+
+
 async def test_two_proxies_share_a_checkpoints_dir_and_each_rank_has_one_owner(tmp_path: Path) -> None:
     async with fake_upstream() as (url, _):
         settings = config(tmp_path, url)
