@@ -150,7 +150,7 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inferproxy", description="Caching and checkpointing for batch inference.")
     parser.add_argument("--version", action="version", version=f"inferproxy {__version__}")
-    # `demo-job` is what `demo` runs, not for users: left out of the list and the help.
+    # `demo-job` is what `demo` runs, not for users: a parser of its own (`build_job_parser`).
     commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,fake-upstream,demo,inspect,status}")
     shows_defaults = _HelpFormatter
 
@@ -215,15 +215,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="the proxy's --output-filename, with --output (default: the proxy's default)",
     )
 
-    job_parser = commands.add_parser(
-        "demo-job", description="the job `demo` runs (one run of it)", formatter_class=shows_defaults
-    )
-    _demo_arguments(job_parser)
-    job_parser.add_argument("--proxy", required=True, help="the proxy's URL")
-    job_parser.add_argument(
-        "--pause-at", type=_positive, default=None, help="documents done at which the job stops to be killed"
-    )
-
     status_parser = commands.add_parser(
         "status", help="a running proxy's numbers in the terminal, every 2 s", formatter_class=shows_defaults
     )
@@ -251,6 +242,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def build_job_parser() -> argparse.ArgumentParser:
+    """`inferproxy demo-job`: what `demo` runs (one run of its job), left out of `inferproxy`'s commands."""
+    job_parser = argparse.ArgumentParser(
+        prog="inferproxy demo-job", description="the job `demo` runs (one run of it)", formatter_class=_HelpFormatter
+    )
+    _demo_arguments(job_parser)
+    job_parser.add_argument("--proxy", required=True, help="the proxy's URL")
+    job_parser.add_argument(
+        "--pause-at", type=_positive, default=None, help="documents done at which the job stops to be killed"
+    )
+    return job_parser
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line; a flag the command does not know is refused with the command's own usage."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo-job"]:
+        return build_job_parser().parse_args(argv[1:], argparse.Namespace(command="demo-job"))
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:
+        commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        commands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    return args
+
+
 GC_YOUNG_THRESHOLD = 20_000
 
 
@@ -274,12 +291,16 @@ def serve(args: argparse.Namespace) -> int:
         # Before the lifespan takes its lock: a start that fails here has created nothing.
         check_checkpoints_dir(settings)
         check_output(settings.output)
+        check_port(settings.host, settings.port)
     except ValidationError as exc:
         print(f"inferproxy serve: invalid settings:\n{describe_errors(exc, config_file, flags)}", file=sys.stderr)
         return 2
     except (FileNotFoundError, ValueError, UnsafeFileError) as exc:
         print(f"inferproxy serve: {exc}", file=sys.stderr)
         return 2
+    except CannotListen as exc:
+        print(f"inferproxy serve: {exc}", file=sys.stderr)
+        return 1
     logs.configure(settings.log_level, settings.log_format)
     raise_open_files_limit()
     server = create_server(settings)
@@ -300,6 +321,33 @@ def serve(args: argparse.Namespace) -> int:
         return 1
     logging.getLogger("app.cli").info("stopped: every cache flushed, every rank released")
     return 0
+
+
+def check_port(host: str, port: int) -> None:
+    """Bind every address the server will listen on, and let go: a port in use (or an address that is not
+    this machine's) is refused before the lifespan creates anything, under either HTTP server."""
+    import socket
+
+    from app.http.server import CannotListen
+
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except OSError as exc:  # socket.gaierror: a name that does not resolve
+        raise CannotListen(
+            f"cannot listen on {host}:{port}: {exc}: give an address of this machine as --host"
+        ) from None
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers' own listen does
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                probe.bind(address)
+            except OSError as exc:
+                raise CannotListen(
+                    f"cannot listen on {host}:{port}: {exc.strerror}: stop what listens there, or choose another "
+                    f"--port (or --host)"
+                ) from None
 
 
 def raise_open_files_limit() -> None:
@@ -344,6 +392,8 @@ def describe_errors(exc: ValidationError, config_file: Path | None = None, flags
         else:
             where = name
         given = f" (got {error['input']!r})" if "input" in error and not isinstance(error["input"], dict) else ""
+        if ", got " in error["msg"]:  # the validator's own message shows the value it refused
+            given = ""
         # pydantic prefixes a validator's own message with "Value error, ": the message says it all
         lines.append(f"  {where}: {error['msg'].removeprefix('Value error, ')}{given}")
     return "\n".join(lines)
@@ -432,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def dispatch(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     if args.command == "serve":
         return serve(args)
     if args.command == "fake-upstream":

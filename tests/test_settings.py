@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
+import app.cli
 from app.cli import build_parser, flag_name
 from app.layout import CheckpointsLayout
 from app.limits import default_max_connections
@@ -113,7 +114,9 @@ def test_serve_refuses_checkpoints_written_with_another_records_per_chunk(
     assert not (tmp_path / "owners").exists()  # refused before anything was created
 
 
-def test_serve_that_cannot_start_says_why_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_that_cannot_start_says_why_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import socket
 
     from app.cli import main
@@ -128,11 +131,22 @@ def test_serve_that_cannot_start_says_why_in_one_line(tmp_path: Path, capsys: py
     )
     with socket.create_server(("127.0.0.1", 0)) as taken:
         port = taken.getsockname()[1]
-        assert main([*common, f"--checkpoints-dir={tmp_path / 'ckpt'}", f"--port={port}"]) == 1
-    err = capsys.readouterr().err
-    assert f"cannot listen on 127.0.0.1:{port}" in err
-    # The failed start released every rank it had.
-    RankOwnership(CheckpointsLayout(str(tmp_path / "ckpt"))).claim(0)
+        for http in ("builtin", "uvicorn"):
+            assert main([*common, f"--checkpoints-dir={tmp_path / 'ckpt'}", f"--port={port}", f"--http={http}"]) == 1
+            assert capsys.readouterr().err == (
+                f"inferproxy serve: cannot listen on 127.0.0.1:{port}: Address already in use: stop what listens "
+                "there, or choose another --port (or --host)\n"
+            )
+            assert not (tmp_path / "ckpt").exists()  # refused before anything was created
+        # Taken between the check and the listen: the failed start releases every rank it had.
+        monkeypatch.setattr(app.cli, "check_port", lambda host, port: None)
+        assert main([*common, f"--checkpoints-dir={tmp_path / 'raced'}", f"--port={port}"]) == 1
+        assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+        RankOwnership(CheckpointsLayout(str(tmp_path / "raced"))).claim(0)
+        monkeypatch.undo()
+    assert main([*common, f"--checkpoints-dir={tmp_path / 'ckpt'}", "--host=no-such-host.invalid"]) == 1
+    assert "give an address of this machine as --host" in capsys.readouterr().err
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_the_server_limits_in_the_settings_reach_the_built_in_server(tmp_path: Path) -> None:
@@ -217,3 +231,28 @@ async def test_the_settings_logged_at_start_show_the_connection_limit_in_force(
     assert len(logged) == 1
     shown = ast.literal_eval(logged[0].removeprefix("settings: "))
     assert shown["max_connections"] == default_max_connections(shown["max_open_ranks"]) > 0
+
+
+def test_a_config_file_that_is_a_folder_or_not_utf8_is_named_with_what_to_do(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from app.cli import main
+
+    assert main(["serve", f"--config={tmp_path}"]) == 2
+    assert (
+        capsys.readouterr().err == f"inferproxy serve: config file {tmp_path} is a folder: give the TOML file in it\n"
+    )
+    latin1 = tmp_path / "latin1.toml"
+    latin1.write_bytes('output = "sortie-d\xe9j\xe0"\n'.encode("latin-1"))
+    assert main(["serve", f"--config={latin1}"]) == 2
+    assert capsys.readouterr().err == (
+        f"inferproxy serve: config file {latin1} is not UTF-8 text (byte 18): save it as UTF-8 TOML\n"
+    )
+
+
+def test_a_refused_value_the_message_already_shows_is_not_repeated(capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import main
+
+    assert main(["serve", "--upstream=notaurl"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("notaurl") == 1, err
