@@ -187,7 +187,13 @@ def inferproxy(*args: str, silent: bool = False) -> subprocess.Popen[bytes]:
 
 
 def prepare_workdir(workdir: Path) -> None:
-    """Start from a clean demo dir; refuse to clear a dir the demo did not create."""
+    """Start from a clean demo dir; refuse to clear a dir the demo did not create, or a file."""
+    from app.output_check import FolderError, check_folder
+
+    try:
+        check_folder(str(workdir), "--workdir")
+    except FolderError as exc:
+        raise SystemExit(f"inferproxy demo: {exc}") from None
     if workdir.exists() and any(workdir.iterdir()) and not (workdir / MARKER).exists():
         raise SystemExit(
             f"inferproxy demo: {workdir} is not empty and was not created by `inferproxy demo`: pick another --workdir"

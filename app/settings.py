@@ -242,8 +242,10 @@ class Settings(BaseSettings):
         """
         given = config_file
         config_file = config_file_path(config_file)
+        source = f" (from {CONFIG_ENV})" if given is None else ""
+        if config_file is not None and config_file.is_dir():
+            raise FileNotFoundError(f"config file {config_file}{source} is a folder: give the TOML file in it")
         if config_file is not None and not config_file.is_file():
-            source = f" (from {CONFIG_ENV})" if given is None else ""
             raise FileNotFoundError(f"config file {config_file}{source} does not exist")
         token = _CONFIG_FILE.set(config_file)
         try:
@@ -251,6 +253,10 @@ class Settings(BaseSettings):
         except tomllib.TOMLDecodeError as exc:
             assert config_file is not None  # only the file is TOML
             raise ValueError(describe_toml_error(config_file, exc)) from None
+        except UnicodeDecodeError as exc:
+            raise ValueError(
+                f"config file {config_file}{source} is not UTF-8 text (byte {exc.start}): save it as UTF-8 TOML"
+            ) from None
         finally:
             _CONFIG_FILE.reset(token)
 

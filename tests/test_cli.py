@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import build_parser, flag_name
+from app.cli import build_job_parser, build_parser, flag_name, main, parse
 from app.settings import Settings
 from tests.servers import serve_once
 
@@ -15,7 +15,7 @@ from tests.servers import serve_once
 def subcommands() -> dict[str, argparse.ArgumentParser]:
     parser = build_parser()
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
+    return {**action.choices, "demo-job": build_job_parser()}
 
 
 @pytest.mark.parametrize("command", ["serve", "fake-upstream", "demo", "demo-job", "inspect"])
@@ -32,6 +32,31 @@ def test_the_help_lists_the_users_commands_and_not_the_demos_internal_job() -> N
         assert f"\n    {command} " in listed, command
     assert "demo-job" not in listed
     assert "the job `demo` runs" in subcommands()["demo-job"].format_help()  # still there for `demo`
+
+
+def test_an_unknown_command_is_refused_without_naming_the_demos_internal_job(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        parse(["foo"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'foo'" in err
+    assert "demo-job" not in err
+    assert parse(["demo-job", "--proxy=http://a"]).command == "demo-job"
+
+
+@pytest.mark.parametrize("command", ["serve", "inspect", "status", "demo"])
+def test_an_unknown_flag_is_refused_with_the_commands_own_usage(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [command, *(["ckpt"] if command == "inspect" else []), "--bogus"]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"usage: inferproxy {command} ")
+    assert err.endswith(f"inferproxy {command}: error: unrecognized arguments: --bogus\n")
 
 
 def test_serve_help_shows_each_settings_real_default() -> None:
@@ -64,7 +89,7 @@ def test_a_bad_option_value_names_the_flag_and_what_it_takes(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     with pytest.raises(SystemExit) as exit_:
-        build_parser().parse_args(argv)
+        parse(argv)
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert message in err
@@ -178,3 +203,14 @@ def test_a_reader_that_stops_reading_ends_the_command_quietly(tmp_path: Path, co
         os.close(write)
     assert done.stderr == ""
     assert done.returncode == 1
+
+
+def test_demo_on_a_workdir_that_is_a_file_is_one_line(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit) as exit_:
+        main(["demo", f"--workdir={tmp_path / 'file'}"])
+    assert exit_.value.code == (
+        f"inferproxy demo: --workdir {tmp_path / 'file'}: {tmp_path / 'file'} is a file, not a folder: "
+        "choose another folder"
+    )
+    assert (tmp_path / "file").read_text() == "x"
