@@ -156,8 +156,9 @@ class CheckpointManager:
     into the next chunks: a publication that fails is retried with backoff
     (`retry_backoff_s`, doubling up to `max_retry_backoff_s`) and whenever a
     caller asks (`publish_pending`), `publication_failure` saying why meanwhile;
-    past `max_waiting_chunks` complete chunks waiting, new documents are refused
-    (`PublicationBacklog`). `close` waits for a publication under way, or gives
+    past `max_waiting_chunks` complete chunks waiting, new documents wait up to
+    `backlog_wait_s` for a working output to catch up, and are refused
+    (`PublicationBacklog`) while it fails or past that wait. `close` waits for a publication under way, or gives
     it up, before it returns.
     """
 
@@ -172,6 +173,7 @@ class CheckpointManager:
         fault: Callable[[str], None] | None = None,
         publish_in_background: bool = False,
         max_waiting_chunks: int | None = None,
+        backlog_wait_s: float = 10.0,
         retry_backoff_s: float = 1.0,
         max_retry_backoff_s: float = 60.0,
     ) -> None:
@@ -191,6 +193,7 @@ class CheckpointManager:
         self.fault = fault
         self.publish_in_background = publish_in_background
         self.max_waiting_chunks = max_waiting_chunks
+        self.backlog_wait_s = backlog_wait_s
         self.retry_backoff_s = retry_backoff_s
         self.max_retry_backoff_s = max_retry_backoff_s
         #: Why the complete chunks waiting are not published, while the last attempt failed.
@@ -213,6 +216,7 @@ class CheckpointManager:
         self._warned_duplicates: set[int] = set()
         self._publisher: asyncio.Task[None] | None = None  # publishing in the background, retrying
         self._retry_now = asyncio.Event()  # wakes the publisher from its backoff
+        self._published = asyncio.Event()  # set (and replaced) as a chunk is published or a publication fails
         self._closing = False
 
     # ----------------------------------------------------------------- writing
@@ -259,44 +263,49 @@ class CheckpointManager:
                     output_writer_context.write(document, rank=rank, chunk_index=chunk_index)
             self.per_chunk_counts[chunk_index] += len(documents)
             return BatchOutcome(len(documents), 0, chunk_index, self.per_chunk_counts[chunk_index], False, -1)
-        async with self.file_locks[chunk_index]:
-            ids = self._chunk_ids[chunk_index]
-            fresh: dict[str, int] = {}  # id -> position in `documents`, first occurrence
-            for position, document in enumerate(documents):
-                if document.id in ids or document.id in fresh:
-                    self._warn_duplicate(document.id, chunk_index)
-                else:
-                    fresh[document.id] = position
-            if fresh:
-                self._check_open_chunk(chunk_index)
-                self._check_backlog()
-                room = self.records_per_chunk - self.per_chunk_counts[chunk_index]
-                if len(fresh) > room:
-                    raise ChunkCompleteError(
-                        f"chunk {chunk_index} has room for {room} more documents (records_per_chunk="
-                        f"{self.records_per_chunk}), this request brings {len(fresh)}: the rest belong in the next"
-                    )
-                data = lines[0] if len(lines) == 1 else b"".join(lines[position] for position in fresh.values())
-                self._ensure_meta()
-                file = await self._chunk_files.open(chunk_index, self._paths(rank).chunk_file(chunk_index))
-                file.append(data)
-                try:
-                    for position in fresh.values():
-                        if not is_removed(documents[position]):
-                            output_writer_context.write(documents[position], rank=rank, chunk_index=chunk_index)
-                except BaseException:
-                    file.truncate(file.size - len(data))
-                    raise
-                if chunk_index not in self._outputs:
-                    first = documents[next(iter(fresh.values()))]
-                    name = output_writer_context._get_output_filename(first, rank, chunk_index=chunk_index)
-                    self._outputs[chunk_index] = (output_writer_context, name)
-                ids.update(fresh)
-                self.per_chunk_counts[chunk_index] += len(fresh)
-                if self.per_chunk_counts[chunk_index] == self.records_per_chunk:
-                    # Decided here, under the lock: a caller cancelled below cannot lose it.
-                    self._ready.add(chunk_index)
-            count = self.per_chunk_counts[chunk_index]
+        deadline = time.monotonic() + self.backlog_wait_s
+        while True:
+            await self._wait_for_room(deadline)
+            async with self.file_locks[chunk_index]:
+                ids = self._chunk_ids[chunk_index]
+                fresh: dict[str, int] = {}  # id -> position in `documents`, first occurrence
+                for position, document in enumerate(documents):
+                    if document.id in ids or document.id in fresh:
+                        self._warn_duplicate(document.id, chunk_index)
+                    else:
+                        fresh[document.id] = position
+                if fresh:
+                    self._check_open_chunk(chunk_index)
+                    if self._backlogged(deadline):
+                        continue  # others filled the room first: wait again, the chunk's lock let go
+                    room = self.records_per_chunk - self.per_chunk_counts[chunk_index]
+                    if len(fresh) > room:
+                        raise ChunkCompleteError(
+                            f"chunk {chunk_index} has room for {room} more documents (records_per_chunk="
+                            f"{self.records_per_chunk}), this request brings {len(fresh)}: the rest belong in the next"
+                        )
+                    data = lines[0] if len(lines) == 1 else b"".join(lines[position] for position in fresh.values())
+                    self._ensure_meta()
+                    file = await self._chunk_files.open(chunk_index, self._paths(rank).chunk_file(chunk_index))
+                    file.append(data)
+                    try:
+                        for position in fresh.values():
+                            if not is_removed(documents[position]):
+                                output_writer_context.write(documents[position], rank=rank, chunk_index=chunk_index)
+                    except BaseException:
+                        file.truncate(file.size - len(data))
+                        raise
+                    if chunk_index not in self._outputs:
+                        first = documents[next(iter(fresh.values()))]
+                        name = output_writer_context._get_output_filename(first, rank, chunk_index=chunk_index)
+                        self._outputs[chunk_index] = (output_writer_context, name)
+                    ids.update(fresh)
+                    self.per_chunk_counts[chunk_index] += len(fresh)
+                    if self.per_chunk_counts[chunk_index] == self.records_per_chunk:
+                        # Decided here, under the lock: a caller cancelled below cannot lose it.
+                        self._ready.add(chunk_index)
+                count = self.per_chunk_counts[chunk_index]
+            break
         # Outside the chunk lock, so the chunk's other writers share this fsync.
         await self._chunk_files.make_durable(chunk_index)
         if self._publication_due():
@@ -335,11 +344,33 @@ class CheckpointManager:
         # the latter: a chunk published whose last_chunk could not be recorded
         return bool(self._ready) or self.last_chunk_index + 1 in self.new_completed_chunks
 
-    def _check_backlog(self) -> None:
+    async def _wait_for_room(self, deadline: float) -> None:
+        """Past `max_waiting_chunks` chunks waiting for an output that works but is slower than the writes,
+        wait (until `deadline`) for it to catch up, as a write waiting for its upload would: the writers
+        are slowed down, not refused. An output that fails is not waited for (`_backlogged`)."""
+        limit = self.max_waiting_chunks
+        if limit is None or not self.publish_in_background:
+            return
+        while len(self._ready) >= limit and self.publication_failure is None:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._published.wait(), remaining)
+
+    def _signal_published(self) -> None:
+        self._published.set()
+        self._published = asyncio.Event()
+
+    def _backlogged(self, deadline: float) -> bool:
+        """Whether a write of new documents must wait for room (`_wait_for_room`) before it is taken; past
+        the deadline, or while publications fail, `PublicationBacklog` refuses it instead."""
         limit = self.max_waiting_chunks
         if limit is None or len(self._ready) < limit:
-            return
+            return False
         failure = self.publication_failure
+        if failure is None and self.publish_in_background and time.monotonic() < deadline:
+            return True
         why = f"the last attempt failed: {failure.reason}" if failure is not None else "the output is slow"
         raise PublicationBacklog(
             f"{len(self._ready)} complete chunks of this rank are waiting to be published ({why}); new "
@@ -415,6 +446,7 @@ class CheckpointManager:
                 failed_at=time.monotonic(),
                 retry_at=time.monotonic() + delay,
             )
+            self._signal_published()  # the writers waiting for room are refused now, not kept waiting
             if previous is None:
                 logger.error(
                     "publishing rank %d's chunk %d failed: %s; its documents stay checkpointed, the rank's "
@@ -489,6 +521,7 @@ class CheckpointManager:
                 self._fault("output_closed")
                 self._ready.discard(chunk_index)
                 self.new_completed_chunks.add(chunk_index)
+                self._signal_published()
         await self.update_last_chunk_index(rank)
 
     # ---------------------------------------------------------------- resuming

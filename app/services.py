@@ -318,6 +318,7 @@ class CheckpointRegistry:
                             fsync=self.settings.fsync,
                             publish_in_background=True,
                             max_waiting_chunks=self.settings.max_waiting_chunks,
+                            backlog_wait_s=self.settings.backlog_wait_s,
                             max_retry_backoff_s=self.settings.publish_retry_max_s,
                         )
                         await manager.restore(rank, self.publisher)

@@ -127,6 +127,11 @@ class Settings(BaseSettings):
         gt=0,
         description="complete chunks of a rank waiting for the output (slow or away); past it new documents get 503",
     )
+    backlog_wait_s: float = Field(
+        10.0,
+        ge=0,
+        description="past max_waiting_chunks on an output that works, how long a write waits for it before 503",
+    )
     publish_retry_max_s: float = Field(
         60.0, gt=0, description="longest wait between two tries of a publication that failed (backoff from 1 s)"
     )

@@ -91,10 +91,10 @@ async def test_a_ranks_writes_are_answered_while_its_upload_is_stalled(tmp_path:
 async def test_past_max_waiting_chunks_new_documents_get_503_and_nothing_is_written(
     tmp_path: Path, stall: Stall
 ) -> None:
-    async with proxy_client(config(tmp_path, max_waiting_chunks=2)) as client:
+    async with proxy_client(config(tmp_path, max_waiting_chunks=2, backlog_wait_s=0.2)) as client:
         for chunk in range(2):
             assert (await post(client, chunk, docs(3 * chunk, 3))).status_code == 200
-        refused = await post(client, 2, docs(6, 1))
+        refused = await post(client, 2, docs(6, 1))  # after waiting backlog_wait_s for the stalled output
         assert refused.status_code == 503
         assert refused.json()["error"]["type"] == "output_unavailable"
         assert "max_waiting_chunks=2" in refused.json()["error"]["message"]
@@ -104,6 +104,40 @@ async def test_past_max_waiting_chunks_new_documents_get_503_and_nothing_is_writ
         stall.release()
         assert (await client.get("/resume")).json()["last_chunk_index"] == 1
         assert (await post(client, 2, docs(6, 1))).status_code == 200
+
+
+async def test_past_max_waiting_chunks_a_write_waits_for_a_slow_output_and_is_taken_once_it_catches_up(
+    tmp_path: Path, stall: Stall
+) -> None:
+    # A writer faster than a working output is slowed down, not refused (wrk saw 503s where the output
+    # was only slower than 64 writers of batches).
+    async with proxy_client(config(tmp_path, max_waiting_chunks=2, backlog_wait_s=60)) as client:
+        for chunk in range(2):
+            assert (await post(client, chunk, docs(3 * chunk, 3))).status_code == 200
+        waiting = asyncio.create_task(post(client, 2, docs(6, 1)))
+        await asyncio.sleep(0.3)
+        assert not waiting.done()  # held while the output has not caught up
+        assert not (tmp_path / "ckpt" / "00000" / "chunk_00002.jsonl").exists()
+        stall.release()
+        answer = await waiting
+        assert (answer.status_code, answer.json()["written"]) == (200, 1)
+        assert (await client.get("/resume")).json()["last_chunk_index"] == 1
+
+
+async def test_past_max_waiting_chunks_a_failing_output_is_not_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing_output(monkeypatch, times=1000)
+    async with proxy_client(config(tmp_path, max_waiting_chunks=1, backlog_wait_s=3600)) as client:
+        assert (await post(client, 0, docs(0, 3))).status_code == 200
+        for _ in range(500):  # the publication's first failure
+            view = next(r for r in (await client.get("/stats")).json()["ranks"] if r["rank"] == 0)
+            if view["publication_error"]:
+                break
+            await asyncio.sleep(0.01)
+        refused = await asyncio.wait_for(post(client, 1, docs(3, 1)), timeout=60)
+        assert refused.status_code == 503
+        assert "Permission denied" in refused.json()["error"]["message"]
 
 
 def failing_output(monkeypatch: pytest.MonkeyPatch, times: int, code: int = errno.EACCES) -> list[int]:
@@ -190,6 +224,28 @@ async def test_a_rank_waiting_for_a_failing_output_is_not_busy_and_closes_at_onc
     assert (tmp_path / "ckpt" / "00000" / "chunk_00000.jsonl").exists()
 
 
+async def test_a_rank_closed_with_chunks_its_failing_output_did_not_take_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # SIGTERM exited 0 saying "every rank released", nothing about the chunk it left unpublished.
+    failing_output(monkeypatch, times=1000)
+    async with proxy_client(config(tmp_path)) as client:
+        assert (await post(client, 0, docs(0, 3), rank=3)).status_code == 200
+        for _ in range(500):
+            view = next(r for r in (await client.get("/stats")).json()["ranks"] if r["rank"] == 3)
+            if view["publication_error"]:
+                break
+            await asyncio.sleep(0.01)
+        assert view["publication_error"]
+    warnings = [
+        r.getMessage() for r in caplog.records if r.levelname == "WARNING" and "not published" in r.getMessage()
+    ]
+    assert len(warnings) == 1
+    assert warnings[0].startswith("rank 3 closed with complete chunks [0] not published (the output fails: publishing")
+    assert "the rank's next owner publishes them" in warnings[0]
+    assert (tmp_path / "ckpt" / "00003" / "chunk_00000.jsonl").exists()
+
+
 async def test_a_publication_still_running_is_given_up_at_close_and_leaves_nothing(
     tmp_path: Path, stall: Stall
 ) -> None:
@@ -206,7 +262,7 @@ async def test_a_publication_still_running_is_given_up_at_close_and_leaves_nothi
 
 
 async def test_a_full_chunk_beyond_max_waiting_chunks_raises_a_backlog_in_the_library(tmp_path: Path) -> None:
-    cm = manager(tmp_path / "ckpt", 1, publish_in_background=True, max_waiting_chunks=1)
+    cm = manager(tmp_path / "ckpt", 1, publish_in_background=True, max_waiting_chunks=1, backlog_wait_s=0.05)
 
     class Never(ChunkPublisher):
         async def close_file_async(self, original_name: str) -> None:
