@@ -462,6 +462,8 @@ class CheckpointRegistry:
                 # Asked of the manager, not of close()'s answer: a close cut short (cancelled, failed) may
                 # leave a publication running.
                 self._let_go(rank, manager is None or not manager.publishing())
+                if manager is not None:
+                    warn_unpublished(rank, manager, "released")
         self.activity.last_used.pop(rank, None)
         return True
 
@@ -496,8 +498,27 @@ class CheckpointRegistry:
                     rank,
                 )
                 self.ownership.keep_until_exit(rank)
+            warn_unpublished(rank, manager, "closed")
         if failed is not None:
             raise failed
+
+
+def warn_unpublished(rank: int, manager: CheckpointManager, how: str) -> None:
+    """A WARNING line for a rank given up with complete chunks not published (its output failing, or a
+    publication given up): nothing is lost, but this proxy no longer shows or retries them."""
+    waiting = manager.waiting_chunks()
+    if not waiting:
+        return
+    failure = manager.publication_failure
+    why = f"the output fails: {failure.reason}" if failure is not None else "their publication was given up"
+    logger.warning(
+        "rank %d %s with complete chunks %s not published (%s); they stay in the checkpoints dir, and the "
+        "rank's next owner publishes them (this proxy no longer shows or retries them)",
+        rank,
+        how,
+        waiting,
+        why,
+    )
 
 
 @dataclass(frozen=True, slots=True)
