@@ -396,6 +396,21 @@ class CheckpointRegistry:
         self.lost.pop(rank, None)
         return last
 
+    async def check_open_output(self, rank: int) -> None:
+        """`check_output` for a rank this proxy has open (`GET /resume` of a job restarted meanwhile). A rank
+        found to have lost chunks is closed, its lock kept: every request naming it then reopens it, meeting
+        the check again, and reads the `last_chunk` an operator rewrote to have them generated again."""
+        try:
+            await self.check_output(rank)
+        except OutputLost:
+            async with self._opening.hold(rank):
+                manager = self._managers.get(rank)
+                if manager is not None and not manager.busy():
+                    del self._managers[rank]
+                    if not await manager.close(grace_s=self.settings.shutdown_grace_s):
+                        self.ownership.keep_until_exit(rank)
+            raise
+
     async def complete(self, rank: int, chunk_index: int) -> CheckpointManager:
         manager = await self.get(rank)
         await manager.cleanup_last_chunk(rank, chunk_index)

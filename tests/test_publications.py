@@ -316,3 +316,25 @@ async def test_a_restore_removes_the_temporary_files_a_killed_publication_left(t
         assert (await client.get("/resume")).status_code == 200
     # Rank 0's are gone; another rank's (its own owner's business) and other files are left alone.
     assert sorted(os.listdir(tmp_path / "out")) == [".00001_chunk_0.jsonl.0123456789ab.tmp", "notes.txt"]
+
+
+async def test_a_resume_of_an_open_rank_refuses_chunks_the_output_lost_meanwhile(tmp_path: Path) -> None:
+    async with proxy_client(config(tmp_path)) as client:
+        for chunk in range(2):
+            assert (await post(client, chunk, docs(3 * chunk, 3))).status_code == 200
+        assert (await client.get("/resume")).json()["last_chunk_index"] == 1
+        # Pruned while the proxy still has the rank open (a job restarted within rank_idle_s).
+        (tmp_path / "out" / "00000_chunk_0.jsonl").unlink()
+        refused = await client.get("/resume")
+        assert refused.status_code == 409
+        assert refused.json()["error"]["type"] == "output_lost_error"
+        assert "chunks [0]" in refused.json()["error"]["message"]
+        assert (await post(client, 2, docs(6, 1))).status_code == 409  # no write goes on past the hole
+        # The way out the message gives, with the proxy still running: what it says is read again.
+        (tmp_path / "ckpt" / "last_chunk" / "00000.txt").write_text("-1")
+        resume = (await client.get("/resume")).json()
+        assert (resume["last_chunk_index"], resume["docs_to_skip"]) == (-1, 0)
+        for chunk in range(2):
+            assert (await post(client, chunk, docs(3 * chunk, 3))).status_code == 200
+        assert (await client.get("/resume")).json()["last_chunk_index"] == 1
+    assert sorted(os.listdir(tmp_path / "out")) == ["00000_chunk_0.jsonl", "00000_chunk_1.jsonl"]

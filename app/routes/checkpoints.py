@@ -267,6 +267,8 @@ async def get_resume(services: Services, scope: Scope, receive: Receive) -> dict
             raise publication_error(
                 exc, services, rank, "this answer is given once they are (the job client retries it)"
             ) from exc
+        # Chunks published may have gone from the output since the rank was opened.
+        await registry.check_open_output(rank)
         records_per_chunk, last = manager.records_per_chunk, manager.last_chunk_index
         skip, processed = manager.resume_state()
         services.note_progress(rank, manager)
