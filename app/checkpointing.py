@@ -379,7 +379,8 @@ class CheckpointManager:
     async def publish_pending(self, rank: int) -> None:
         """Publish the complete chunks waiting now, retrying at once a publication that failed; raises
         `PublishError` if that fails (the background retries go on). An attempt under way answers for
-        this call too: its failure is raised rather than tried again at once."""
+        this call too: its failure is raised rather than tried again at once; so does one that failed
+        less than `retry_backoff_s` ago, so that a storm of requests is not a storm of uploads."""
         if not self._publication_due():
             return
         asked = time.monotonic()
@@ -389,9 +390,12 @@ class CheckpointManager:
                     pass
                 failure = self.publication_failure
                 if failure is not None and failure.failed_at >= asked:
-                    raise failure.error
+                    raise failure.error.with_traceback(None)  # else each raise adds its frames to it
                 if not self._publication_due():
                     return
+            failure = self.publication_failure
+            if failure is not None and asked - failure.failed_at < self.retry_backoff_s:
+                raise failure.error.with_traceback(None)
             await asyncio.shield(self._attempt(rank))
         finally:
             if self.publish_in_background and self._publication_due():

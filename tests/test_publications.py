@@ -7,6 +7,7 @@ import asyncio
 import errno
 import os
 import threading
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -338,3 +339,22 @@ async def test_a_resume_of_an_open_rank_refuses_chunks_the_output_lost_meanwhile
             assert (await post(client, chunk, docs(3 * chunk, 3))).status_code == 200
         assert (await client.get("/resume")).json()["last_chunk_index"] == 1
     assert sorted(os.listdir(tmp_path / "out")) == ["00000_chunk_0.jsonl", "00000_chunk_1.jsonl"]
+
+
+async def test_a_storm_of_resumes_during_an_outage_is_not_a_storm_of_uploads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = failing_output(monkeypatch, times=1000)
+    cm = manager(tmp_path / "ckpt", 2, publish_in_background=True, retry_backoff_s=30)
+    with ChunkPublisher(str(tmp_path / "out"), str(tmp_path / "ckpt")) as writer:
+        for doc_id in ("a", "b"):
+            await cm.write_document(document(doc_id), 0, 0, writer)
+        for _ in range(50):  # GET /resume or POST /chunks/{i}/complete, again and again
+            with pytest.raises(PublishError, match="Permission denied"):
+                await cm.publish_pending(0)
+        # The background's first attempt and at most one asked for: the rest get the last attempt's error.
+        assert len(calls) <= 2
+        failure = cm.publication_failure
+        assert failure is not None
+        assert len(list(traceback.walk_tb(failure.error.__traceback__))) < 20  # not one frame per refusal
+        assert await cm.close(grace_s=5)
