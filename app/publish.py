@@ -68,6 +68,7 @@ __all__ = [
     "PublishError",
     "check_output_filename",
     "is_remote",
+    "shortened",
 ]
 from app.output_check import S3_PROTOCOLS, install_hint, protocols, redact_url, scrub
 
@@ -77,6 +78,18 @@ _ALLOWED_FIELDS = frozenset({"rank", "chunk_index"})
 # S3 takes up to 5 GiB in one PutObject; s3fs switches to a multipart upload
 # at twice its chunksize (100 MiB by default): raise it so a chunk is one PUT.
 _S3_SINGLE_PUT = {"chunksize": 5 * 2**30}
+
+
+#: An output's error is shown (in a 503, `/stats`, the page, `status`, the log) up to this many characters:
+#: an object store or a gateway before it may answer with a page of HTML, or a megabyte of anything.
+REASON_CHARS = 1000
+
+
+def shortened(reason: str) -> str:
+    """`reason` cut to `REASON_CHARS`, saying how much was left out."""
+    if len(reason) <= REASON_CHARS:
+        return reason
+    return f"{reason[:REASON_CHARS]}… ({len(reason) - REASON_CHARS} characters more)"
 
 
 def check_output_filename(template: str) -> Template:
@@ -204,7 +217,7 @@ class ChunkPublisher:
         except PublicationAbandoned:
             raise
         except Exception as exc:
-            reason = scrub(str(exc), self.output)
+            reason = shortened(scrub(str(exc), self.output))
             rank, chunk_index = self._chunks.get(original_name, (-1, -1))
             # Whoever waits for it gets the error, but the operator reads the proxy's log.
             logger.error(

@@ -23,7 +23,7 @@ from app.limits import files_short_for_a_rank, open_files_limit, out_of_files
 from app.metrics import Metrics
 from app.output_check import redact_url, scrub
 from app.ownership import RankOwnership
-from app.publish import ChunkPublisher
+from app.publish import ChunkPublisher, shortened
 from app.resume import check_records_per_chunk, docs_to_skip, read_last_chunk
 from app.settings import Settings
 from app.upstream import UpstreamPool
@@ -383,7 +383,7 @@ class CheckpointRegistry:
         except Exception as exc:  # OSError, or an object store's own errors
             raise OutputUnavailable(
                 f"the output {redact_url(self.settings.output)} cannot be read to check rank {rank}'s published "
-                f"chunks: {scrub(str(exc), self.settings.output)}",
+                f"chunks: {shortened(scrub(str(exc), self.settings.output))}",
                 retry_after_s=5.0,
             ) from exc
         if missing:

@@ -21,6 +21,7 @@ from app.client import ProxyJob
 from app.durable import atomic_write_bytes, temporary_target
 from app.publish import ChunkPublisher, PublicationAbandoned, PublishError
 from app.settings import Settings
+from app.status import render
 from tests.factories import document, manager
 from tests.servers import proxy_client, serve_proxy
 
@@ -358,3 +359,29 @@ async def test_a_storm_of_resumes_during_an_outage_is_not_a_storm_of_uploads(
         assert failure is not None
         assert len(list(traceback.walk_tb(failure.error.__traceback__))) < 20  # not one frame per refusal
         assert await cm.close(grace_s=5)
+
+
+async def test_a_huge_hostile_output_error_is_shown_cut_and_harmless(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a misbehaving object store or gateway may answer: markup, escape sequences, a megabyte of it.
+    hostile = "\x1b[2J\x1b]0;owned\x07<script>alert(1)</script>\r\nforged line " + "x" * 1_000_000
+
+    def refusing(path: str, data: bytes, **options: Any) -> None:
+        raise OSError(errno.EIO, hostile)
+
+    monkeypatch.setattr(app.publish, "atomic_write_bytes", refusing)
+    async with proxy_client(config(tmp_path)) as client:
+        assert (await post(client, 0, docs(0, 3))).status_code == 200
+        refused = await client.get("/resume")
+        assert refused.status_code == 503
+        assert len(refused.json()["error"]["message"]) < 4000
+        assert "characters more" in refused.json()["error"]["message"]
+        stats = (await client.get("/stats")).json()
+        error = next(r for r in stats["ranks"] if r["rank"] == 0)["publication_error"]
+        assert error.startswith("publishing 00000_chunk_0.jsonl failed: [Errno 5] \x1b[2J")  # what was there
+        assert len(error) < 2000
+        lines = render(stats, "http://proxy")
+        assert not any("\x1b" in line or "\r" in line or "\x07" in line for line in lines)
+        assert sum("forged line" in line for line in lines) == 1  # on the rank's own line, not a line of its own
+        assert max(len(line) for line in lines) < 2000
