@@ -52,7 +52,7 @@ from app.chunkfiles import CheckpointDurabilityError, ChunkFiles, FsyncPolicy
 from app.documents import Document, DocumentLike, OutputWriter, encode_document, is_removed
 from app.durable import atomic_write_bytes, fsync_dir, fsync_file
 from app.layout import META_FILENAME, CheckpointsLayout, RankPaths
-from app.publish import PublicationAbandoned, PublishError
+from app.publish import PublicationAbandoned, PublishError, in_daemon_thread
 from app.resume import (
     ChunkScan,
     RecordsPerChunkMismatch,
@@ -532,7 +532,7 @@ class CheckpointManager:
             clean = getattr(output_writer_context, "remove_stale_temporaries", None)
             if clean is not None and (chunks or self.last_chunk_index >= 0):  # a new rank published nothing
                 try:
-                    await asyncio.to_thread(clean, rank)
+                    await in_daemon_thread(lambda: clean(rank), f"clean output {rank}")  # never joined at exit
                 except OSError as exc:  # left for the next restore; the publications do not need it
                     logger.warning("could not look for temporary files of rank %d in the output: %s", rank, exc)
             for chunk_index, path, scan in chunks:

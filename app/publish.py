@@ -67,6 +67,7 @@ __all__ = [
     "PublicationAbandoned",
     "PublishError",
     "check_output_filename",
+    "in_daemon_thread",
     "is_remote",
     "shortened",
 ]

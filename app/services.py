@@ -23,7 +23,7 @@ from app.limits import files_short_for_a_rank, open_files_limit, out_of_files
 from app.metrics import Metrics
 from app.output_check import redact_url, scrub
 from app.ownership import RankOwnership
-from app.publish import ChunkPublisher, shortened
+from app.publish import ChunkPublisher, in_daemon_thread, shortened
 from app.resume import check_records_per_chunk, docs_to_skip, read_last_chunk
 from app.settings import Settings
 from app.upstream import UpstreamPool
@@ -352,7 +352,9 @@ class CheckpointRegistry:
         paths = self.layout.rank(rank)
         if paths.has_checkpoints():
             return
-        last = await asyncio.to_thread(self.publisher.last_published_chunk, rank)
+        # In a daemon thread, as every look at the output: one stuck in a stalled mount or endpoint never
+        # keeps a stopping proxy from exiting (asyncio's own threads are joined at exit).
+        last = await in_daemon_thread(lambda: self.publisher.last_published_chunk(rank), f"list output {rank}")
         if last < 0:
             return
         logger.warning(
@@ -379,7 +381,7 @@ class CheckpointRegistry:
         """
         last = read_last_chunk(self.layout.rank(rank).last_chunk_file)
         try:
-            missing = await asyncio.to_thread(self.publisher.missing_chunks, rank, last)
+            missing = await in_daemon_thread(lambda: self.publisher.missing_chunks(rank, last), f"list output {rank}")
         except Exception as exc:  # OSError, or an object store's own errors
             raise OutputUnavailable(
                 f"the output {redact_url(self.settings.output)} cannot be read to check rank {rank}'s published "

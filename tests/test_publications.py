@@ -385,3 +385,32 @@ async def test_a_huge_hostile_output_error_is_shown_cut_and_harmless(
         assert not any("\x1b" in line or "\r" in line or "\x07" in line for line in lines)
         assert sum("forged line" in line for line in lines) == 1  # on the rank's own line, not a line of its own
         assert max(len(line) for line in lines) < 2000
+
+
+async def test_a_stalled_output_listing_never_keeps_a_stopping_proxy_from_exiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A hard NFS mount gone quiet, an endpoint that never answers: the look at the output hangs for good.
+    # asyncio joins its own worker threads when the loop closes (and the interpreter at exit): SIGTERM hung.
+    hung: list[threading.Thread] = []
+    forever = threading.Event()
+
+    def stalled(publisher: ChunkPublisher, *args: Any) -> Any:
+        hung.append(threading.current_thread())
+        forever.wait()
+
+    for look in ("missing_chunks", "last_published_chunk", "remove_stale_temporaries"):
+        monkeypatch.setattr(ChunkPublisher, look, stalled)
+    (tmp_path / "ckpt" / "00001").mkdir(parents=True)
+    (tmp_path / "ckpt" / "00001" / "chunk_00000.jsonl").write_bytes(b'{"id": "a", "text": "t"}\n')
+    (tmp_path / "ckpt" / "last_chunk").mkdir()
+    (tmp_path / "ckpt" / "last_chunk" / "00002.txt").write_text("0")
+    try:
+        async with proxy_client(config(tmp_path, shutdown_grace_s=0.1)) as client:
+            for rank in (0, 1, 2):  # a new rank (its output looked up), one restored, one checked
+                with pytest.raises(httpx.TimeoutException):
+                    await client.get("/resume", headers={"X-Rank": str(rank)}, timeout=0.5)
+        assert hung
+        assert all(thread.daemon for thread in hung)
+    finally:
+        forever.set()
