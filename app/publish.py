@@ -215,7 +215,7 @@ class ChunkPublisher:
         abandon = self._abandon.setdefault(original_name, threading.Event())
         try:
             await in_daemon_thread(lambda: self._publish(original_name, abandon), f"publish {original_name}")
-        except PublicationAbandoned:
+        except (PublicationAbandoned, PublishError):
             raise
         except Exception as exc:
             reason = shortened(scrub(str(exc), self.output))
@@ -321,7 +321,15 @@ class ChunkPublisher:
             empty = self.empty_chunks(rank)
             if chunk_index not in empty:
                 lines = "".join(f"{chunk}\n" for chunk in sorted({*empty, chunk_index}))
-                atomic_write_bytes(paths.empty_chunks_file, lines.encode(), check=check)
+                try:
+                    atomic_write_bytes(paths.empty_chunks_file, lines.encode(), check=check)
+                except OSError as exc:  # the checkpoints disk refused it, not the output: name that one
+                    logger.error("recording chunk %d of rank %d as published empty failed: %s", chunk_index, rank, exc)
+                    raise PublishError(
+                        f"recording chunk {chunk_index} (nothing in it to publish) in {paths.empty_chunks_file} "
+                        f"failed: {shortened(str(exc))}",
+                        where=self.layout.root,
+                    ) from exc
         elif self._fs is not None:
             check()
             self._fs.pipe_file(f"{self._root.rstrip('/')}/{name}", data, **self._put_options)

@@ -414,3 +414,24 @@ async def test_a_stalled_output_listing_never_keeps_a_stopping_proxy_from_exitin
         assert all(thread.daemon for thread in hung)
     finally:
         forever.set()
+
+
+async def test_a_full_checkpoints_disk_refusing_a_chunk_published_as_nothing_names_that_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = app.publish.atomic_write_bytes
+
+    def full_checkpoints_disk(path: str, data: bytes, **options: Any) -> None:
+        if path.startswith(str(tmp_path / "ckpt")):  # empty_chunks/<rank>.txt: the output is fine
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        real(path, data, **options)
+
+    monkeypatch.setattr(app.publish, "atomic_write_bytes", full_checkpoints_disk)
+    removed = {"__no_rollouts_remove": True}
+    async with proxy_client(config(tmp_path, records_per_chunk=1)) as client:
+        assert (await post(client, 0, {"id": "gone", "text": "t", "metadata": removed})).status_code == 200
+        refused = await client.get("/resume")
+        assert refused.status_code == 503
+        message = refused.json()["error"]["message"]
+        assert f"recorded in the checkpoints dir {tmp_path / 'ckpt'} (its disk is full" in message
+        assert "the output" not in message.split(":")[0]  # the output is not what to free space on
