@@ -67,6 +67,7 @@ __all__ = [
     "PublicationAbandoned",
     "PublishError",
     "check_output_filename",
+    "chunk_file_gone",
     "in_daemon_thread",
     "is_remote",
     "shortened",
@@ -122,6 +123,11 @@ class PublishError(RuntimeError):
 class ChunkFileGone(FileNotFoundError):
     """A complete chunk's checkpoint file is gone (removed under a running proxy): its documents cannot be
     published, and retrying does not bring them back."""
+
+
+def chunk_file_gone(exc: BaseException) -> bool:
+    """Whether `exc` (a `PublishError` or what it wraps) says a chunk's checkpoint file is gone."""
+    return isinstance(exc, ChunkFileGone) or isinstance(exc.__cause__, ChunkFileGone)
 
 
 class PublicationAbandoned(RuntimeError):

@@ -601,8 +601,12 @@ async def test_a_chunk_whose_checkpoint_file_vanished_is_not_reported_complete(
     assert resume.status_code == 500  # not an outage: no retry brings the documents back
     assert "checkpoint file" in resume.json()["error"]["message"]
     assert "is gone" in resume.json()["error"]["message"]
-
     assert not (tmp_path / "ckpt" / "last_chunk" / "00005.txt").exists()
+    # Said once: the chunk is forgotten, as a restarted proxy would find it, and the job generates it again
+    # (it met this 500 at every resume for as long as the proxy kept the rank open).
+    resume = await client.get("/resume", headers={"X-Rank": "5"})
+    assert resume.status_code == 200
+    assert (resume.json()["last_chunk_index"], resume.json()["processed_ids"]) == (-1, [])
 
 
 async def test_a_rank_first_named_by_a_v1_request_still_resumes_from_the_output(tmp_path: Path) -> None:

@@ -435,3 +435,26 @@ async def test_a_full_checkpoints_disk_refusing_a_chunk_published_as_nothing_nam
         message = refused.json()["error"]["message"]
         assert f"recorded in the checkpoints dir {tmp_path / 'ckpt'} (its disk is full" in message
         assert "the output" not in message.split(":")[0]  # the output is not what to free space on
+
+
+async def test_a_complete_chunk_whose_checkpoint_file_is_gone_is_forgotten_so_a_restarted_job_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing_output(monkeypatch, times=1)
+    cm = manager(tmp_path / "ckpt", 2, retry_backoff_s=0)
+    with ChunkPublisher(str(tmp_path / "out"), str(tmp_path / "ckpt")) as writer:
+        await cm.write_document(document("a"), 0, 0, writer)
+        with pytest.raises(PublishError, match="Permission denied"):
+            await cm.write_document(document("b"), 0, 0, writer)
+        (tmp_path / "ckpt" / "00000" / "chunk_00000.jsonl").unlink()  # removed under the running proxy
+        with pytest.raises(PublishError, match="is gone"):
+            await cm.publish_pending(0)
+        # What a restarted proxy would find: no such chunk. The job generates its documents again,
+        # rather than meet the same 500 at every resume for as long as this proxy keeps the rank open.
+        await cm.publish_pending(0)
+        assert cm.resume_state() == (0, [])
+        assert (cm.waiting_chunks(), cm.publication_failure) == ([], None)
+        for doc_id in ("a", "b"):
+            assert (await cm.write_document(document(doc_id), 0, 0, writer)).written
+        assert cm.last_chunk_index == 0
+    assert os.listdir(tmp_path / "out") == ["00000_chunk_0.jsonl"]
