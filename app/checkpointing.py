@@ -52,7 +52,7 @@ from app.chunkfiles import CheckpointDurabilityError, ChunkFiles, FsyncPolicy
 from app.documents import Document, DocumentLike, OutputWriter, encode_document, is_removed
 from app.durable import atomic_write_bytes, fsync_dir, fsync_file
 from app.layout import META_FILENAME, CheckpointsLayout, RankPaths
-from app.publish import PublicationAbandoned, PublishError
+from app.publish import ChunkFileGone, PublicationAbandoned, PublishError, chunk_file_gone, in_daemon_thread
 from app.resume import (
     ChunkScan,
     RecordsPerChunkMismatch,
@@ -218,6 +218,7 @@ class CheckpointManager:
         self._retry_now = asyncio.Event()  # wakes the publisher from its backoff
         self._published = asyncio.Event()  # set (and replaced) as a chunk is published or a publication fails
         self._closing = False
+        self._gone: BaseException | None = None  # a chunk forgotten as its file was gone, not said yet
 
     # ----------------------------------------------------------------- writing
 
@@ -391,9 +392,11 @@ class CheckpointManager:
         while self._publication_due():
             try:
                 await self._attempt(rank)
-            except PublishError:
+            except PublishError as exc:
                 failure = self.publication_failure
-                assert failure is not None
+                if failure is None:  # a chunk whose file is gone, forgotten: the rest are tried at once
+                    self._gone = exc  # and the next `publish_pending` says it, once
+                    continue
                 if self._closing:
                     return  # not retried: the rank's next owner publishes it
                 self._retry_now.clear()
@@ -410,7 +413,9 @@ class CheckpointManager:
     async def publish_pending(self, rank: int) -> None:
         """Publish the complete chunks waiting now, retrying at once a publication that failed; raises
         `PublishError` if that fails (the background retries go on). An attempt under way answers for
-        this call too: its failure is raised rather than tried again at once."""
+        this call too: its failure is raised rather than tried again at once; so does one that failed
+        less than `retry_backoff_s` ago, so that a storm of requests is not a storm of uploads."""
+        self._say_gone()
         if not self._publication_due():
             return
         asked = time.monotonic()
@@ -418,21 +423,33 @@ class CheckpointManager:
             if self._publish_lock.locked():
                 async with self._publish_lock:
                     pass
+                self._say_gone()
                 failure = self.publication_failure
                 if failure is not None and failure.failed_at >= asked:
-                    raise failure.error
+                    raise failure.error.with_traceback(None)  # else each raise adds its frames to it
                 if not self._publication_due():
                     return
+            failure = self.publication_failure
+            if failure is not None and asked - failure.failed_at < self.retry_backoff_s:
+                raise failure.error.with_traceback(None)
             await asyncio.shield(self._attempt(rank))
         finally:
             if self.publish_in_background and self._publication_due():
                 self._start_publisher(rank)
+
+    def _say_gone(self) -> None:
+        """Raise, once, the error of a chunk forgotten since its file was found gone: the job hears of it."""
+        gone, self._gone = self._gone, None
+        if gone is not None:
+            raise gone.with_traceback(None)
 
     async def _attempt(self, rank: int) -> None:
         """One round of `_publish_ready`, keeping `publication_failure` up to date."""
         try:
             await self._publish_ready(rank)
         except PublishError as exc:
+            if chunk_file_gone(exc):
+                raise  # no outage to retry: the chunk is forgotten (`_forget_chunk`)
             previous = self.publication_failure
             attempts = previous.attempts + 1 if previous is not None else 1
             delay = min(self.retry_backoff_s * 2 ** (attempts - 1), self.max_retry_backoff_s)
@@ -513,16 +530,39 @@ class CheckpointManager:
                 if output is not None:
                     writer, name = output
                     close_async = getattr(writer, "close_file_async", None)  # a slow close, off the event loop
-                    if close_async is not None:
-                        await close_async(name)
-                    else:
-                        writer.close_file(name)
+                    try:
+                        if close_async is not None:
+                            await close_async(name)
+                        else:
+                            writer.close_file(name)
+                    except (ChunkFileGone, PublishError) as exc:
+                        if chunk_file_gone(exc):
+                            self._forget_chunk(rank, chunk_index)
+                        raise
                     del self._outputs[chunk_index]
                 self._fault("output_closed")
                 self._ready.discard(chunk_index)
                 self.new_completed_chunks.add(chunk_index)
                 self._signal_published()
         await self.update_last_chunk_index(rank)
+
+    def _forget_chunk(self, rank: int, chunk_index: int) -> None:
+        """A complete chunk whose checkpoint file is gone (removed under the running proxy): forget it, as a
+        restarted proxy would find it, so that the job generates its documents again (they are no longer
+        among the processed ids) instead of meeting the same error at every resume."""
+        logger.error(
+            "rank %d's chunk %d cannot be published: its checkpoint file is gone; its %d documents are "
+            "forgotten, and the job generates them again once restarted",
+            rank,
+            chunk_index,
+            self.per_chunk_counts[chunk_index],
+        )
+        self._ready.discard(chunk_index)
+        self._outputs.pop(chunk_index, None)
+        self.per_chunk_counts.pop(chunk_index, None)
+        self._chunk_ids.pop(chunk_index, None)
+        self._warned_duplicates.discard(chunk_index)
+        self._chunk_files.remove(chunk_index, self._paths(rank).chunk_file(chunk_index))
 
     # ---------------------------------------------------------------- resuming
 
@@ -561,7 +601,7 @@ class CheckpointManager:
             clean = getattr(output_writer_context, "remove_stale_temporaries", None)
             if clean is not None and (chunks or self.last_chunk_index >= 0):  # a new rank published nothing
                 try:
-                    await asyncio.to_thread(clean, rank)
+                    await in_daemon_thread(lambda: clean(rank), f"clean output {rank}")  # never joined at exit
                 except OSError as exc:  # left for the next restore; the publications do not need it
                     logger.warning("could not look for temporary files of rank %d in the output: %s", rank, exc)
             for chunk_index, path, scan in chunks:

@@ -67,7 +67,10 @@ __all__ = [
     "PublicationAbandoned",
     "PublishError",
     "check_output_filename",
+    "chunk_file_gone",
+    "in_daemon_thread",
     "is_remote",
+    "shortened",
 ]
 from app.output_check import S3_PROTOCOLS, install_hint, protocols, redact_url, scrub
 
@@ -77,6 +80,18 @@ _ALLOWED_FIELDS = frozenset({"rank", "chunk_index"})
 # S3 takes up to 5 GiB in one PutObject; s3fs switches to a multipart upload
 # at twice its chunksize (100 MiB by default): raise it so a chunk is one PUT.
 _S3_SINGLE_PUT = {"chunksize": 5 * 2**30}
+
+
+#: An output's error is shown (in a 503, `/stats`, the page, `status`, the log) up to this many characters:
+#: an object store or a gateway before it may answer with a page of HTML, or a megabyte of anything.
+REASON_CHARS = 1000
+
+
+def shortened(reason: str) -> str:
+    """`reason` cut to `REASON_CHARS`, saying how much was left out."""
+    if len(reason) <= REASON_CHARS:
+        return reason
+    return f"{reason[:REASON_CHARS]}… ({len(reason) - REASON_CHARS} characters more)"
 
 
 def check_output_filename(template: str) -> Template:
@@ -108,6 +123,11 @@ class PublishError(RuntimeError):
 class ChunkFileGone(FileNotFoundError):
     """A complete chunk's checkpoint file is gone (removed under a running proxy): its documents cannot be
     published, and retrying does not bring them back."""
+
+
+def chunk_file_gone(exc: BaseException) -> bool:
+    """Whether `exc` (a `PublishError` or what it wraps) says a chunk's checkpoint file is gone."""
+    return isinstance(exc, ChunkFileGone) or isinstance(exc.__cause__, ChunkFileGone)
 
 
 class PublicationAbandoned(RuntimeError):
@@ -201,10 +221,10 @@ class ChunkPublisher:
         abandon = self._abandon.setdefault(original_name, threading.Event())
         try:
             await in_daemon_thread(lambda: self._publish(original_name, abandon), f"publish {original_name}")
-        except PublicationAbandoned:
+        except (PublicationAbandoned, PublishError):
             raise
         except Exception as exc:
-            reason = scrub(str(exc), self.output)
+            reason = shortened(scrub(str(exc), self.output))
             rank, chunk_index = self._chunks.get(original_name, (-1, -1))
             # Whoever waits for it gets the error, but the operator reads the proxy's log.
             logger.error(
@@ -307,7 +327,15 @@ class ChunkPublisher:
             empty = self.empty_chunks(rank)
             if chunk_index not in empty:
                 lines = "".join(f"{chunk}\n" for chunk in sorted({*empty, chunk_index}))
-                atomic_write_bytes(paths.empty_chunks_file, lines.encode(), check=check)
+                try:
+                    atomic_write_bytes(paths.empty_chunks_file, lines.encode(), check=check)
+                except OSError as exc:  # the checkpoints disk refused it, not the output: name that one
+                    logger.error("recording chunk %d of rank %d as published empty failed: %s", chunk_index, rank, exc)
+                    raise PublishError(
+                        f"recording chunk {chunk_index} (nothing in it to publish) in {paths.empty_chunks_file} "
+                        f"failed: {shortened(str(exc))}",
+                        where=self.layout.root,
+                    ) from exc
         elif self._fs is not None:
             check()
             self._fs.pipe_file(f"{self._root.rstrip('/')}/{name}", data, **self._put_options)

@@ -24,7 +24,7 @@ from app.limits import files_short_for_a_rank, open_files_limit, out_of_files
 from app.metrics import Metrics
 from app.output_check import redact_url, scrub
 from app.ownership import RankOwnership
-from app.publish import ChunkPublisher
+from app.publish import ChunkPublisher, in_daemon_thread, shortened
 from app.resume import check_records_per_chunk, docs_to_skip, read_last_chunk
 from app.settings import Settings
 from app.upstream import UpstreamPool
@@ -367,7 +367,9 @@ class CheckpointRegistry:
         paths = self.layout.rank(rank)
         if paths.has_checkpoints():
             return
-        last = await asyncio.to_thread(self.publisher.last_published_chunk, rank)
+        # In a daemon thread, as every look at the output: one stuck in a stalled mount or endpoint never
+        # keeps a stopping proxy from exiting (asyncio's own threads are joined at exit).
+        last = await in_daemon_thread(lambda: self.publisher.last_published_chunk(rank), f"list output {rank}")
         if last < 0:
             return
         logger.warning(
@@ -394,11 +396,11 @@ class CheckpointRegistry:
         """
         last = read_last_chunk(self.layout.rank(rank).last_chunk_file)
         try:
-            missing = await asyncio.to_thread(self.publisher.missing_chunks, rank, last)
+            missing = await in_daemon_thread(lambda: self.publisher.missing_chunks(rank, last), f"list output {rank}")
         except Exception as exc:  # OSError, or an object store's own errors
             raise OutputUnavailable(
                 f"the output {redact_url(self.settings.output)} cannot be read to check rank {rank}'s published "
-                f"chunks: {scrub(str(exc), self.settings.output)}",
+                f"chunks: {shortened(scrub(str(exc), self.settings.output))}",
                 retry_after_s=5.0,
             ) from exc
         if missing:
@@ -410,6 +412,21 @@ class CheckpointRegistry:
             raise lost
         self.lost.pop(rank, None)
         return last
+
+    async def check_open_output(self, rank: int) -> None:
+        """`check_output` for a rank this proxy has open (`GET /resume` of a job restarted meanwhile). A rank
+        found to have lost chunks is closed, its lock kept: every request naming it then reopens it, meeting
+        the check again, and reads the `last_chunk` an operator rewrote to have them generated again."""
+        try:
+            await self.check_output(rank)
+        except OutputLost:
+            async with self._opening.hold(rank):
+                manager = self._managers.get(rank)
+                if manager is not None and not manager.busy():
+                    del self._managers[rank]
+                    if not await manager.close(grace_s=self.settings.shutdown_grace_s):
+                        self.ownership.keep_until_exit(rank)
+            raise
 
     async def complete(self, rank: int, chunk_index: int) -> CheckpointManager:
         manager = await self.get(rank)

@@ -7,6 +7,7 @@ import asyncio
 import errno
 import os
 import threading
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from app.client import ProxyJob
 from app.durable import atomic_write_bytes, temporary_target
 from app.publish import ChunkPublisher, PublicationAbandoned, PublishError
 from app.settings import Settings
+from app.status import render
 from tests.factories import document, manager
 from tests.servers import proxy_client, serve_proxy
 
@@ -372,3 +374,143 @@ async def test_a_restore_removes_the_temporary_files_a_killed_publication_left(t
         assert (await client.get("/resume")).status_code == 200
     # Rank 0's are gone; another rank's (its own owner's business) and other files are left alone.
     assert sorted(os.listdir(tmp_path / "out")) == [".00001_chunk_0.jsonl.0123456789ab.tmp", "notes.txt"]
+
+
+async def test_a_resume_of_an_open_rank_refuses_chunks_the_output_lost_meanwhile(tmp_path: Path) -> None:
+    async with proxy_client(config(tmp_path)) as client:
+        for chunk in range(2):
+            assert (await post(client, chunk, docs(3 * chunk, 3))).status_code == 200
+        assert (await client.get("/resume")).json()["last_chunk_index"] == 1
+        # Pruned while the proxy still has the rank open (a job restarted within rank_idle_s).
+        (tmp_path / "out" / "00000_chunk_0.jsonl").unlink()
+        refused = await client.get("/resume")
+        assert refused.status_code == 409
+        assert refused.json()["error"]["type"] == "output_lost_error"
+        assert "chunks [0]" in refused.json()["error"]["message"]
+        assert (await post(client, 2, docs(6, 1))).status_code == 409  # no write goes on past the hole
+        # The way out the message gives, with the proxy still running: what it says is read again.
+        (tmp_path / "ckpt" / "last_chunk" / "00000.txt").write_text("-1")
+        resume = (await client.get("/resume")).json()
+        assert (resume["last_chunk_index"], resume["docs_to_skip"]) == (-1, 0)
+        for chunk in range(2):
+            assert (await post(client, chunk, docs(3 * chunk, 3))).status_code == 200
+        assert (await client.get("/resume")).json()["last_chunk_index"] == 1
+    assert sorted(os.listdir(tmp_path / "out")) == ["00000_chunk_0.jsonl", "00000_chunk_1.jsonl"]
+
+
+async def test_a_storm_of_resumes_during_an_outage_is_not_a_storm_of_uploads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = failing_output(monkeypatch, times=1000)
+    cm = manager(tmp_path / "ckpt", 2, publish_in_background=True, retry_backoff_s=30)
+    with ChunkPublisher(str(tmp_path / "out"), str(tmp_path / "ckpt")) as writer:
+        for doc_id in ("a", "b"):
+            await cm.write_document(document(doc_id), 0, 0, writer)
+        for _ in range(50):  # GET /resume or POST /chunks/{i}/complete, again and again
+            with pytest.raises(PublishError, match="Permission denied"):
+                await cm.publish_pending(0)
+        # The background's first attempt and at most one asked for: the rest get the last attempt's error.
+        assert len(calls) <= 2
+        failure = cm.publication_failure
+        assert failure is not None
+        assert len(list(traceback.walk_tb(failure.error.__traceback__))) < 20  # not one frame per refusal
+        assert await cm.close(grace_s=5)
+
+
+async def test_a_huge_hostile_output_error_is_shown_cut_and_harmless(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a misbehaving object store or gateway may answer: markup, escape sequences, a megabyte of it.
+    hostile = "\x1b[2J\x1b]0;owned\x07<script>alert(1)</script>\r\nforged line " + "x" * 1_000_000
+
+    def refusing(path: str, data: bytes, **options: Any) -> None:
+        raise OSError(errno.EIO, hostile)
+
+    monkeypatch.setattr(app.publish, "atomic_write_bytes", refusing)
+    async with proxy_client(config(tmp_path)) as client:
+        assert (await post(client, 0, docs(0, 3))).status_code == 200
+        refused = await client.get("/resume")
+        assert refused.status_code == 503
+        assert len(refused.json()["error"]["message"]) < 4000
+        assert "characters more" in refused.json()["error"]["message"]
+        stats = (await client.get("/stats")).json()
+        error = next(r for r in stats["ranks"] if r["rank"] == 0)["publication_error"]
+        assert error.startswith("publishing 00000_chunk_0.jsonl failed: [Errno 5] \x1b[2J")  # what was there
+        assert len(error) < 2000
+        lines = render(stats, "http://proxy")
+        assert not any("\x1b" in line or "\r" in line or "\x07" in line for line in lines)
+        assert sum("forged line" in line for line in lines) == 1  # on the rank's own line, not a line of its own
+        assert max(len(line) for line in lines) < 2000
+
+
+async def test_a_stalled_output_listing_never_keeps_a_stopping_proxy_from_exiting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A hard NFS mount gone quiet, an endpoint that never answers: the look at the output hangs for good.
+    # asyncio joins its own worker threads when the loop closes (and the interpreter at exit): SIGTERM hung.
+    hung: list[threading.Thread] = []
+    forever = threading.Event()
+
+    def stalled(publisher: ChunkPublisher, *args: Any) -> Any:
+        hung.append(threading.current_thread())
+        forever.wait()
+
+    for look in ("missing_chunks", "last_published_chunk", "remove_stale_temporaries"):
+        monkeypatch.setattr(ChunkPublisher, look, stalled)
+    (tmp_path / "ckpt" / "00001").mkdir(parents=True)
+    (tmp_path / "ckpt" / "00001" / "chunk_00000.jsonl").write_bytes(b'{"id": "a", "text": "t"}\n')
+    (tmp_path / "ckpt" / "last_chunk").mkdir()
+    (tmp_path / "ckpt" / "last_chunk" / "00002.txt").write_text("0")
+    try:
+        async with proxy_client(config(tmp_path, shutdown_grace_s=0.1)) as client:
+            for rank in (0, 1, 2):  # a new rank (its output looked up), one restored, one checked
+                with pytest.raises(httpx.TimeoutException):
+                    await client.get("/resume", headers={"X-Rank": str(rank)}, timeout=0.5)
+        assert hung
+        assert all(thread.daemon for thread in hung)
+    finally:
+        forever.set()
+
+
+async def test_a_full_checkpoints_disk_refusing_a_chunk_published_as_nothing_names_that_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = app.publish.atomic_write_bytes
+
+    def full_checkpoints_disk(path: str, data: bytes, **options: Any) -> None:
+        if path.startswith(str(tmp_path / "ckpt")):  # empty_chunks/<rank>.txt: the output is fine
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        real(path, data, **options)
+
+    monkeypatch.setattr(app.publish, "atomic_write_bytes", full_checkpoints_disk)
+    removed = {"__no_rollouts_remove": True}
+    async with proxy_client(config(tmp_path, records_per_chunk=1)) as client:
+        assert (await post(client, 0, {"id": "gone", "text": "t", "metadata": removed})).status_code == 200
+        refused = await client.get("/resume")
+        assert refused.status_code == 503
+        message = refused.json()["error"]["message"]
+        assert f"recorded in the checkpoints dir {tmp_path / 'ckpt'} (its disk is full" in message
+        assert "the output" not in message.split(":")[0]  # the output is not what to free space on
+
+
+async def test_a_complete_chunk_whose_checkpoint_file_is_gone_is_forgotten_so_a_restarted_job_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    failing_output(monkeypatch, times=1)
+    cm = manager(tmp_path / "ckpt", 2, retry_backoff_s=0)
+    with ChunkPublisher(str(tmp_path / "out"), str(tmp_path / "ckpt")) as writer:
+        await cm.write_document(document("a"), 0, 0, writer)
+        with pytest.raises(PublishError, match="Permission denied"):
+            await cm.write_document(document("b"), 0, 0, writer)
+        (tmp_path / "ckpt" / "00000" / "chunk_00000.jsonl").unlink()  # removed under the running proxy
+        with pytest.raises(PublishError, match="is gone"):
+            await cm.publish_pending(0)
+        # What a restarted proxy would find: no such chunk. The job generates its documents again,
+        # rather than meet the same 500 at every resume for as long as this proxy keeps the rank open.
+        await cm.publish_pending(0)
+        assert cm.resume_state() == (0, [])
+        assert (cm.waiting_chunks(), cm.publication_failure) == ([], None)
+        for doc_id in ("a", "b"):
+            assert (await cm.write_document(document(doc_id), 0, 0, writer)).written
+        assert cm.last_chunk_index == 0
+    assert os.listdir(tmp_path / "out") == ["00000_chunk_0.jsonl"]

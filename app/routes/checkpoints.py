@@ -156,8 +156,8 @@ def publication_error(exc: PublishError, services: Services, rank: int, stored: 
     with `Retry-After`, naming the disk or output that refused them and its error (full, refusing,
     stalled: the job client retries it); 500 if a chunk's checkpoint file is gone (no retry helps)."""
     cause = exc.__cause__
-    if isinstance(cause, ChunkFileGone):
-        return ProxyError(f"{exc}; {stored}")
+    if isinstance(cause, ChunkFileGone):  # the chunk is forgotten: a retry is answered, not this again
+        return ProxyError(str(exc))
     manager = services.checkpoints.opened(rank)
     failure = manager.publication_failure if manager is not None else None
     full = is_disk_full(cause)
@@ -267,6 +267,8 @@ async def get_resume(services: Services, scope: Scope, receive: Receive) -> dict
             raise publication_error(
                 exc, services, rank, "this answer is given once they are (the job client retries it)"
             ) from exc
+        # Chunks published may have gone from the output since the rank was opened.
+        await registry.check_open_output(rank)
         records_per_chunk, last = manager.records_per_chunk, manager.last_chunk_index
         skip, processed = manager.resume_state()
         services.note_progress(rank, manager)
