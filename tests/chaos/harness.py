@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -604,6 +604,14 @@ class Run:
             assert not self.jobs_done(), f"the jobs ended before {what}"
             assert time.monotonic() < deadline, f"no {what} in {READY_S * 2} s:\n{self.proxy.log_tail()}"
             await asyncio.sleep(0.005)
+
+    async def until_async(self, condition: Callable[[], Awaitable[bool]], what: str, interval: float = 0.02) -> None:
+        """`until`, for a condition that must be awaited (asking a server)."""
+        deadline = time.monotonic() + READY_S * 2
+        while not await condition():
+            assert not self.jobs_done(), f"the jobs ended before {what}"
+            assert time.monotonic() < deadline, f"no {what} in {READY_S * 2} s:\n{self.proxy.log_tail()}"
+            await asyncio.sleep(interval)
 
     async def jobs_finished(self) -> None:
         assert self._jobs is not None
