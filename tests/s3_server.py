@@ -6,11 +6,14 @@ moto (in server mode) keeps buckets and objects in memory and answers the S3
 API as AWS does. In front of it, a WSGI layer records every request (method,
 path, query) so a test can count the PUTs each key received and see that no
 multipart upload was started, and it can hold object PUTs before moto reads
-their body, so that a test can kill the uploader with its upload in flight:
+their body, so that a test can kill the uploader with its upload in flight,
+or refuse them as S3 refuses a request its credentials do not allow:
 
     GET  /_test/requests   every S3 request so far: [{"method", "path", "query", "status"}]
     POST /_test/hold       from now on, object PUTs wait (before their body is read)
     POST /_test/release    let the waiting PUTs (and later ones) through
+    POST /_test/deny       from now on, object PUTs get 403 AccessDenied (S3's XML error; nothing stored)
+    POST /_test/allow      object PUTs go to moto again
 
 Bucket names cannot start with `_`, so `/_test/` never shadows one.
 """
@@ -28,6 +31,12 @@ from werkzeug.serving import run_simple
 
 StartResponse = Callable[..., Any]
 
+ACCESS_DENIED = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n'
+    b"<Error><Code>AccessDenied</Code><Message>Access Denied</Message>"
+    b"<RequestId>TESTDENIED0000</RequestId><HostId>test</HostId></Error>"
+)
+
 
 class Recorder:
     def __init__(self, app: Any) -> None:
@@ -36,6 +45,7 @@ class Recorder:
         self.lock = threading.Lock()
         self.open = threading.Event()
         self.open.set()
+        self.denied = threading.Event()
 
     def __call__(self, environ: dict[str, Any], start_response: StartResponse) -> Iterable[bytes]:
         method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
@@ -47,6 +57,15 @@ class Recorder:
             self.requests.append(entry)
         if method == "PUT":
             self.open.wait()  # only uploads are held: listings and reads go on
+        if method == "PUT" and self.denied.is_set() and path.strip("/").count("/") >= 1:  # an object's, not a bucket's
+            length = int(environ.get("CONTENT_LENGTH") or 0)
+            if length:
+                environ["wsgi.input"].read(length)  # read, so that the connection can be used again
+            entry["status"] = 403
+            start_response(
+                "403 Forbidden", [("Content-Type", "application/xml"), ("Content-Length", str(len(ACCESS_DENIED)))]
+            )
+            return [ACCESS_DENIED]
 
         def recording_start_response(status: str, headers: Any, *args: Any) -> Any:
             entry["status"] = int(status.split()[0])
@@ -69,6 +88,12 @@ class Recorder:
             body = b"{}"
         elif method == "POST" and path == "/_test/release":
             self.open.set()
+            body = b"{}"
+        elif method == "POST" and path == "/_test/deny":
+            self.denied.set()
+            body = b"{}"
+        elif method == "POST" and path == "/_test/allow":
+            self.denied.clear()
             body = b"{}"
         else:
             start_response("404 Not Found", [("Content-Type", "text/plain")])

@@ -1,6 +1,9 @@
 """The chaos suite's moving parts: `inferproxy serve` as a process killed and restarted at will
 (`ProxyProcess`), job-like clients of one rank each that record everything they are told in a `Ledger`
 (`RankJob`), and the steps every scenario shares: what to check when the proxy dies, and how a run ends.
+
+For a run on several proxies (a rank handed from one to another), the jobs talk to a `Forwarder`: one
+address whose new connections go to the proxy of the moment (`Run.hand_over`).
 """
 
 from __future__ import annotations
@@ -14,10 +17,11 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 
@@ -60,6 +64,8 @@ class Process:
         self.health = health
         self.proc: subprocess.Popen[bytes] | None = None
         self.lives = 0
+        #: Set in its environment besides this process's own.
+        self.env: dict[str, str] = {}
 
     def command(self) -> list[str]:
         """What `python -m` runs."""
@@ -70,7 +76,11 @@ class Process:
             log.write(f"--- life {self.lives}: {' '.join(self.command())}\n".encode())
             log.flush()
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", *self.command()], cwd=REPO, stdout=subprocess.DEVNULL, stderr=log
+                [sys.executable, "-m", *self.command()],
+                cwd=REPO,
+                stdout=subprocess.DEVNULL,
+                stderr=log,
+                env={**os.environ, **self.env},
             )
         self.lives += 1
 
@@ -102,9 +112,26 @@ class Process:
 
     def stop(self) -> int:
         """SIGTERM; returns the exit status."""
+        self.terminate()
+        assert self.proc is not None
+        return self.proc.wait(timeout=60)
+
+    def terminate(self) -> None:
+        """SIGTERM, without waiting for it to exit (see `exited`)."""
         assert self.proc is not None
         self.proc.send_signal(signal.SIGTERM)
-        return self.proc.wait(timeout=60)
+
+    async def exited(self) -> int:
+        """Its exit status, once it has exited (the event loop runs meanwhile)."""
+        assert self.proc is not None
+        deadline = time.monotonic() + READY_S
+        while self.proc.poll() is None:
+            assert time.monotonic() < deadline, f"{self.url} did not exit in {READY_S} s:\n{self.log_tail()}"
+            await asyncio.sleep(0.02)
+        return self.proc.returncode
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -139,10 +166,15 @@ class ProxyProcess(Process):
         upstreams: Sequence[str],
         *extra: str,
         checkpoints: Path | None = None,
-        output: Path | None = None,
+        output: Path | str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
+        """`output` a local folder, or an `s3://bucket/prefix` URL (then `env` says where the store is and
+        the keys: `AWS_ENDPOINT_URL_S3`, `AWS_ACCESS_KEY_ID`, ...)."""
         self.checkpoints = checkpoints or data / "checkpoints"
-        self.output = output or data / "output"
+        self.output: Path | str = output or data / "output"
+        self.data = data
+        self.snapshots = 0
         args, port = start_proxy(upstreams[0], data, *(f"--upstream={url}" for url in upstreams[1:]), *extra)
         self.args = [
             *(arg for arg in args if not arg.startswith(("--checkpoints-dir=", "--output="))),
@@ -150,6 +182,7 @@ class ProxyProcess(Process):
             f"--output={self.output}",
         ]
         super().__init__(data / "proxy.log", port, "/healthz")
+        self.env = dict(env or {})
         self.fault = "none"
         self.fault_log = data / "faults.jsonl"
         self.io_switch = Path(f"{self.fault_log}.io")
@@ -193,6 +226,20 @@ class ProxyProcess(Process):
         Path(f"{self.fault_log}.slept").unlink(missing_ok=True)
         Path(f"{self.fault_log}.slow").write_text(f"{seconds} {where}")
 
+    def fast_io(self) -> None:
+        """`slow_io` no more (an `os.open` sleeping now sleeps on)."""
+        Path(f"{self.fault_log}.slow").unlink(missing_ok=True)
+
+    def output_at_rest(self) -> Path:
+        """The output as a local folder, for the at-rest checks: the folder itself, or for an object store
+        a snapshot of every object under the prefix (a fresh folder each time, named by the key past it)."""
+        if isinstance(self.output, Path):
+            return self.output
+        self.snapshots += 1
+        into = self.data / f"output-snapshot-{self.snapshots}"
+        snapshot_s3(self.output, self.env, into)
+        return into
+
     def slowed(self) -> bool:
         """Whether an `os.open` under `slow_io`'s folder has begun (and is sleeping, or has slept)."""
         return Path(f"{self.fault_log}.slowed").exists()
@@ -202,8 +249,120 @@ class ProxyProcess(Process):
         return Path(f"{self.fault_log}.slept").exists()
 
 
+def snapshot_s3(url: str, env: dict[str, str], into: Path) -> None:
+    """Download every object under `url` (`s3://bucket/prefix`) into `into`, by its key past the prefix."""
+    import boto3  # only the object-store scenarios need it
+
+    parts = urlsplit(url)
+    bucket, prefix = parts.netloc, parts.path.strip("/")
+    client = boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL_S3"],
+        aws_access_key_id=env["AWS_ACCESS_KEY_ID"],
+        aws_secret_access_key=env["AWS_SECRET_ACCESS_KEY"],
+        region_name=env.get("AWS_DEFAULT_REGION", "us-east-1"),
+    )
+    try:
+        into.mkdir(parents=True)
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=f"{prefix}/"):
+            for listed in page.get("Contents", []):
+                path = into / listed["Key"].removeprefix(f"{prefix}/")
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_bytes(client.get_object(Bucket=bucket, Key=listed["Key"])["Body"].read())
+    finally:
+        client.close()
+
+
+class Forwarder:
+    """A stable front address (`url`) for the jobs: each new connection is piped to the backend port of
+    the moment, which `switch` changes; connections already open go on to the one they were made to
+    (until it closes them, as a stopping proxy does after its answers)."""
+
+    def __init__(self, backend_port: int) -> None:
+        self.backend_port = backend_port
+        self.connections: Counter[int] = Counter()  # per backend port, for the scenario's report
+        self._server: asyncio.Server | None = None
+        self._pipes: set[asyncio.Task[None]] = set()
+        self.port = 0
+        self.url = ""
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._accepted, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def switch(self, backend_port: int) -> None:
+        self.backend_port = backend_port
+
+    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._pipes.add(task)
+        port = self.backend_port
+        try:
+            try:
+                backend_reader, backend_writer = await asyncio.open_connection("127.0.0.1", port)
+            except OSError:  # the backend is down: the client sees its connection closed, as it would
+                writer.transport.abort()
+                return
+            self.connections[port] += 1
+            to_backend = asyncio.create_task(self._pipe(reader, backend_writer))
+            # The backend is done with this connection (closed, or killed): so is the client's.
+            cut = await self._pipe(backend_reader, writer)
+            to_backend.cancel()
+            await asyncio.gather(to_backend, return_exceptions=True)
+            for side in (writer, backend_writer):
+                if cut:
+                    side.transport.abort()
+                else:
+                    side.close()
+        finally:
+            self._pipes.discard(task)
+
+    @staticmethod
+    async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> bool:
+        """Copy until end of file (then half-close the sink); True if a side broke instead."""
+        try:
+            while data := await source.read(1 << 16):
+                sink.write(data)
+                await sink.drain()
+            if sink.can_write_eof():
+                sink.write_eof()
+            return False
+        except OSError:
+            return True
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for task in list(self._pipes):
+            task.cancel()
+        await asyncio.gather(*self._pipes, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
 class ProxyDied(Exception):
     """The connection to the proxy broke: it was killed under the job."""
+
+
+#: How long a rollout waits for a rank another proxy still owns, or for a proxy answering 503 (as
+#: `ProxyJob`'s `owned_wait_s` does for the checkpoint calls): readiness only, never a check of speed.
+REFUSED_WAIT_S = 180.0
+
+
+def retry_after_refusal(answer: Answer) -> float | None:
+    """How long to wait before sending a rollout again that was refused for now, or None if it was not:
+    409 `rank_owned_error` (another live proxy still owns the rank: it gives it up when it stops), or
+    503 (after its `Retry-After`). Nothing else is retried: every other answer is the scenario's to check."""
+    if answer.status == 503:
+        retry_after = dict(answer.headers).get(b"retry-after", b"")
+        return min(float(retry_after), 5.0) if retry_after.isdigit() else 0.5
+    if answer.status == 409 and answer.data is not None:
+        with contextlib.suppress(orjson.JSONDecodeError, AttributeError, TypeError):
+            if orjson.loads(answer.data)["error"]["type"] == "rank_owned_error":
+                return 0.1
+    return None
 
 
 #: Per rank: documents in flight, rollouts per document (odd ones streamed), and the delay between
@@ -351,9 +510,16 @@ class RankJob:
         path, body = rollout_request(doc_id, rollout_idx, position)
         chunk = position // self.ledger.records_per_chunk
         raw = orjson.dumps(body)
-        answer = await self._call(
-            lambda: ask(client, self.ledger, self.url, self.rank, doc_id, rollout_idx, path, raw, chunk)
-        )
+        deadline = time.monotonic() + REFUSED_WAIT_S
+        while True:
+            answer = await self._call(
+                lambda: ask(client, self.ledger, self.url, self.rank, doc_id, rollout_idx, path, raw, chunk)
+            )
+            pause = retry_after_refusal(answer)
+            if pause is None or time.monotonic() + pause > deadline:
+                break
+            self.refusals[answer.status] += 1  # sent again, as a job would once the rank is free
+            await asyncio.sleep(pause)
         assert answer.status == 200, f"{doc_id} rollout {rollout_idx}: {answer}"
         assert answer.data is not None
         return answer.data[-40:].decode("utf-8", "replace")
@@ -395,20 +561,31 @@ async def watch_resume(url: str, ledger: Ledger, rank: int, stop: asyncio.Event)
 
 @dataclass
 class Run:
-    """One scenario's run: the proxy, the ledger, the ranks' jobs and what was found wrong so far."""
+    """One scenario's run: the proxy, the ledger, the ranks' jobs and what was found wrong so far.
+
+    With `standby` proxies (on the same checkpoints and output) and a `front` the jobs talk to, the run
+    can hand the ranks from `proxy` to a standby one (`hand_over`)."""
 
     proxy: ProxyProcess
     ledger: Ledger
     jobs: list[RankJob]
     problems: list[str] = field(default_factory=list)
+    standby: list[ProxyProcess] = field(default_factory=list)
+    front: Forwarder | None = None
+    #: Per hand-over: whether the SIGTERM landed while a publication was slowed (under way).
+    handovers: list[bool] = field(default_factory=list)
     _stop_watching: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _jobs: asyncio.Future[list[None]] | None = None
 
+    @property
+    def url(self) -> str:
+        """Where the jobs send their requests."""
+        return self.front.url if self.front is not None else self.proxy.url
+
     def start_jobs(self) -> None:
         self._tasks = [
-            asyncio.create_task(watch_resume(self.proxy.url, self.ledger, job.rank, self._stop_watching))
-            for job in self.jobs
+            asyncio.create_task(watch_resume(self.url, self.ledger, job.rank, self._stop_watching)) for job in self.jobs
         ]
         self._jobs = asyncio.gather(*(job.run() for job in self.jobs))
 
@@ -428,6 +605,14 @@ class Run:
             assert time.monotonic() < deadline, f"no {what} in {READY_S * 2} s:\n{self.proxy.log_tail()}"
             await asyncio.sleep(0.005)
 
+    async def until_async(self, condition: Callable[[], Awaitable[bool]], what: str, interval: float = 0.02) -> None:
+        """`until`, for a condition that must be awaited (asking a server)."""
+        deadline = time.monotonic() + READY_S * 2
+        while not await condition():
+            assert not self.jobs_done(), f"the jobs ended before {what}"
+            assert time.monotonic() < deadline, f"no {what} in {READY_S * 2} s:\n{self.proxy.log_tail()}"
+            await asyncio.sleep(interval)
+
     async def jobs_finished(self) -> None:
         assert self._jobs is not None
         await self._jobs
@@ -438,8 +623,43 @@ class Run:
         for rank in self.ledger.inputs:
             now = time.monotonic()
             self.ledger.observe(rank, read_last_chunk(self.proxy.checkpoints, rank), now, now, "the last_chunk file")
-        found = check_at_rest(self.ledger, self.proxy.checkpoints, self.proxy.output)
-        self.problems += [f"after death {len(self.ledger.deaths)}: {problem}" for problem in found]
+        self.at_rest(f"after death {len(self.ledger.deaths)}")
+
+    def at_rest(self, when: str) -> None:
+        """What must hold on disk while no proxy runs."""
+        running = [proxy.url for proxy in (self.proxy, *self.standby) if proxy.running()]
+        assert not running, f"{when}: the at-rest checks need every proxy stopped, {running} runs"
+        found = check_at_rest(self.ledger, self.proxy.checkpoints, self.proxy.output_at_rest())
+        self.problems += [f"{when}: {problem}" for problem in found]
+
+    async def hand_over(self, slow_s: float, *, kill_the_new_one: bool = False) -> None:
+        """SIGTERM the proxy in the middle of a publication and send the jobs to a standby one at once.
+
+        The proxy's output is slowed (`slow_s` per open) until a publication is under way; then SIGTERM,
+        and the front's new connections go to the standby proxy, which takes each rank over once the old
+        one gives it up (409 `rank_owned_error` till then, which the jobs retry). The old one must exit 0.
+        With `kill_the_new_one`, the new one is SIGKILLed as soon as the old one has exited (no proxy
+        running: the at-rest checks), and restarted. The old one is then restarted as a standby.
+        """
+        assert self.front is not None, "a hand-over needs a front"
+        assert self.standby, "a hand-over needs a standby proxy"
+        old, new = self.proxy, self.standby.pop(0)
+        assert isinstance(old.output, Path), "slow_io slows a local output"
+        old.slow_io(slow_s, old.output)
+        await self.until(old.slowed, "a publication under way on the slowed output")
+        self.handovers.append(old.slowed() and not old.slept())
+        old.terminate()
+        self.front.switch(new.port)
+        self.proxy = new
+        status = await old.exited()
+        old.fast_io()
+        assert status == 0, f"SIGTERM mid-publication did not exit 0 but {status}:\n{old.log_tail()}"
+        if kill_the_new_one:
+            self.died(new.kill())
+            await self.restart()
+        old.start()
+        await old.ready()
+        self.standby.append(old)
 
     async def restart(self) -> None:
         self.proxy.start()
@@ -460,6 +680,9 @@ class Run:
         await self.jobs_finished()
         self._stop_watching.set()
         await asyncio.gather(*self._tasks)
+        for standby in self.standby:  # idle: the jobs talk to `proxy` only
+            standby.terminate()
+            assert await standby.exited() == 0, f"SIGTERM did not exit 0:\n{standby.log_tail()}"
         await asyncio.sleep(self.ledger.replay_window_s)
         await self.kill_and_restart()
         replayed = 0
@@ -484,7 +707,8 @@ class Run:
                 await resume_of(proxy_job, self.ledger, job.rank)
         assert replayed, "nothing was left to replay: the last chunks should have stayed open"
         assert self.proxy.stop() == 0, f"SIGTERM did not exit 0:\n{self.proxy.log_tail()}"
-        self.problems += check_at_rest(self.ledger, self.proxy.checkpoints, self.proxy.output, finished=True)
+        output = self.proxy.output_at_rest()
+        self.problems += check_at_rest(self.ledger, self.proxy.checkpoints, output, finished=True)
         assert_invariants(self.ledger, self.problems)
 
     async def close(self) -> None:
@@ -494,19 +718,31 @@ class Run:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        self.proxy.close()
+        for proxy in (self.proxy, *self.standby):
+            proxy.close()
+        if self.front is not None:
+            await self.front.close()
 
 
 @contextlib.asynccontextmanager
 async def chaos_run(
-    proxy: ProxyProcess, ledger: Ledger, jobs: list[RankJob], fault: str = "none"
+    proxy: ProxyProcess,
+    ledger: Ledger,
+    jobs: list[RankJob],
+    fault: str = "none",
+    *,
+    standby: Sequence[ProxyProcess] = (),
+    front: Forwarder | None = None,
 ) -> AsyncIterator[Run]:
     """A `Run` with the proxy started (with `fault`, see `faulty_serve`) and the jobs running; everything
-    stopped at the end."""
-    run = Run(proxy, ledger, jobs)
+    stopped at the end. `standby` proxies are started too (and `front` pointed at `proxy`), for `hand_over`."""
+    run = Run(proxy, ledger, jobs, standby=list(standby), front=front)
     try:
-        proxy.start(fault)
-        await proxy.ready()
+        if front is not None:
+            front.switch(proxy.port)
+        for started in (proxy, *standby):
+            started.start(fault if started is proxy else "none")
+        await asyncio.gather(*(started.ready() for started in (proxy, *standby)))
         run.start_jobs()
         yield run
     finally:

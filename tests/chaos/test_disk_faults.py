@@ -46,14 +46,15 @@ def refused(run: Run, status: int) -> int:
     return sum(job.refusals[status] for job in run.jobs)
 
 
-async def until_publications_fail(run: Run, url: str, what: str) -> None:
-    """Wait until `/stats` says a rank's publications fail (the jobs' writes go on being acknowledged)."""
+async def until_publications_fail(run: Run, url: str, what: str) -> list[str]:
+    """Wait until `/stats` says a rank's publications fail (the jobs' writes go on being acknowledged);
+    returns the reasons it gives."""
     deadline = time.monotonic() + 120
     async with httpx.AsyncClient(timeout=10) as client:
         while True:
             ranks = (await client.get(url + "/stats")).json()["ranks"]
-            if any(rank["publication_error"] for rank in ranks):
-                return
+            if errors := [rank["publication_error"] for rank in ranks if rank["publication_error"]]:
+                return errors
             assert not run.jobs_done(), f"the jobs ended before {what}"
             assert time.monotonic() < deadline, f"no failing publication for {what}"
             await asyncio.sleep(0.02)

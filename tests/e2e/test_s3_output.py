@@ -106,7 +106,7 @@ def s3_server() -> Iterator[str]:
 
 @pytest.fixture
 def s3(s3_server: str) -> Iterator[S3]:
-    """A fresh bucket for the test on the shared server; uploads let through again at the end."""
+    """A fresh bucket for the test on the shared server; uploads let through (and allowed) again at the end."""
     client = boto3.client(
         "s3",
         endpoint_url=s3_server,
@@ -120,6 +120,7 @@ def s3(s3_server: str) -> Iterator[S3]:
         yield S3(s3_server, bucket, client)
     finally:
         httpx.post(s3_server + "/_test/release")
+        httpx.post(s3_server + "/_test/allow")
         client.close()
 
 
