@@ -29,7 +29,7 @@ from typing import Any
 
 import orjson
 
-from app.documents import Document, DocumentLike
+from app.documents import Document, DocumentLike, json_default
 from app.http.client import ConnectError, ConnectionLost, HTTPClient
 from app.progress import Progress
 
@@ -134,7 +134,7 @@ class ProxyJob:
 
     async def write_documents(self, documents: Sequence[DocumentLike | dict[str, Any]], chunk_index: int) -> Any:
         """Send finished documents of one chunk; returns once they are durable. Safe to retry."""
-        body = orjson.dumps([_as_dict(d) for d in documents])
+        body = orjson.dumps([_as_dict(d) for d in documents], default=json_default)
         return await self._post_documents(body, len(documents), chunk_index)
 
     async def write_document(self, document: DocumentLike | dict[str, Any], chunk_index: int) -> None:
@@ -150,7 +150,7 @@ class ProxyJob:
         Raises `TypeError` (before anything is sent) for a document JSON
         cannot hold, `ProxyJobError` for a document the proxy refuses.
         """
-        encoded = orjson.dumps(_as_dict(document))
+        encoded = orjson.dumps(_as_dict(document), default=json_default)
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._pending.setdefault(chunk_index, []).append((encoded, done))
         if chunk_index not in self._senders:

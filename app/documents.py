@@ -24,6 +24,29 @@ class DocumentError(ValueError):
     """A document that cannot be checkpointed; the message says what to fix."""
 
 
+def json_default(obj: Any) -> Any:
+    """What orjson cannot write itself, written as datatrove's `JsonlWriter` writes it (its `_json_default`):
+    subclasses of date and time (pandas.Timestamp; NaT as null) in ISO form, numpy's bool, integer and
+    float scalars as JSON's (NaN as null), datetime64 as its string. Anything else raises `TypeError`, as
+    there. numpy is looked at only if the process has imported it: no value of it can exist otherwise."""
+    import datetime
+    import sys
+
+    if isinstance(obj, datetime.date | datetime.time):
+        return None if obj != obj else obj.isoformat()  # NaT is not equal to itself
+    np: Any = sys.modules.get("numpy")
+    if np is not None:
+        if isinstance(obj, np.datetime64):
+            return None if np.isnat(obj) else np.datetime_as_string(obj)
+        if isinstance(obj, np.bool_):  # before integers: a bool stays a bool
+            return bool(obj)
+        if isinstance(obj, np.integer) and not isinstance(obj, np.timedelta64):
+            return int(obj)
+        if isinstance(obj, np.float16 | np.float32 | np.float64):  # longdouble has no exact JSON form
+            return float(obj)
+    raise TypeError(f"Type is not JSON serializable: {type(obj).__name__}")
+
+
 @dataclass(slots=True)
 class Document:
     """The project's own document, field for field datatrove's `Document`."""
@@ -101,8 +124,8 @@ def encode_document(document: DocumentLike) -> bytes:
         # dataclasses may carry extra attributes in __dict__, so they go
         # through asdict() to keep the line identical to datatrove's.
         if hasattr(type(document), "__slots__"):
-            return orjson.dumps(document, option=orjson.OPT_APPEND_NEWLINE)
-        return orjson.dumps(dataclasses.asdict(document), option=orjson.OPT_APPEND_NEWLINE)
+            return orjson.dumps(document, option=orjson.OPT_APPEND_NEWLINE, default=json_default)
+        return orjson.dumps(dataclasses.asdict(document), option=orjson.OPT_APPEND_NEWLINE, default=json_default)
     except TypeError as exc:
         raise DocumentError(_unserialisable_message(doc_id, document, exc)) from exc
 

@@ -75,3 +75,59 @@ async def test_a_dir_written_by_the_service_is_resumed_by_datatrove(tmp_path: Pa
         set(resume["processed_ids"]),
     )
     assert resume["docs_to_skip"] == 4
+
+
+async def test_what_datatroves_writer_can_serialize_the_job_client_and_the_library_take_as_it_writes_it(
+    tmp_path: Path,
+) -> None:
+    # A rollout's score from a model is a numpy scalar; a ParquetReader's timestamp a datetime subclass.
+    # datatrove's JsonlWriter writes them; the proxy refused every such document (the task exited 1).
+    import datetime
+
+    import numpy as np
+
+    from app.checkpointing import CheckpointManager as LibraryCheckpointManager
+    from app.client import ProxyJob
+    from app.publish import ChunkPublisher
+    from tests.servers import serve_proxy
+
+    class Stamp(datetime.datetime):  # as pandas.Timestamp: a subclass orjson refuses
+        pass
+
+    def documents() -> list[Document]:
+        return [
+            Document(
+                text=f"text {i}",
+                id=f"d{i}",
+                metadata={
+                    "score": np.float32(0.25 * i),
+                    "tokens": np.int64(i),
+                    "kept": np.bool_(i % 2),
+                    "when": Stamp(2026, 12, 2, 10, i),
+                    "day": np.datetime64("2026-12-02"),
+                },
+            )
+            for i in range(RPC)
+        ]
+
+    with JsonlWriter(str(tmp_path / "dt"), output_filename="${rank}_chunk_${chunk_index}.jsonl", compression=None) as w:
+        for document in documents():
+            w.write(document, rank=0, chunk_index=0)
+    expected = (tmp_path / "dt" / "00000_chunk_0.jsonl").read_bytes()
+
+    async with serve_proxy(settings(tmp_path, tmp_path / "ckpt")) as url:
+        job = ProxyJob(url)
+        try:
+            for document in documents():
+                await job.write_document(document, 0)
+            assert (await job.resume()).last_chunk_index == 0
+        finally:
+            await job.close()
+    assert (tmp_path / "out" / "00000_chunk_0.jsonl").read_bytes() == expected
+
+    manager = LibraryCheckpointManager(str(tmp_path / "lib-ckpt"), RPC)
+    with ChunkPublisher(str(tmp_path / "lib-out"), str(tmp_path / "lib-ckpt")) as writer:
+        for document in documents():
+            await manager.write_document(document, 0, 0, writer)
+        await manager.close()
+    assert (tmp_path / "lib-out" / "00000_chunk_0.jsonl").read_bytes() == expected
