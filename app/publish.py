@@ -100,7 +100,11 @@ def check_output_filename(template: str) -> Template:
     parsed = Template(template)
     fields = set(parsed.get_identifiers())
     if fields != _ALLOWED_FIELDS:
-        raise ValueError(f"output_filename must use ${{rank}} and ${{chunk_index}} and nothing else, got {template!r}")
+        raise ValueError(
+            f"output_filename must use ${{rank}} and ${{chunk_index}} and nothing else, got {template!r}: one proxy "
+            f"publishes every rank's chunks, each chunk a file of its own, so without both two chunks would share "
+            f"a name (e.g. ${{rank}}_chunk_${{chunk_index}}.jsonl.gz)"
+        )
     if template.endswith(".zst"):
         try:
             import zstandard  # noqa: F401

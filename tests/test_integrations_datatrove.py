@@ -315,6 +315,10 @@ WRITERS: dict[str, tuple[Callable[[Path], Any], str]] = {
         lambda out: JsonlWriter(str(out), output_filename=TEMPLATE),
         GZIPPED + r".*--output-filename '\$\{rank\}_chunk_\$\{chunk_index\}\.jsonl\.gz'.*compression=None",
     ),
+    "a name serve refuses": (
+        lambda out: JsonlWriter(str(out), output_filename="${rank}.jsonl", compression=None),
+        r"names its files '\$\{rank\}\.jsonl'.*each chunk as a file of its own.*use JsonlWriter\(",
+    ),
     "another folder": (
         lambda out: JsonlWriter(str(out.parent / "elsewhere"), output_filename=TEMPLATE, compression=None),
         r"writes to .*elsewhere, but the proxy .* publishes to .*out.*start inferproxy serve with --output",
@@ -485,3 +489,8 @@ async def test_a_document_id_that_would_add_headers_is_a_bad_request_not_a_cache
     assert runner.stats["skipped_bad_requests"].total == 1
     assert not (env.tmp_path / "ckpt" / "00007").exists()
     assert env.upstream.generations == 4
+
+
+def test_the_runners_stats_step_keeps_datatroves_name() -> None:
+    # Stats looked up by the step's name ("Model call: Inference") missed the proxy's runner.
+    assert ProxyInferenceRunner.name == InferenceRunner.name

@@ -256,3 +256,12 @@ def test_a_refused_value_the_message_already_shows_is_not_repeated(capsys: pytes
     assert main(["serve", "--upstream=notaurl"]) == 2
     err = capsys.readouterr().err
     assert err.count("notaurl") == 1, err
+
+
+def test_an_output_filename_without_chunk_index_says_why_both_are_needed(capsys: pytest.CaptureFixture[str]) -> None:
+    from app.cli import main
+
+    assert main(["serve", "--output-filename=${rank}.jsonl.gz"]) == 2
+    err = capsys.readouterr().err
+    assert "must use ${rank} and ${chunk_index}" in err
+    assert "each chunk a file of its own" in err

@@ -17,7 +17,7 @@ from datatrove.utils.logging import logger
 
 from app.client import ProxyJob, ProxyJobError, RankOwnedElsewhere, Resume
 from app.http.client import ConnectError, ConnectionLost, HTTPClient, ReadTimeout
-from app.publish import is_remote
+from app.publish import check_output_filename, is_remote
 
 UNREACHABLE = (ConnectError, ConnectionLost, ReadTimeout)
 
@@ -265,9 +265,14 @@ def check_output_writer(writer: Any, state: Resume, proxy_url: str) -> None:
     template = writer.output_filename.template
     if template != state.output_filename:
         gzip_note = " (JsonlWriter's default compression='gzip' adds .gz)" if template.endswith(".gz") else ""
+        try:
+            check_output_filename(template)
+            serve = f"start inferproxy serve with --output-filename '{template}', or "
+        except ValueError:  # a name serve refuses (without ${chunk_index}, say): only the writer can change
+            serve = "the proxy publishes each chunk as a file of its own, named with ${rank} and ${chunk_index}: "
         raise ValueError(
             f"output_writer names its files {template!r}{gzip_note}, but the proxy at {proxy_url} names them "
-            f"{state.output_filename!r}: start inferproxy serve with --output-filename '{template}', or use {wanted}"
+            f"{state.output_filename!r}: {serve}use {wanted}"
         )
 
 

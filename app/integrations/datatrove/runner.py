@@ -109,7 +109,7 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
     number, or one per rank), declared to the proxy for its progress and ETA.
     """
 
-    name = "Inference through inferproxy 🔍"
+    name = "Inference 🔍"  # datatrove's: stats looked up by the step's name find it
 
     def __init__(
         self,
