@@ -191,3 +191,37 @@ def test_redact_url_hides_the_user_the_password_and_query_values() -> None:
     assert redact_url("s3://bucket/prefix") == "s3://bucket/prefix"
     assert redact_url("relative/folder") == "relative/folder"
     assert scrub("login hunter22 failed for bob", "ftp://bob:hunter22@host/") == "login *** failed for ***"
+
+
+@pytest.mark.parametrize("flag", ["--checkpoints-dir", "--output"])
+def test_serve_as_a_user_without_roots_capabilities_refuses_a_read_only_folder_naming_the_user(
+    tmp_path: Path, flag: str
+) -> None:
+    # Mode 555 stops only a process without CAP_DAC_OVERRIDE: as root, the test drops every capability.
+    without_capabilities = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro").chmod(0o555)
+    folders = {"--checkpoints-dir": tmp_path / "ckpt", "--output": tmp_path / "out"}
+    folders[flag] = tmp_path / "ro" / "x"
+    try:
+        done = subprocess.run(
+            [
+                *without_capabilities,
+                *(sys.executable, "-m", "app.cli", "serve", "--upstream=http://127.0.0.1:9", "--port=0"),
+                *(f"{name}={path}" for name, path in folders.items()),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        (tmp_path / "ro").chmod(0o755)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith(f"inferproxy serve: {flag} {tmp_path / 'ro' / 'x'}: cannot create a file in ")
+    assert "(Permission denied)" in done.stderr
+    if flag == "--checkpoints-dir":
+        assert "needs write and execute permission on it" in done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]
+    assert list((tmp_path / "ro").iterdir()) == []
