@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+import app.chunkfiles
 import app.ownership
 from app.checkpointing import CheckpointManager
 from app.client import ProxyJob, RankOwnedElsewhere
@@ -142,6 +143,30 @@ async def test_a_checkpoints_dir_that_became_unwritable_gets_503_saying_what_to_
             )
             assert upstream.requests == 0
             assert (await first_request(client, route)).status_code == 200
+
+
+async def test_an_open_ranks_write_into_a_checkpoints_dir_that_became_unwritable_is_503_without_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    chunk_file = str(tmp_path / "ckpt" / "00000" / "chunk_00001.jsonl")
+
+    async def read_only(*_: object) -> None:
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), chunk_file)
+
+    async with fake_upstream() as (url, _), proxy_client(config(tmp_path, url)) as client:
+        assert (await post(client, doc("a"), chunk=0)).status_code == 200
+        monkeypatch.setattr(app.chunkfiles.ChunkFiles, "open", read_only)
+        answers = [await post(client, doc(f"b{i}"), chunk=1) for i in range(3)]
+        monkeypatch.undo()
+        for answer in answers:
+            assert answer.status_code == 503
+            assert answer.headers["retry-after"] == "10"
+            assert answer.json()["error"]["message"].startswith(
+                f"the checkpoints dir cannot be written (Read-only file system: {chunk_file}); nothing of this "
+                "request was written: make "
+            )
+        assert not [r for r in caplog.records if r.exc_info]  # one WARNING line each, no traceback
+        assert (await post(client, doc("b0"), chunk=1)).json()["written"] == 1
 
 
 async def test_two_proxies_share_a_checkpoints_dir_and_each_rank_has_one_owner(tmp_path: Path) -> None:
