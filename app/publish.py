@@ -201,7 +201,10 @@ class ChunkPublisher:
                 import fsspec
             except ImportError:
                 raise ValueError(f"output {redact_url(output)} is a URL: {install_hint(output)}") from None
-            self._fs, self._root = fsspec.core.url_to_fs(self.output)
+            # No listings cache: one listing in flight (a /resume's check of the output) would store what it
+            # saw after another call cleared the cache, and that call would then take the stale listing for
+            # the output: a chunk just published "lost" (seen under a /resume storm against S3).
+            self._fs, self._root = fsspec.core.url_to_fs(self.output, use_listings_cache=False)
             self._put_options = _S3_SINGLE_PUT if protocols(output) & S3_PROTOCOLS else {}
 
     # -- the DiskWriter surface CheckpointManager uses
@@ -294,7 +297,7 @@ class ChunkPublisher:
         if self._fs is not None:
             root = self._root.rstrip("/")
             where = f"{root}/{prefix}" if prefix else root
-            # s3fs & co. keep listings for good: other proxies publish to the same output meanwhile.
+            # In case a listings cache is kept all the same: other proxies publish to the same output meanwhile.
             self._fs.invalidate_cache(where)
             try:
                 paths = self._fs.find(where) if not fixed else self._fs.ls(where, detail=False)

@@ -340,3 +340,25 @@ def test_a_proxy_publishing_to_s3_keeps_to_one_heap_besides_the_main_one(
         report = job(url)
         assert report.chunks == 3
         assert thread_heaps(served.pid) <= 1
+
+
+def test_a_listing_that_lands_after_the_cache_was_cleared_never_hides_a_published_chunk(
+    tmp_path: Path, s3: S3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under a /resume storm, one check of the output stored its listing (taken before a chunk's upload)
+    # just after another check had cleared the cache: that check took the stale listing for the output,
+    # and the chunk just published for "lost" (a 409 output_lost_error in the chaos suite).
+    from app.publish import ChunkPublisher
+
+    for name, value in s3.env.items():
+        monkeypatch.setenv(name, value)
+    publisher = ChunkPublisher(s3.url(), str(tmp_path / "ckpt"))
+    s3.client.put_object(Bucket=s3.bucket, Key="run/00000_chunk_0.jsonl", Body=b'{"id":"a","text":"a"}\n')
+    fs, real = publisher._fs, publisher._fs.invalidate_cache
+
+    def cleared_then_a_stale_listing_lands(path: str | None = None) -> None:
+        real(path)
+        fs.dircache[f"{s3.bucket}/run"] = []  # what a listing in flight since before the upload saw
+
+    monkeypatch.setattr(fs, "invalidate_cache", cleared_then_a_stale_listing_lands)
+    assert publisher.missing_chunks(0, 0) == []
