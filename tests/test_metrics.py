@@ -530,3 +530,15 @@ async def test_a_bad_declared_number_of_ranks_is_refused(env: Env, value: str, s
     assert "X-Total-Ranks" in answer.json()["error"]["message"]
     assert says in answer.json()["error"]["message"]
     assert (await env.stats())["job"]["ranks_declared"] is None
+
+
+async def test_run_job_declares_the_jobs_ranks_and_its_inputs_length_at_the_end(env: Env) -> None:
+    documents = iter([{"id": f"d{i}", "text": "t"} for i in range(5)])  # no length: no total up front
+    report = await run_job(documents, env.rollout, base_url=env.proxy, rank=0, total_ranks=1, concurrency=2)
+    assert report.written == 5
+    stats = await env.stats()
+    [view] = stats["ranks"]
+    assert (view["finished"], view["done_documents"], view["total_documents"]) == (True, 5, 5)
+    assert stats["job"] == {"ranks_declared": 1, "ranks_finished": 1, "finished": True}
+    with pytest.raises(ValueError, match=r"rank 1 is not one of the job's ranks 0\.\.0"):
+        await run_job([], env.rollout, base_url=env.proxy, rank=1, total_ranks=1)
