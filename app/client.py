@@ -82,7 +82,10 @@ class ProxyJob:
     caller, who then closes it; by default the job has its own.
     `total_documents`, the rank's input size if known, is declared to the proxy
     (`X-Total-Documents` on `GET /resume` and `POST /documents`) for its
-    progress and ETA.
+    progress and ETA. `total_ranks`, the job's number of ranks (datatrove's
+    world_size) if known, is declared on `GET /resume` and
+    `POST /chunks/{i}/complete` (`X-Total-Ranks`): the proxy then says when
+    the whole job is finished, every rank's last chunk published.
     """
 
     def __init__(
@@ -96,7 +99,10 @@ class ProxyJob:
         owned_wait_s: float = 180.0,
         unavailable_wait_s: float = 3600.0,
         total_documents: int | None = None,
+        total_ranks: int | None = None,
     ) -> None:
+        if total_ranks is not None and not 0 <= rank < total_ranks:
+            raise ValueError(f"rank {rank} is not one of the job's ranks 0..{total_ranks - 1} (total_ranks)")
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.rank = rank
         self.retries = retries
@@ -104,6 +110,7 @@ class ProxyJob:
         self.unavailable_wait_s = unavailable_wait_s
         self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
         self._total = [(b"x-total-documents", str(total_documents).encode())] if total_documents is not None else []
+        self._ranks = [(b"x-total-ranks", str(total_ranks).encode())] if total_ranks is not None else []
         self._owns_client = client is None
         self._client = client or HTTPClient(read_timeout=600.0)
         # write_document's batches: documents waiting per chunk, and the task sending them
@@ -122,7 +129,7 @@ class ProxyJob:
         return headers
 
     async def resume(self) -> Resume:
-        answer = await self._call("GET", "/resume", extra=self._total)
+        answer = await self._call("GET", "/resume", extra=[*self._total, *self._ranks])
         return Resume(
             records_per_chunk=answer["records_per_chunk"],
             last_chunk_index=answer["last_chunk_index"],
@@ -249,9 +256,12 @@ class ProxyJob:
             return [None] * len(keys)
         return [answer if _is_lookup_answer(answer) else None for answer in answers]
 
-    async def complete_chunk(self, chunk_index: int) -> Any:
-        """Declare the job's last (possibly partial) chunk complete."""
-        return await self._call("POST", f"/chunks/{chunk_index}/complete")
+    async def complete_chunk(self, chunk_index: int, total_documents: int | None = None) -> Any:
+        """Declare the job's last (possibly partial) chunk complete: once it is published, the proxy shows
+        the rank as finished. `total_documents`: the rank's input length, known at its end (else the
+        one this job was given)."""
+        total = [(b"x-total-documents", str(total_documents).encode())] if total_documents is not None else self._total
+        return await self._call("POST", f"/chunks/{chunk_index}/complete", extra=[*total, *self._ranks])
 
     async def close(self) -> None:
         for sender in [*self._senders.values(), *([self._lookup_sender] if self._lookup_sender else [])]:
@@ -347,6 +357,7 @@ async def run_job(
     on_written: Callable[[str], None] | None = None,
     progress: bool | None = None,
     total_documents: int | None = None,
+    total_ranks: int | None = None,
 ) -> JobReport:
     """datatrove's inference loop against the checkpoint service; see the module docstring.
 
@@ -355,12 +366,14 @@ async def run_job(
     `progress`: a line on stderr redrawn with documents done, rate and ETA
     (default: when stderr is a terminal; otherwise a log line at INFO now and
     then). `total_documents` is the input's length if it has one; the proxy is
-    told it, for its own progress and ETA.
+    told it, for its own progress and ETA, and told the input's length at the
+    end in any case, with the last chunk. `total_ranks`: how many ranks the
+    job has, so that the proxy can say when all of them are finished.
     """
     start = time.monotonic()
     if total_documents is None and isinstance(documents, Sized):
         total_documents = len(documents)
-    job = ProxyJob(base_url, rank, api_key, total_documents=total_documents)
+    job = ProxyJob(base_url, rank, api_key, total_documents=total_documents, total_ranks=total_ranks)
     report = JobReport()
     shown = Progress(
         f"rank {rank}", total_documents, sys.stderr, interactive=sys.stderr.isatty() if progress is None else progress
@@ -429,7 +442,7 @@ async def run_job(
         elif report.documents and report.skipped == report.documents:
             logger.info("rank %d: all %d documents were already done: nothing to do", rank, report.documents)
         if report.documents:
-            done = await job.complete_chunk(report.last_chunk_index)
+            done = await job.complete_chunk(report.last_chunk_index, total_documents=report.documents)
             report.chunks = done["last_chunk_index"] + 1
     finally:
         shown.close()

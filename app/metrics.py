@@ -143,6 +143,12 @@ class Metrics:
     ranks_forgotten: int = 0
     #: `/lookup` keys with no stored answer
     lookup_misses: int = 0
+    #: rank -> when its last chunk's completion was reached (its input exhausted, its last chunk published);
+    #: kept apart from `ranks`, so that a finished rank forgotten past `max_tracked_ranks` still counts as
+    #: finished for the job. In memory only: a restarted proxy knows it only once the job says so again.
+    finished: dict[int, float] = field(default_factory=dict)
+    #: how many ranks the job has (`X-Total-Ranks`, datatrove's world_size), as last declared
+    total_ranks: int | None = None
     #: rank -> (when, rows) of its cache's last count (`app.routes.ops.cache_sizes`)
     cache_entries: dict[int, tuple[float, int | None]] = field(default_factory=dict)
     recent: deque[Sample] = field(default_factory=lambda: deque(maxlen=int(RATE_WINDOW_S / SAMPLE_EVERY_S) + 2))
@@ -181,6 +187,25 @@ class Metrics:
 
     def request(self, route: str, outcome: str, status: int) -> None:
         self.requests[(route, outcome, status)] += 1
+
+    def finish(self, rank: int, at: float | None = None) -> None:
+        """The rank's last chunk is complete and published: its input is exhausted."""
+        self.finished[rank] = time.time() if at is None else at
+
+    def unfinish(self, rank: int) -> None:
+        """The rank is written to again (a new run of it): no longer finished."""
+        self.finished.pop(rank, None)
+
+    def job(self) -> dict[str, int | bool | None]:
+        """The job as its ranks declared it: how many ranks it has (null if none said), how many of them
+        finished, and whether all did."""
+        declared, finished = self.total_ranks, list(self.finished)  # a copy: read from another thread
+        done = sum(1 for rank in finished if declared is None or rank < declared)
+        return {
+            "ranks_declared": declared,
+            "ranks_finished": done,
+            "finished": declared is not None and done >= declared,
+        }
 
     # -- bounding the ranks ------------------------------------------------------------
 

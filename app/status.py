@@ -6,6 +6,8 @@ unreachable proxy is one line and exit code 1 for a single snapshot, and "retryi
 numbers while refreshing. A missing or refused API key ends either (trying again cannot help).
 A rank's chunks waiting for the output (and why, while publishing them fails) and chunks lost from it
 are a column and lines under the ranks table, as the page has them; older proxies' /stats lack them.
+A rank whose last chunk is published is "finished", and a line says whether the whole job is (every rank
+it declared with X-Total-Ranks); older proxies' /stats lack these too.
 
 Whatever answers at the URL is not trusted: a redirect is not followed (the API key would go
 along), a fetch has a deadline and a size bound, an answer that is not `/stats` is one line saying
@@ -217,6 +219,9 @@ _RANK = {
     "publication_error": TEXT_OR_NULL,
     **dict.fromkeys(("publication_failing_since", "publication_retry_in_s"), NUMBER_OR_NULL),
     "chunks_lost": Added([int]),
+    # proxies before finished ranks have none
+    "finished": Added(bool),
+    "finished_at": NUMBER_OR_NULL,
 }
 STATS_SHAPE: dict[str, Any] = {
     "version": str,
@@ -226,6 +231,7 @@ STATS_SHAPE: dict[str, Any] = {
     "upstreams": [_UPSTREAM],
     "ranks": [_RANK],
     "forgotten": {"ranks": NUMBER_OR_NULL},  # proxies before `max_tracked_ranks` have none
+    "job": Added({"ranks_declared": NUMBER_OR_NULL, "ranks_finished": NUMBER, "finished": bool}),
 }
 
 
@@ -309,6 +315,7 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
         f" · generations saved {count(saved)} · {rate(rates.get('requests_per_s'))} requests/s"
         f" · {rate(rates.get('documents_per_s'))} documents/s · {count(stats['in_flight'])} in flight",
         _documents_done(ranks),
+        *([line] if (line := job_line(stats.get("job"))) else []),
         *_forgotten(stats.get("forgotten", {}).get("ranks")),
         "",
     ]
@@ -331,7 +338,8 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
     )
     ordered = sorted(ranks, key=SORTS[sort])
     rows = [_rank_row(r) for r in ordered]
-    header = ["rank", "progress", "docs/s", "ETA", "chunks", "from cache", "generated", "tokens saved"]
+    # "published here": by this process, not the rank's chunks (a restarted proxy counts from zero)
+    header = ["rank", "progress", "docs/s", "ETA", "published here", "from cache", "generated", "tokens saved"]
     outputs = [_output_cell(r) for r in ordered]
     if any(outputs):  # a column of its own only while some rank's chunks wait for the output, or are lost
         header.insert(5, "output")
@@ -413,6 +421,29 @@ def _forgotten(ranks: int | None) -> list[str]:
     ]
 
 
+def job_line(job: dict[str, Any] | None) -> str:
+    """Whether the job is finished: every rank it declared (`X-Total-Ranks`) with its last chunk published
+    ("" from a proxy too old to say, or before any rank declared or finished anything; the page's rule too)."""
+    if not job:
+        return ""
+    declared, finished = job["ranks_declared"], job["ranks_finished"]
+    if job["finished"]:
+        return f"job finished: {count(declared)} of {count(declared)} ranks"
+    if declared is not None:
+        return f"job running: {count(finished)} of {count(declared)} ranks finished"
+    if finished:
+        return (
+            f"job: {count(finished)} rank{'' if finished == 1 else 's'} finished (it did not declare how many it has)"
+        )
+    return ""
+
+
+def is_finished(r: Rank) -> bool:
+    """The rank's last chunk is published (a proxy too old to say: its progress reached 1)."""
+    finished = r.get("finished")
+    return bool(finished) if finished is not None else r["progress"] == 1
+
+
 def _documents_done(ranks: list[Rank]) -> str:
     done = sum(r["done_documents"] for r in ranks if r["done_documents"] is not None)
     declared = [r["total_documents"] for r in ranks if r["total_documents"] is not None]
@@ -422,7 +453,7 @@ def _documents_done(ranks: list[Rank]) -> str:
         on = f"{len(ranks)} rank" + ("s" if len(ranks) > 1 else "")
         return f"documents done {count(done)} on {on} (totals declared by {len(declared)})"
     total = sum(declared)
-    unfinished = [r["eta_s"] for r in ranks if r["progress"] != 1]
+    unfinished = [r["eta_s"] for r in ranks if not is_finished(r)]
     if not unfinished:
         eta = "finished"
     elif None in unfinished:
@@ -448,7 +479,7 @@ def _rank_row(r: Rank) -> list[str]:
         str(r["rank"]),
         progress,
         rate(r["documents_per_s"]),
-        "done" if r["progress"] == 1 else duration(r["eta_s"]),
+        "finished" if r.get("finished") else "done" if r["progress"] == 1 else duration(r["eta_s"]),
         count(r["chunks_published"]),
         count(r["hits"] + r["coalesced"]),
         count(r["misses"]),

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from datatrove.data import Document
 from datatrove.pipeline.inference.run_inference import InferenceConfig, InferenceRunner
@@ -166,7 +167,8 @@ async def test_a_ranks_total_when_given_is_declared_to_the_proxy_with_its_checkp
             await env.runner(total_documents={1: 3}).run_async(documents(3), rank=1)
             assert set(declared) == {b"3"}
             declared.clear()
-            await env.runner(total_documents={1: 3}).run_async(documents(2, "other"), rank=2)  # not known: not sent
+            # not known, nor the input's length (an iterator): not sent
+            await env.runner(total_documents={1: 3}).run_async(iter(documents(2, "other")), rank=2)
             assert set(declared) == {None}
             declared.clear()
             await env.runner(total_documents=2).run_async(documents(2, "more"), rank=4)
@@ -280,8 +282,6 @@ async def test_a_document_the_proxy_refuses_is_counted_logged_and_fails_the_task
 
 
 async def _resume(env: Env) -> dict[str, Any]:
-    import httpx
-
     async with httpx.AsyncClient() as client:
         answer: dict[str, Any] = (await client.get(env.proxy + "/resume")).json()
     return answer
@@ -290,8 +290,6 @@ async def _resume(env: Env) -> dict[str, Any]:
 async def test_a_rerun_after_the_last_documents_were_written_but_before_the_last_chunk_completed(
     env: Env,
 ) -> None:
-    import httpx
-
     async with httpx.AsyncClient(base_url=env.proxy) as client:
         docs = [{"id": d.id, "text": d.text} for d in documents(6)]
         for position, doc in enumerate(docs):
@@ -494,3 +492,52 @@ async def test_a_document_id_that_would_add_headers_is_a_bad_request_not_a_cache
 def test_the_runners_stats_step_keeps_datatroves_name() -> None:
     # Stats looked up by the step's name ("Model call: Inference") missed the proxy's runner.
     assert ProxyInferenceRunner.name == InferenceRunner.name
+
+
+async def test_a_rank_declares_the_jobs_world_size_and_its_total_at_its_end_so_the_proxy_shows_it_finished(
+    tmp_path: Path,
+) -> None:
+    sent: list[tuple[str, bytes | None, bytes | None]] = []  # (path, X-Total-Documents, X-Total-Ranks)
+    async with fake_upstream() as (url, upstream):
+        app = create_app(
+            Settings(
+                upstream=[url], checkpoints_dir=tmp_path / "ckpt", output=str(tmp_path / "out"), records_per_chunk=4
+            )
+        )
+
+        async def recording(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] == "http" and not scope["path"].startswith(("/v1", "/lookup", "/stats")):
+                headers = dict(scope["headers"])
+                sent.append((scope["path"], headers.get(b"x-total-documents"), headers.get(b"x-total-ranks")))
+            await app(scope, receive, send)
+
+        async with serve_in_loop(recording) as proxy, httpx.AsyncClient(base_url=proxy) as client:
+            env = Env(proxy, upstream, tmp_path)
+            # As datatrove's executors call a step: run(data, rank, world_size), in a task's own thread.
+            # An iterator, as a reader gives it: the rank's total is known only at its end.
+            await asyncio.to_thread(env.runner().run, iter(documents(6, "one")), 1, 2)
+            assert [(path, ranks) for path, _, ranks in sent if path != "/documents"] == [
+                ("/resume", b"2"),
+                ("/chunks/1/complete", b"2"),
+            ]
+            assert {total for path, total, _ in sent if path != "/chunks/1/complete"} == {None}
+            assert next(total for path, total, _ in sent if path == "/chunks/1/complete") == b"6"
+            stats = (await client.get("/stats")).json()
+            [view] = stats["ranks"]
+            assert (view["rank"], view["finished"], view["done_documents"], view["total_documents"]) == (1, True, 6, 6)
+            assert stats["job"] == {"ranks_declared": 2, "ranks_finished": 1, "finished": False}
+
+            await env.runner().run_async(documents(3, "zero"), rank=0, world_size=2)
+            assert (await client.get("/stats")).json()["job"] == {
+                "ranks_declared": 2,
+                "ranks_finished": 2,
+                "finished": True,
+            }
+
+            # A rerun of a finished rank, with nothing left to do, completes its last chunk again.
+            sent.clear()
+            generations = upstream.generations
+            await asyncio.to_thread(env.runner().run, iter(documents(6, "one")), 1, 2)
+            assert [path for path, _, _ in sent] == ["/resume", "/chunks/1/complete"]
+            assert upstream.generations == generations
+            assert (await client.get("/stats")).json()["job"]["finished"] is True

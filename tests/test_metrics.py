@@ -455,3 +455,90 @@ async def test_a_finished_job_whose_last_chunk_is_short_shows_its_total_done_not
     assert view["done_documents"] == 10
     assert view["progress"] == 1.0
     assert view["last_chunk_index"] == 2
+
+
+async def test_a_rank_whose_last_chunk_completes_is_finished_and_the_job_once_every_declared_rank_is(
+    env: Env,
+) -> None:
+    for rank_ in (0, 1):  # a job of two ranks (datatrove's world_size), no total declared
+        answer = await env.client.get("/resume", headers={"X-Rank": str(rank_), "X-Total-Ranks": "2"})
+        assert answer.status_code == 200
+    job = (await env.stats())["job"]
+    assert job == {"ranks_declared": 2, "ranks_finished": 0, "finished": False}
+
+    docs = [{"id": f"d{i}", "text": "t"} for i in range(6)]  # chunks 0 (4) and 1 (2)
+    headers = {"X-Rank": "0", "X-Chunk-Index": "0"}
+    assert (await env.client.post("/documents", json=docs[:4], headers=headers)).status_code == 200
+    headers["X-Chunk-Index"] = "1"
+    assert (await env.client.post("/documents", json=docs[4:], headers=headers)).status_code == 200
+    view = next(r for r in (await env.stats())["ranks"] if r["rank"] == 0)
+    assert (view["finished"], view["finished_at"], view["total_documents"]) == (False, None, None)
+
+    assert (await env.client.post("/chunks/1/complete", headers={"X-Rank": "0"})).status_code == 200
+    stats = await env.stats()
+    view = next(r for r in stats["ranks"] if r["rank"] == 0)
+    assert view["finished"] is True
+    assert view["finished_at"] <= stats["now"]
+    assert (view["done_documents"], view["total_documents"], view["progress"], view["eta_s"]) == (6, 6, 1.0, 0.0)
+    assert view["last_chunk_index"] == 1
+    assert stats["job"] == {"ranks_declared": 2, "ranks_finished": 1, "finished": False}
+    scraped = await env.scrape()
+    assert scraped[("inferproxy_rank_finished", rank())] == 1.0
+    assert scraped[("inferproxy_job_ranks", ())] == 2.0
+    assert scraped[("inferproxy_job_ranks_finished", ())] == 1.0
+    assert scraped[("inferproxy_job_finished", ())] == 0.0
+
+    # The other rank declares its total as it completes its last chunk (the job knows it at the end).
+    one = {"X-Rank": "1", "X-Chunk-Index": "0"}
+    assert (await env.client.post("/documents", json=docs[:3], headers=one)).status_code == 200
+    assert (await env.client.get("/stats")).json()["job"]["finished"] is False
+    done = await env.client.post("/chunks/0/complete", headers={"X-Rank": "1", "X-Total-Documents": "3"})
+    assert done.status_code == 200
+    stats = await env.stats()
+    assert [(r["rank"], r["finished"], r["done_documents"], r["total_documents"]) for r in stats["ranks"]] == [
+        (0, True, 6, 6),
+        (1, True, 3, 3),
+    ]
+    assert stats["job"] == {"ranks_declared": 2, "ranks_finished": 2, "finished": True}
+    scraped = await env.scrape()
+    assert scraped[("inferproxy_job_finished", ())] == 1.0
+    assert scraped[("inferproxy_rank_finished", rank(rank="1"))] == 1.0
+
+    # A new run on rank 0 writes to it again: no longer finished, nor is the job.
+    again = {"X-Rank": "0", "X-Chunk-Index": "2"}
+    assert (await env.client.post("/documents", json=[{"id": "new", "text": "t"}], headers=again)).status_code == 200
+    stats = await env.stats()
+    assert next(r for r in stats["ranks"] if r["rank"] == 0)["finished"] is False
+    assert stats["job"] == {"ranks_declared": 2, "ranks_finished": 1, "finished": False}
+
+
+async def test_completing_a_chunk_before_the_last_published_one_does_not_finish_the_rank(env: Env) -> None:
+    docs = [{"id": f"d{i}", "text": "t"} for i in range(3)]
+    assert (
+        await env.client.post("/documents", json=docs, headers={"X-Rank": "0", "X-Chunk-Index": "1"})
+    ).status_code == 200
+    answer = await env.client.post("/chunks/1/complete", headers={"X-Rank": "0"})
+    assert answer.json()["last_chunk_index"] == -1  # chunk 0 never came: nothing published
+    view = next(r for r in (await env.stats())["ranks"] if r["rank"] == 0)
+    assert view["finished"] is False
+
+
+@pytest.mark.parametrize(("value", "says"), [("0", "at least 1"), ("2", "X-Rank is 2"), ("two", "integer")])
+async def test_a_bad_declared_number_of_ranks_is_refused(env: Env, value: str, says: str) -> None:
+    answer = await env.client.get("/resume", headers={"X-Rank": "2", "X-Total-Ranks": value})
+    assert answer.status_code == 400
+    assert "X-Total-Ranks" in answer.json()["error"]["message"]
+    assert says in answer.json()["error"]["message"]
+    assert (await env.stats())["job"]["ranks_declared"] is None
+
+
+async def test_run_job_declares_the_jobs_ranks_and_its_inputs_length_at_the_end(env: Env) -> None:
+    documents = iter([{"id": f"d{i}", "text": "t"} for i in range(5)])  # no length: no total up front
+    report = await run_job(documents, env.rollout, base_url=env.proxy, rank=0, total_ranks=1, concurrency=2)
+    assert report.written == 5
+    stats = await env.stats()
+    [view] = stats["ranks"]
+    assert (view["finished"], view["done_documents"], view["total_documents"]) == (True, 5, 5)
+    assert stats["job"] == {"ranks_declared": 1, "ranks_finished": 1, "finished": True}
+    with pytest.raises(ValueError, match=r"rank 1 is not one of the job's ranks 0\.\.0"):
+        await run_job([], env.rollout, base_url=env.proxy, rank=1, total_ranks=1)

@@ -17,6 +17,7 @@ import pytest
 
 import app
 from app import status
+from app.client import ProxyJob
 from app.main import create_server
 from tests.browser import Browser, CannotInstall, Page, browser, chromium_path
 from tests.jobs import run_rank, settings
@@ -75,7 +76,8 @@ async def test_the_page_shows_a_running_jobs_numbers_as_stats_does(
 
         rows = await page.evaluate(ROWS)
         assert [(r["rank"], r["done"]) for r in rows] == [(0, "12 / 12 · 100.0%"), (1, "8 / 20 · 40.0%")]
-        assert rows[0]["eta"] == "done"
+        assert rows[0]["eta"] == "finished"  # its last chunk published (rank 1's is still open)
+        assert rows[1]["eta"] != "finished"
         assert rows[0]["chunks"] == "3"  # 4 + 4 + 4
         rank1 = next(r for r in stats["ranks"] if r["rank"] == 1)
         assert rows[1]["chunks"] == str(rank1["chunks_published"])
@@ -97,6 +99,56 @@ async def test_the_page_shows_a_running_jobs_numbers_as_stats_does(
         assert page.errors == []
         # Nothing but the page and its polls of /stats: no other resource, from anywhere.
         assert set(page.requests) == {proxy + "/", proxy + "/stats"}
+
+
+async def test_a_finished_datatrove_job_shows_every_rank_finished_and_the_job_finished(
+    chrome: Browser, tmp_path: Path
+) -> None:
+    """The issue: a finished run showed "released", "0 finished" and "(no total declared)"."""
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url)) as proxy:
+        page = await chrome.open(proxy + "/")
+        await wait_text(page, "documents-done-sub", "no job yet")
+        assert await page.evaluate("document.getElementById('job-card').hidden")
+
+        # As ProxyInferenceRunner runs a datatrove job of 2 tasks: world_size declared, no total, each rank's
+        # documents written, then its last chunk completed with the input's length.
+        sizes = {0: 6, 1: 3}
+        for rank, size in sizes.items():
+            job = ProxyJob(proxy, rank, total_ranks=2)
+            try:
+                state = await job.resume()
+                docs = [{"id": f"r{rank}-{i}", "text": "t"} for i in range(size)]
+                for i, doc in enumerate(docs):
+                    await job.write_document(doc, i // state.records_per_chunk)
+                if rank == 0:  # rank 1 still running: the job is not finished yet
+                    await job.complete_chunk((size - 1) // state.records_per_chunk, total_documents=size)
+                    await wait_text(page, "job-sub", "job running: 1 of 2 ranks finished")
+                    assert await page.evaluate(text_of("job")) == "1 / 2"
+                    continue
+                await job.complete_chunk((size - 1) // state.records_per_chunk, total_documents=size)
+            finally:
+                await job.close()
+
+        await wait_text(page, "job-sub", "job finished: 2 of 2 ranks")
+        assert await page.evaluate(text_of("job")) == "finished"
+        rows = await page.evaluate(ROWS)
+        assert [(r["rank"], r["done"], r["eta"]) for r in rows] == [
+            (0, "6 / 6 · 100.0%", "finished"),
+            (1, "3 / 3 · 100.0%", "finished"),
+        ]
+        classes = await page.evaluate("[...document.querySelectorAll('#ranks tbody tr')].map(row => row.className)")
+        assert classes == ["finished", "finished"]  # not "released": the rank is given up because it is done
+        label = "getComputedStyle(document.querySelector('#ranks tbody tr td'), '::after').content"
+        assert await page.evaluate(label) == '" finished"'
+        assert await page.evaluate(text_of("documents-done")) == "9 / 9"
+        assert await page.evaluate(text_of("documents-done-sub")) == "100.0% · finished · 2 of 2 ranks finished"
+        assert (await page.evaluate(text_of("ranks-summary"))).startswith("2 · 0 owned here · 2 finished")
+        header = await page.evaluate("document.querySelector('#ranks thead th:nth-child(5)').textContent")
+        assert header == "Published here"  # this process's, not the rank's (Last chunk + 1)
+        async with httpx.AsyncClient(base_url=proxy) as client:
+            job_stats = (await client.get("/stats")).json()["job"]
+        assert await page.evaluate(text_of("job-sub")) == status.job_line(job_stats)
+        assert page.errors == []
 
 
 async def test_a_proxy_with_an_api_key_serves_the_page_which_asks_for_the_key_once(

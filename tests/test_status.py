@@ -64,12 +64,18 @@ async def test_once_shows_each_ranks_progress_and_the_hit_ratio_of_stats(tmp_pat
         assert lines[0].startswith(f"inferproxy {stats['version']} at {proxy} · up ")
         assert f"hit ratio {status.percent(stats['totals']['hit_ratio'])} · " in out
         assert f"tokens saved {status.count(stats['totals']['tokens_saved'])} · generations saved 4 · " in out
-        assert "documents done 23 on 3 ranks (totals declared by 2)" in out
+        # Rank 2 declared nothing, but finished: its total is known now (rank 1 runs on, 8 of 20).
+        done = next(line for line in lines if line.startswith("documents done"))
+        assert done.startswith("documents done 23 / 35 (65.7%) · ETA ")  # rank 1's
+        assert done.endswith(" · 2 of 3 finished")
+        assert "job: 2 ranks finished (it did not declare how many it has)" in lines
         rows = {line.split()[0]: line for line in lines if line[:1].isdigit()}
         assert set(rows) == {"0", "1", "2"}
         assert "[####################] 12 / 12 · 100.0%" in rows["0"]
         assert "[########............] 8 / 20 · 40.0%" in rows["1"]
-        assert "3 done (no total declared)" in rows["2"]
+        assert "[####################] 3 / 3 · 100.0%" in rows["2"]
+        assert rows["2"].split("100.0%")[1].split()[1] == "finished"
+        assert "finished" not in rows["1"]
         assert any(line.startswith(url) and "healthy" in line for line in lines)
 
         # Not a terminal: one snapshot, as with --once; --json is /stats itself; --sort orders the ranks.
@@ -84,8 +90,9 @@ async def test_once_shows_each_ranks_progress_and_the_hit_ratio_of_stats(tmp_pat
     many = {**stats, "ranks": [{**stats["ranks"][1], "rank": r} for r in range(300)]}
     lines = status.render(many, proxy, height=30)
     assert len(lines) == 30
-    assert [line.split()[0] for line in lines if line[:1].isdigit()] == [str(r) for r in range(20)]
-    assert "… 280 more ranks (--sort progress: least done first; --once: all)" in lines
+    # (19: the job's line is one of the head's)
+    assert [line.split()[0] for line in lines if line[:1].isdigit()] == [str(r) for r in range(19)]
+    assert "… 281 more ranks (--sort progress: least done first; --once: all)" in lines
     assert lines[-1].startswith(url)  # the replicas stay in view
 
 
@@ -393,6 +400,38 @@ async def test_strings_from_the_server_cannot_act_on_the_terminal() -> None:
     assert json.loads(as_json) == hostile
 
 
+def test_finished_ranks_and_the_job_are_said_so_and_an_older_proxys_stats_as_before() -> None:
+    finished = {**RANK, "done_documents": 7, "total_documents": 7, "progress": 1.0, "eta_s": 0.0, "finished": True}
+    running = {**RANK, "rank": 1, "finished": False, "finished_at": None}
+    job = {"ranks_declared": 2, "ranks_finished": 1, "finished": False}
+    lines = status.render(status.decode(orjson.dumps({**STATS, "ranks": [finished, running], "job": job}), "u"), "u")
+    assert lines[3] == "documents done 12 / 17 (70.6%) · ETA 5s · 1 of 2 finished"
+    assert lines[4] == "job running: 1 of 2 ranks finished"
+    rows = rows_of(lines)
+    assert "[####################] 7 / 7 · 100.0%" in rows["0"]
+    assert rows["0"].split("100.0%")[1].split()[:2] == ["1.00", "finished"]
+    assert rows["1"].split("50.0%")[1].split()[:2] == ["1.00", "5s"]
+
+    done = {**finished, "rank": 1}
+    job = {"ranks_declared": 2, "ranks_finished": 2, "finished": True}
+    lines = status.render(status.decode(orjson.dumps({**STATS, "ranks": [finished, done], "job": job}), "u"), "u")
+    assert lines[3] == "documents done 14 / 14 (100.0%) · finished · 2 of 2 finished"
+    assert lines[4] == "job finished: 2 of 2 ranks"
+    # A job that did not declare its number of ranks (X-Total-Ranks): how many finished, no more.
+    undeclared = {"ranks_declared": None, "ranks_finished": 1, "finished": False}
+    assert status.job_line(undeclared) == "job: 1 rank finished (it did not declare how many it has)"
+    assert status.job_line({**undeclared, "ranks_finished": 0}) == ""
+
+    # An older proxy: no `job`, no `finished` (a rank at 100% counts as finished, as before).
+    older = {k: v for k, v in finished.items() if k != "finished"}
+    lines = status.render(status.decode(orjson.dumps({**STATS, "ranks": [older]}), "u"), "u")
+    assert lines[3] == "documents done 7 / 7 (100.0%) · finished · 1 of 1 finished"
+    assert lines[4] == ""
+    assert rows_of(lines)["0"].split("100.0%")[1].split()[:2] == ["1.00", "done"]
+    with pytest.raises(status.StatusError, match=r"job.finished is missing"):
+        status.decode(orjson.dumps({**STATS, "job": {"ranks_declared": 2, "ranks_finished": 1}}), "u")
+
+
 def test_ranks_forgotten_past_max_tracked_ranks_are_said_apart_from_the_table() -> None:
     # /stats' totals hold the forgotten ranks' counts, its `ranks` do not: the reader is told which is which.
     stats = {**STATS, "ranks": [RANK], "forgotten": {"ranks": 4, "hits": 7}}
@@ -488,7 +527,7 @@ def rows_of(lines: list[str]) -> dict[str, str]:
 def test_chunks_waiting_for_the_output_and_lost_ones_are_said_per_rank_and_why() -> None:
     lines = rendered(FINE, FAILING, SLOW, LOST)
     header = next(line for line in lines if line.startswith("rank "))
-    assert header.split()[:7] == ["rank", "progress", "docs/s", "ETA", "chunks", "output", "from"]
+    assert header.split()[:8] == ["rank", "progress", "docs/s", "ETA", "published", "here", "output", "from"]
     rows = rows_of(lines)
     assert rows["3"].split("  5s  ")[1].split()[:3] == ["4", "2", "waiting"]
     assert "1 waiting" in rows["4"]

@@ -41,7 +41,7 @@ from app.errors import (
     ProxyError,
     ServiceUnavailable,
 )
-from app.headers import parse_int, parse_rank, single_header
+from app.headers import MAX_RANK, parse_int, parse_rank, single_header
 from app.publish import ChunkFileGone, PublishError, is_remote
 from app.resume import docs_to_skip
 from app.services import UNWRITABLE_ERRNOS, Services
@@ -95,6 +95,28 @@ def keep_total(services: Services, rank: int, total: int | None) -> None:
         services.metrics.rank(rank).total_documents = total
 
 
+def declared_ranks(scope: Scope, rank: int) -> int | None:
+    """`X-Total-Ranks`: how many ranks the job has (datatrove's world_size), so that the proxy can say when
+    every one of them is finished; a rank that is not below it is refused (400), as 0 is."""
+    raw = single_header(scope["headers"], b"x-total-ranks", "X-Total-Ranks")
+    if raw is None:
+        return None
+    total = parse_int(raw, "X-Total-Ranks", maximum=MAX_RANK + 1)
+    if total == 0:
+        raise BadRequest("X-Total-Ranks must be at least 1: the job's ranks", param="X-Total-Ranks")
+    if rank >= total:
+        raise BadRequest(
+            f"X-Total-Ranks {total} says the job's ranks are 0..{total - 1}, but X-Rank is {rank}",
+            param="X-Total-Ranks",
+        )
+    return total
+
+
+def keep_ranks(services: Services, total: int | None) -> None:
+    if total is not None:
+        services.metrics.total_ranks = total
+
+
 async def post_documents(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
     rank = rank_of(scope)
     total = declared_total(scope)
@@ -138,6 +160,8 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
     except OSError as exc:
         raise storage_error(exc, services) from exc
     counters = services.metrics.rank(rank)
+    if outcome.written:  # a new run of a finished rank
+        services.metrics.unfinish(rank)
     counters.documents += outcome.written
     counters.done_documents += outcome.written
     counters.duplicates += outcome.duplicates
@@ -246,6 +270,7 @@ def parse_documents(body: bytes) -> list[Document]:
 async def complete_chunk(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
     chunk_index = parse_int(scope["path_params"]["i"].encode(), "chunk index")
     rank = rank_of(scope)
+    total, ranks = declared_total(scope), declared_ranks(scope, rank)
     await manager_of(services, rank)
     try:
         manager = await services.checkpoints.complete(rank, chunk_index)
@@ -263,6 +288,10 @@ async def complete_chunk(services: Services, scope: Scope, receive: Receive) -> 
     except OSError as exc:
         raise storage_error(exc, services) from exc
     services.note_progress(rank, manager)
+    keep_total(services, rank, total)
+    keep_ranks(services, ranks)
+    if manager.last_chunk_index == chunk_index:  # the last chunk published, the working files gone
+        services.metrics.finish(rank)
     return {
         "rank": rank,
         "last_chunk_index": manager.last_chunk_index,
@@ -272,7 +301,7 @@ async def complete_chunk(services: Services, scope: Scope, receive: Receive) -> 
 
 async def get_resume(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
     rank = rank_of(scope)
-    total = declared_total(scope)
+    total, ranks = declared_total(scope), declared_ranks(scope, rank)
     registry = services.checkpoints
     if registry.is_open(rank) or registry.has_working_files(rank):
         manager = await manager_of(services, rank)
@@ -298,6 +327,7 @@ async def get_resume(services: Services, scope: Scope, receive: Receive) -> dict
             counters.done_documents = skip
         counters.last_chunk_index = last
     keep_total(services, rank, total)
+    keep_ranks(services, ranks)
     return {
         "rank": rank,
         "records_per_chunk": records_per_chunk,

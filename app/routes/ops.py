@@ -109,6 +109,7 @@ def snapshot(
     replayed = totals["hits"] + totals["coalesced"]
     answered = replayed + totals["misses"] + totals["refreshed"]
     owned = services.caches.ownership.owned()
+    finished = dict(metrics.finished)  # a copy: the event loop changes it
     ranks = [
         rank_view(
             rank,
@@ -117,6 +118,7 @@ def snapshot(
             rank_rates.get(rank),
             sizes.get(rank),
             publications.get(rank),
+            finished.get(rank),
         )
         for rank in sorted(set(counted) | set(owned) | {r for r, p in publications.items() if p.lost})
     ]
@@ -145,6 +147,7 @@ def snapshot(
         ],
         "fsync": {"count": FSYNC_SECONDS.count, "p99_s": FSYNC_SECONDS.quantile(0.99)},
         "owned_ranks": owned,
+        "job": metrics.job(),
         "ranks": ranks,
         "forgotten": {"ranks": metrics.ranks_forgotten, **{name: getattr(forgotten, name) for name in COUNTS}},
         "history": [{"t": round(s.at, 1), **s.totals} for s in list(metrics.history)],
@@ -174,6 +177,7 @@ def rank_view(
     rate: float | None,
     size: tuple[int | None, int] | None,
     publication: PublicationState | None = None,
+    finished_at: float | None = None,
 ) -> dict[str, Any]:
     total = counters.total_documents
     # Chunks published before this process counted are taken as full: a finished job's short last chunk
@@ -183,10 +187,16 @@ def rank_view(
     eta = None
     if total is not None and rate:
         eta = round(max(total - done, 0) / rate, 1) if rate > 0 else None
+    finished = finished_at is not None
+    if finished:  # its input exhausted: its total is known now, whether the job declared one or not
+        total = done if total is None else total
+        progress, eta = 1.0, 0.0
     entries, size_bytes = size if size is not None else (None, 0)
     return {
         "rank": rank,
         "owned": owned,
+        "finished": finished,
+        "finished_at": round(finished_at, 3) if finished_at is not None else None,
         "hits": counters.hits,
         "coalesced": counters.coalesced,
         "misses": counters.misses,
@@ -320,6 +330,11 @@ class _Collector(Collector):
             "chunks recorded as published but missing from the output (GET /resume refuses the rank)",
             labels=["rank"],
         )
+        finished = GaugeMetricFamily(
+            "inferproxy_rank_finished",
+            "1 once the rank's last chunk is complete and published (its input exhausted)",
+            labels=["rank"],
+        )
         entries = GaugeMetricFamily("inferproxy_cache_entries", "answers stored in the rank's cache", labels=["rank"])
         size = GaugeMetricFamily("inferproxy_cache_bytes", "size of the rank's cache files", labels=["rank"])
         forgotten = self.view["forgotten"]
@@ -337,6 +352,7 @@ class _Collector(Collector):
                 done.add_metric(label, rank["done_documents"])
             if rank["total_documents"] is not None:
                 total.add_metric(label, rank["total_documents"])
+            finished.add_metric(label, 1.0 if rank["finished"] else 0.0)
             if rank["cache_entries"] is not None:
                 entries.add_metric(label, rank["cache_entries"])
             if rank["chunks_lost"]:
@@ -346,7 +362,23 @@ class _Collector(Collector):
                 waiting.add_metric(label, rank["chunks_waiting"])
                 failing.add_metric(label, 1.0 if rank["publication_error"] is not None else 0.0)
         yield from families.values()
-        yield from (generations, last_chunk, done, total, entries, size, waiting, failing, lost)
+        yield from (generations, last_chunk, done, total, finished, entries, size, waiting, failing, lost)
+
+        job = self.view["job"]
+        if job["ranks_declared"] is not None:
+            yield GaugeMetricFamily(
+                "inferproxy_job_ranks", "the ranks the job declared (X-Total-Ranks)", value=job["ranks_declared"]
+            )
+        yield GaugeMetricFamily(
+            "inferproxy_job_ranks_finished",
+            "ranks of the job whose last chunk is published",
+            value=job["ranks_finished"],
+        )
+        yield GaugeMetricFamily(
+            "inferproxy_job_finished",
+            "1 once every rank the job declared is finished",
+            value=1.0 if job["finished"] else 0.0,
+        )
 
         yield _histogram("inferproxy_fsync_seconds", "checkpoint fsync rounds", FSYNC_SECONDS)
         yield GaugeMetricFamily("inferproxy_in_flight", "upstream generations in flight", value=self.view["in_flight"])

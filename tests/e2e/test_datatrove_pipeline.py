@@ -190,6 +190,12 @@ def test_local_executor_killed_part_way_and_rerun_publishes_every_document_once_
     # joined by the rerun's identical request), so each generation was paid for exactly once.
     assert slow_upstream.stats()["generations"] == DOCUMENTS * ROLLOUTS
     assert sorted({name.name.split("_")[0] for name in output.iterdir()}) == ["00000", "00001", "00002", "00003"]
+    # Every task declared datatrove's world_size and completed its last chunk: the proxy says the job is done.
+    stats = httpx.get(datatrove_proxy.url + "/stats").json()
+    assert stats["job"] == {"ranks_declared": 4, "ranks_finished": 4, "finished": True}
+    assert [(r["rank"], r["finished"], r["total_documents"]) for r in stats["ranks"]] == [
+        (rank, True, DOCUMENTS // 4) for rank in range(4)
+    ]
 
 
 def test_ray_executor_on_a_local_cluster_publishes_every_document_once(

@@ -51,7 +51,9 @@ class ProxyCheckpointManager:
     The output writer given to the methods is checked, never written to.
     `total_documents`, the documents in each rank's input if known (one
     number for every rank, or one per rank), is declared to the proxy for its
-    progress and ETA.
+    progress and ETA; the input's length is declared anyway as the last chunk
+    is completed. `total_ranks` (the runner sets it to datatrove's world_size)
+    is declared too, so that the proxy says when every rank is finished.
     """
 
     def __init__(
@@ -62,6 +64,7 @@ class ProxyCheckpointManager:
         api_key: str | None = None,
         retries: int = 5,
         total_documents: int | Mapping[int, int] | None = None,
+        total_ranks: int | None = None,
     ) -> None:
         if records_per_chunk is not None and records_per_chunk <= 0:
             raise ValueError(
@@ -73,6 +76,9 @@ class ProxyCheckpointManager:
         self.api_key = api_key
         self.retries = retries
         self.total_documents = total_documents
+        self.total_ranks = total_ranks
+        #: the run's input length when it has one (a list): declared when `total_documents` says nothing
+        self.input_length: int | None = None
         # datatrove's attributes: the checkpoints and the request cache are the proxy's.
         self.checkpoints_local_dir = None
         self.request_cache = None
@@ -98,13 +104,15 @@ class ProxyCheckpointManager:
     def _job_for(self, rank: int) -> ProxyJob:
         if self._job is None or self._job.rank != rank:
             total = self.total_documents
+            known = total.get(rank) if isinstance(total, Mapping) else total
             self._job = ProxyJob(
                 self.proxy_url,
                 rank,
                 self.api_key,
                 retries=self.retries,
                 client=self._client,
-                total_documents=total.get(rank) if isinstance(total, Mapping) else total,
+                total_documents=known if known is not None else self.input_length,
+                total_ranks=self.total_ranks if self.total_ranks is not None and rank < self.total_ranks else None,
             )
         return self._job
 
@@ -179,7 +187,8 @@ class ProxyCheckpointManager:
         """Declare `chunk_index` the rank's last chunk: the proxy publishes it and forgets the rank's working files."""
         self._raise_if_refused(rank)
         try:
-            answer = await self._job_for(rank).complete_chunk(chunk_index)
+            # Every input document has gone through chunk_index_gen by now: its count is the rank's total.
+            answer = await self._job_for(rank).complete_chunk(chunk_index, total_documents=self._position + 1)
         except UNREACHABLE as exc:
             raise ServerError(
                 f"the proxy at {self.proxy_url} could not be reached to complete chunk {chunk_index}"
@@ -211,7 +220,7 @@ class ProxyCheckpointManager:
                 f"job, start the proxy with a fresh --checkpoints-dir"
             )
         last = self._position // self.records_per_chunk if self.records_per_chunk else 0
-        if last > self.last_chunk_index:
+        if last >= self.last_chunk_index:  # published already (a rerun of a finished rank): finished again
             await self.cleanup_last_chunk(rank, last)
 
     def _raise_if_refused(self, rank: int) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sized
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -106,7 +106,11 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
     proxy's. `retries` and `retry_backoff_s` (first delay, doubling) bound
     the wait for a proxy or upstream in trouble before the task fails.
     `total_documents`: the documents in each rank's input, if known (one
-    number, or one per rank), declared to the proxy for its progress and ETA.
+    number, or one per rank), declared to the proxy for its progress and ETA
+    (an input that is a list declares its length by itself). At a rank's end,
+    its input's length is declared with its last chunk, and datatrove's
+    `world_size` with every rank's `GET /resume` and last chunk
+    (`X-Total-Ranks`), so that the proxy shows each rank, then the job, finished.
     """
 
     name = "Inference 🔍"  # datatrove's: stats looked up by the step's name find it
@@ -166,7 +170,16 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
         path = "/v1/chat/completions" if config.use_chat else "/v1/completions"
         self._generate_url = self.proxy_url + path
 
-    async def run_async(self, data_gen: Iterable[Any], rank: int = 0) -> None:
+    def run(self, data: Iterable[Any], rank: int = 0, world_size: int = 1) -> None:
+        # datatrove's run() does not hand world_size on to run_async: the proxy learns the job's size here.
+        self.checkpoint_manager.total_ranks = world_size
+        super().run(data, rank, world_size)
+
+    async def run_async(self, data_gen: Iterable[Any], rank: int = 0, world_size: int | None = None) -> None:
+        """datatrove's `run_async`; `world_size`, if given, the job's number of ranks (as `run` sets it)."""
+        if world_size is not None:
+            self.checkpoint_manager.total_ranks = world_size
+        self.checkpoint_manager.input_length = len(data_gen) if isinstance(data_gen, Sized) else None
         # One client (one pool of kept-alive connections) per run: each task runs in its own event loop.
         client = HTTPClient(read_timeout=self.config.request_timeout or NO_TIMEOUT_S)
         self._client = client
