@@ -466,3 +466,30 @@ async def test_the_page_says_of_the_output_what_inferproxy_status_says(chrome: B
         assert shown == status.publication_notes(ranks, now)
         assert len(shown) == 7
         assert page.errors == []
+
+
+async def test_the_two_charts_share_one_time_axis_though_the_ratio_has_no_point_before_the_first_answer(
+    chrome: Browser, tmp_path: Path
+) -> None:
+    # The ratio chart started at the first answered request, the tokens chart at the first sample.
+    async with (
+        fake_upstream() as (url, _),
+        serve_proxy(settings(tmp_path, url)) as proxy,
+        httpx.AsyncClient(base_url=proxy) as client,
+    ):
+        stats = (await client.get("/stats")).json()
+    now, totals = stats["now"], stats["totals"]
+    idle = {**totals, "hits": 0, "coalesced": 0, "misses": 0, "refreshed": 0, "tokens_saved": 0}
+    answered = {**idle, "hits": 3, "misses": 1, "tokens_saved": 40}
+    stats["history"] = [{**idle, "t": now - 1200}, {**answered, "t": now - 600}, {**answered, "t": now - 300}]
+    stats["totals"] = {**totals, **{k: answered[k] for k in ("hits", "misses", "tokens_saved")}}
+    async with canned_stats(stats) as served:
+        page = await chrome.open(served + "/")
+        await page.wait_for("document.querySelectorAll('#chart-ratio polyline, #chart-tokens polyline').length === 2")
+        starts = await page.evaluate(
+            "['chart-ratio', 'chart-tokens'].map((id) => [...document.querySelectorAll(`#${id} text`)]"
+            ".map((t) => t.textContent).find((text) => text.endsWith(' ago')))"
+        )
+        assert starts[0] == starts[1], starts
+        assert starts[0].startswith("20"), starts  # from the first sample, 20 minutes back
+        assert page.errors == []
