@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ from app.client import JobReport, ProxyJob, run_job
 from app.documents import Document, DocumentLike
 from app.settings import Settings
 from tests.factories import chat_request
+from tests.servers import fake_upstream, serve_proxy
 
 
 def settings(tmp_path: Path, upstream: str, **overrides: Any) -> Settings:
@@ -83,3 +85,34 @@ async def run_part_way(
     finally:
         await job.close()
     return JobReport(documents=len(docs), written=len(docs), last_chunk_index=(len(docs) - 1) // per_chunk)
+
+
+async def write_chunks(proxy: str, rank: int, chunks: range, per_chunk: int = 4) -> None:
+    """Complete chunks of `rank` written through the proxy (`records_per_chunk` documents each)."""
+    async with httpx.AsyncClient(base_url=proxy, timeout=30) as client:
+        for chunk in chunks:
+            docs = [{"id": f"r{rank}-{chunk}-{i}", "text": "t"} for i in range(per_chunk)]
+            headers = {"X-Rank": str(rank), "X-Chunk-Index": str(chunk)}
+            (await client.post("/documents", json=docs, headers=headers)).raise_for_status()
+
+
+async def publish_chunks(proxy: str, rank: int, chunks: range) -> None:
+    """`write_chunks`, then `GET /resume`, which answers once they are all published."""
+    await write_chunks(proxy, rank, chunks)
+    async with httpx.AsyncClient(base_url=proxy, timeout=30) as client:
+        resumed = await client.get("/resume", headers={"X-Rank": str(rank)})
+        assert resumed.json()["last_chunk_index"] == chunks[-1]  # once all of them are published
+
+
+@contextlib.asynccontextmanager
+async def proxy_finding_chunks_lost(tmp_path: Path, rank: int, lost: tuple[int, ...]) -> AsyncIterator[str]:
+    """The output loses `lost` of `rank`'s published chunks while no proxy runs; the next proxy (on the same
+    dirs, `settings`) finds out when the rank comes back: its `GET /resume` is a 409 `output_lost_error`.
+    Yields that proxy's URL."""
+    for chunk in lost:
+        (tmp_path / "out" / f"{rank:05d}_chunk_{chunk}.jsonl").unlink()
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url)) as proxy:
+        async with httpx.AsyncClient(base_url=proxy, timeout=30) as client:
+            refused = await client.get("/resume", headers={"X-Rank": str(rank)})
+            assert (refused.status_code, refused.json()["error"]["type"]) == (409, "output_lost_error")
+        yield proxy

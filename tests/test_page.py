@@ -20,7 +20,7 @@ from app import status
 from app.client import ProxyJob
 from app.main import create_server
 from tests.browser import Browser, CannotInstall, Page, browser, chromium_path
-from tests.jobs import run_rank, settings
+from tests.jobs import proxy_finding_chunks_lost, publish_chunks, run_rank, settings, write_chunks
 from tests.servers import fake_upstream, serve_proxy
 
 
@@ -307,15 +307,6 @@ BADGES = """Object.fromEntries([...document.querySelectorAll('#ranks tbody tr')]
      badges: [...row.querySelectorAll('.badge')].map(b => b.className + ': ' + b.textContent)}]))"""
 
 
-async def write_chunks(proxy: str, rank: int, chunks: range, per_chunk: int = 4) -> None:
-    """Complete chunks of `rank` written through the proxy (`records_per_chunk` documents each)."""
-    async with httpx.AsyncClient(base_url=proxy, timeout=30) as client:
-        for chunk in chunks:
-            docs = [{"id": f"r{rank}-{chunk}-{i}", "text": "t"} for i in range(per_chunk)]
-            headers = {"X-Rank": str(rank), "X-Chunk-Index": str(chunk)}
-            (await client.post("/documents", json=docs, headers=headers)).raise_for_status()
-
-
 async def test_the_page_says_which_ranks_chunks_wait_for_the_output_and_why_and_which_are_lost(
     chrome: Browser, tmp_path: Path
 ) -> None:
@@ -342,18 +333,10 @@ async def test_the_page_says_which_ranks_chunks_wait_for_the_output_and_why_and_
         await page.wait_for("document.querySelector('#ranks tr[data-rank=\"3\"]').cells[4].textContent === '1'")
         assert (await page.evaluate(BADGES))["3"] == {"chunks": "1", "row": "", "badges": []}
         assert page.errors == []
-        await write_chunks(proxy, 3, range(1, 3))
-        async with httpx.AsyncClient(base_url=proxy, timeout=30) as client:
-            resumed = await client.get("/resume", headers={"X-Rank": "3"})
-            assert resumed.json()["last_chunk_index"] == 2  # once all three are published
+        await publish_chunks(proxy, 3, range(1, 3))
 
     # The output loses chunks 0 and 2 while nobody runs; the next proxy finds out when the rank comes back.
-    for chunk in (0, 2):
-        (tmp_path / "out" / f"00003_chunk_{chunk}.jsonl").unlink()
-    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url)) as proxy:
-        async with httpx.AsyncClient(base_url=proxy, timeout=30) as client:
-            refused = await client.get("/resume", headers={"X-Rank": "3"})
-            assert (refused.status_code, refused.json()["error"]["type"]) == (409, "output_lost_error")
+    async with proxy_finding_chunks_lost(tmp_path, 3, (0, 2)) as proxy:
         page = await chrome.open(proxy + "/")
         await page.wait_for("!document.getElementById('publications').hidden")
         assert await page.evaluate("document.getElementById('publications').className") == "lost"

@@ -23,7 +23,7 @@ import pytest
 from app import status
 from app.cli import main
 from tests.e2e.conftest import running_upstream, start_proxy
-from tests.jobs import run_rank, settings
+from tests.jobs import proxy_finding_chunks_lost, publish_chunks, run_rank, settings, write_chunks
 from tests.servers import fake_upstream, free_port, process, serve_proxy, wait_for_http
 
 
@@ -591,15 +591,6 @@ def test_on_a_small_terminal_the_ranks_whose_chunks_wait_stay_in_view_with_the_t
     assert len([line for line in rendered(*ranks) if line.startswith("rank ") and ": " in line]) == 301
 
 
-async def write_chunks(proxy: str, rank: int, chunks: range, per_chunk: int = 4) -> None:
-    """Complete chunks of `rank` written through the proxy (`records_per_chunk` documents each)."""
-    async with httpx.AsyncClient(base_url=proxy, timeout=30) as client:
-        for chunk in chunks:
-            docs = [{"id": f"r{rank}-{chunk}-{i}", "text": "t"} for i in range(per_chunk)]
-            headers = {"X-Rank": str(rank), "X-Chunk-Index": str(chunk)}
-            (await client.post("/documents", json=docs, headers=headers)).raise_for_status()
-
-
 async def status_until(proxy: str, shown: Callable[[str], bool]) -> str:
     """`inferproxy status PROXY --once`'s output once `shown` is true of it (publications run in the background)."""
     deadline = time.monotonic() + 30
@@ -628,18 +619,10 @@ async def test_once_says_why_a_ranks_chunks_wait_and_which_are_lost_from_the_out
         out = await status_until(proxy, lambda out: "waiting" not in out)
         assert "output" not in next(line for line in out.splitlines() if line.startswith("rank "))
         assert os.listdir(tmp_path / "out") == ["00003_chunk_0.jsonl"]
-        await write_chunks(proxy, 3, range(1, 3))
-        async with httpx.AsyncClient(base_url=proxy, timeout=30) as client:
-            resumed = await client.get("/resume", headers={"X-Rank": "3"})
-            assert resumed.json()["last_chunk_index"] == 2  # once all three are published
+        await publish_chunks(proxy, 3, range(1, 3))
 
     # The output loses chunks 0 and 2 while nobody runs; the next proxy finds out when the rank comes back.
-    for chunk in (0, 2):
-        (tmp_path / "out" / f"00003_chunk_{chunk}.jsonl").unlink()
-    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url)) as proxy:
-        async with httpx.AsyncClient(base_url=proxy, timeout=30) as client:
-            refused = await client.get("/resume", headers={"X-Rank": "3"})
-            assert (refused.status_code, refused.json()["error"]["type"]) == (409, "output_lost_error")
+    async with proxy_finding_chunks_lost(tmp_path, 3, (0, 2)) as proxy:
         code, out, _ = await inferproxy_status(proxy, "--once")
         assert code == 0
         assert "2 LOST" in rows_of(out.splitlines())["3"]
