@@ -141,6 +141,19 @@ class CacheRegistry:
 UNWRITABLE_ERRNOS = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 
 
+def checkpoints_unwritable(refused: OSError, checkpoints_dir: str | Path, what: str = "") -> ServiceUnavailable:
+    """The 503 for a write the checkpoints dir refused (`UNWRITABLE_ERRNOS`), `what` saying what could not
+    be done first; one WARNING line, no traceback: every request of the rank would log one."""
+    where = refused.filename or checkpoints_dir
+    logger.warning("%sthe checkpoints dir cannot be written (%s)", what, refused)
+    return ServiceUnavailable(
+        f"{what}the checkpoints dir cannot be written ({refused.strerror}: {where}), and nothing of this request "
+        f"was written; make {checkpoints_dir} writable for the proxy's user (remount it read-write, or fix its "
+        f"permissions), then send it again",
+        headers=[(b"retry-after", b"10")],
+    )
+
+
 @contextlib.contextmanager
 def opening_files(rank: int, checkpoints_dir: str | Path) -> Iterator[None]:
     """Around opening a rank's files (its claim, its cache, its checkpoints restored): failing for want of
@@ -156,14 +169,7 @@ def opening_files(rank: int, checkpoints_dir: str | Path) -> Iterator[None]:
                 f"nothing of this request was written; free space under {checkpoints_dir}, then send it again"
             ) from exc
         if isinstance(refused, OSError) and refused.errno in UNWRITABLE_ERRNOS:
-            where = refused.filename or checkpoints_dir
-            logger.warning("rank %d could not be opened: the checkpoints dir cannot be written (%s)", rank, refused)
-            raise ServiceUnavailable(
-                f"rank {rank} cannot be opened: the checkpoints dir cannot be written ({refused.strerror}: {where}), "
-                f"and nothing of this request was written; make {checkpoints_dir} writable for the proxy's user "
-                f"(remount it read-write, or fix its permissions), then send it again",
-                headers=[(b"retry-after", b"10")],
-            ) from exc
+            raise checkpoints_unwritable(refused, checkpoints_dir, f"rank {rank} cannot be opened: ") from exc
         if isinstance(exc, CacheWriteError) or not out_of_files(exc):
             raise
         logger.warning("rank %d could not be opened: out of file descriptors (%s)", rank, exc)

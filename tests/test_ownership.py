@@ -162,8 +162,8 @@ async def test_an_open_ranks_write_into_a_checkpoints_dir_that_became_unwritable
             assert answer.status_code == 503
             assert answer.headers["retry-after"] == "10"
             assert answer.json()["error"]["message"].startswith(
-                f"the checkpoints dir cannot be written (Read-only file system: {chunk_file}); nothing of this "
-                "request was written: make "
+                f"the checkpoints dir cannot be written (Read-only file system: {chunk_file}), and nothing of this "
+                "request was written; make "
             )
         assert not [r for r in caplog.records if r.exc_info]  # one WARNING line each, no traceback
         assert (await post(client, doc("b0"), chunk=1)).json()["written"] == 1

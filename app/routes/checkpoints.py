@@ -33,18 +33,11 @@ from app.checkpointing import (
 )
 from app.documents import Document, DocumentError
 from app.durable import is_disk_full, refusal_reason
-from app.errors import (
-    BadRequest,
-    ChunkConflict,
-    InsufficientStorage,
-    OutputUnavailable,
-    ProxyError,
-    ServiceUnavailable,
-)
+from app.errors import BadRequest, ChunkConflict, InsufficientStorage, OutputUnavailable, ProxyError
 from app.headers import MAX_RANK, parse_int, parse_rank, single_header
 from app.publish import ChunkFileGone, PublishError, is_remote
 from app.resume import docs_to_skip
-from app.services import UNWRITABLE_ERRNOS, Services
+from app.services import UNWRITABLE_ERRNOS, Services, checkpoints_unwritable
 
 logger = logging.getLogger(__name__)
 
@@ -213,15 +206,8 @@ def storage_error(exc: OSError, services: Services) -> ProxyError:
             f"the checkpoints disk is full ({refusal_reason(exc)}); nothing of this request was written: "
             f"free space under {services.settings.checkpoints_dir} and send it again"
         )
-    if exc.errno in UNWRITABLE_ERRNOS:  # remounted read-only, permissions taken away: no traceback each time
-        logger.warning("the checkpoints dir cannot be written: %s", exc)
-        where = exc.filename or services.settings.checkpoints_dir
-        return ServiceUnavailable(
-            f"the checkpoints dir cannot be written ({exc.strerror}: {where}); nothing of this request was "
-            f"written: make {services.settings.checkpoints_dir} writable for the proxy's user (remount it "
-            f"read-write, or fix its permissions), then send it again",
-            headers=[(b"retry-after", b"10")],
-        )
+    if exc.errno in UNWRITABLE_ERRNOS:  # remounted read-only, permissions taken away
+        return checkpoints_unwritable(exc, services.settings.checkpoints_dir)
     logger.exception("checkpoint storage failed")
     return ProxyError(f"checkpoint storage failed: {exc}")
 
