@@ -6,7 +6,7 @@
     inferproxy inspect CHECKPOINTS_DIR [--rank N] [--json]                   a checkpoints dir, read-only
     inferproxy status [URL] [--once] [--json] [--api-key KEY]                a running proxy's numbers
 
-Every `serve` flag is a field of `app.settings.Settings`, also read from
+Every `serve` flag is a field of `app.service.settings.Settings`, also read from
 `INFERPROXY_<NAME>` and from the TOML file given with `--config`.
 """
 
@@ -24,8 +24,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from app import __version__, demo, logs, status
-from app.settings import CONFIG_ENV, Settings, config_file_keys, config_file_path
+from app import __version__
+from app.ops import logs
+from app.service.settings import CONFIG_ENV, Settings, config_file_keys, config_file_path
+from app.tools import demo, status
 
 
 # argparse prefixes a type's ArgumentTypeError with the flag ("argument --port: must be ...");
@@ -272,17 +274,17 @@ GC_YOUNG_THRESHOLD = 20_000
 
 
 def serve(args: argparse.Namespace) -> int:
-    from app.memory import limit_malloc_arenas
+    from app.ops.memory import limit_malloc_arenas
 
     # First of all: an arena once made is kept, and checking an s3:// output (below) starts fsspec's
     # and the resolver's threads, each with an arena of its own (3 more, measured) if not capped yet.
     limit_malloc_arenas()
     import uvloop
 
-    from app.durable import UnsafeFileError
+    from app.checkpoints.output import check_output
     from app.http.server import CannotListen
-    from app.main import create_server
-    from app.output_check import check_output
+    from app.service.app import create_server
+    from app.store.durable import UnsafeFileError
 
     flags = {name: getattr(args, name) for name in Settings.model_fields}
     config_file = config_file_path(args.config)
@@ -402,9 +404,9 @@ def describe_errors(exc: ValidationError, config_file: Path | None = None, flags
 def check_checkpoints_dir(settings: Settings) -> None:
     """Refuse to start, before serving anything, on a checkpoints dir that cannot take files (or has no
     room for them), or holds checkpoints written with another records_per_chunk."""
-    from app.layout import CheckpointsLayout
-    from app.output_check import check_folder
-    from app.resume import check_records_per_chunk
+    from app.checkpoints.output import check_folder
+    from app.checkpoints.resume import check_records_per_chunk
+    from app.store.layout import CheckpointsLayout
 
     check_folder(str(settings.checkpoints_dir), "--checkpoints-dir", room=True)
     check_records_per_chunk(CheckpointsLayout(str(settings.checkpoints_dir)), settings.records_per_chunk, record=False)
@@ -413,7 +415,7 @@ def check_checkpoints_dir(settings: Settings) -> None:
 def inspect(args: argparse.Namespace) -> int:
     import json
 
-    from app.inspect import inspect_dir, render, to_json
+    from app.tools.inspect import inspect_dir, render, to_json
 
     if args.output_filename and not args.output:
         print("inferproxy inspect: --output-filename names files in --output: give --output too", file=sys.stderr)
@@ -438,7 +440,7 @@ def fake_upstream(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from app.fake_upstream import FakeUpstream
+    from app.tools.fake_upstream import FakeUpstream
 
     # Listen before saying so: a busy port fails in one line, without a banner claiming a server, and
     # `--port 0` prints the port actually taken.

@@ -40,11 +40,11 @@ from typing import Any
 
 import orjson
 
-from app.cache import DB_FILENAME, apply_migrations
-from app.hashing import payload_hash
 from app.http.connection import HTTPConnection
-from app.main import create_server
-from app.settings import Settings
+from app.service.app import create_server
+from app.service.settings import Settings
+from app.store.cache import DB_FILENAME, apply_migrations
+from app.store.hashing import payload_hash
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_proxy import cpu_seconds, free_port, inferproxy, wait_until_up, wrk

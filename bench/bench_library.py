@@ -30,7 +30,7 @@ from datatrove.pipeline.inference.checkpointing import CheckpointManager as Data
 from datatrove.pipeline.inference.checkpointing import RequestCache as DatatroveRequestCache
 from datatrove.pipeline.writers import JsonlWriter
 
-from app.checkpointing import CheckpointManager, RequestCache
+from app.checkpoints import CheckpointManager, RequestCache
 
 RESULT = {
     "text": "The weather in Tokyo is mild today, with light wind from the east. " * 4,

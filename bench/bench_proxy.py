@@ -47,7 +47,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from app.demo import free_port
+from app.tools.demo import free_port
 
 
 def body(max_tokens: int) -> str:

@@ -2,7 +2,7 @@
 
 Unlike the tests, it does not stop at the first divergence: it runs `--examples` request
 streams and as many answers, collects every finding, keeps the shortest input for each
-(kind, mutation), and prints them, excused ones (tests/test_http_fuzz.py's LENIENCIES and
+(kind, mutation), and prints them, excused ones (tests/http/test_fuzz.py's LENIENCIES and
 KNOWN_DIVERGENCES) apart. Exit status 1 if any finding is not excused.
 
     .venv/bin/python bench/fuzz_http.py [--examples 20000] [--seed N] [--only server|client]
@@ -22,7 +22,7 @@ from hypothesis import seed as hypothesis_seed
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.http_fuzz import Finding, Part, request_streams, response_streams
-from tests.test_http_fuzz import client_findings, excuse, server_findings
+from tests.http.test_fuzz import client_findings, excuse, server_findings
 
 
 class Collector:

@@ -19,11 +19,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from app.cache import StoredResponse
-from app.hashing import payload_hash
 from app.http.connection import HTTPConnection
-from app.main import create_server
-from app.settings import Settings
+from app.service.app import create_server
+from app.service.settings import Settings
+from app.store.cache import StoredResponse
+from app.store.hashing import payload_hash
 
 BODY = b'{"model":"fake-model","messages":[{"role":"user","content":"Tell me about caching."}],"max_tokens":16}'
 ANSWER = b'{"id":"x","object":"chat.completion","choices":[{"message":{"content":"' + b"word " * 16 + b'"}}]}'

@@ -8,7 +8,7 @@ import stat
 from collections import defaultdict
 from typing import Any
 
-from app.checkpointing import CheckpointManager, Document, RequestCache
+from app.checkpoints.manager import CheckpointManager, Document, RequestCache
 
 
 def document(doc_id: str | int, text: str | None = None, **metadata: Any) -> Document:

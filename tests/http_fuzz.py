@@ -1,6 +1,6 @@
 """Differential fuzzing of `app.http` against h11: generators, drivers and the comparison.
 
-Used by tests/test_http_fuzz.py (a short run in `make test`) and bench/fuzz_http.py (`make fuzz`).
+Used by tests/http/test_fuzz.py (a short run in `make test`) and bench/fuzz_http.py (`make fuzz`).
 
 - Requests: `request_streams()` draws pipelined requests, each built from parts (valid,
   near-valid, hostile) and tagged with the odd features it uses; `run_server()` feeds the

@@ -10,9 +10,9 @@ from typing import Any
 
 import httpx
 
-from app.client import JobReport, ProxyJob, run_job
-from app.documents import Document, DocumentLike
-from app.settings import Settings
+from app.checkpoints.documents import Document, DocumentLike
+from app.job.client import JobReport, ProxyJob, run_job
+from app.service.settings import Settings
 from tests.factories import chat_request
 from tests.servers import fake_upstream, serve_proxy
 

@@ -16,10 +16,10 @@ from typing import Any
 import httpx
 import uvicorn
 
-from app.demo import free_port
-from app.fake_upstream import FakeUpstream
-from app.main import create_server
-from app.settings import Settings
+from app.service.app import create_server
+from app.service.settings import Settings
+from app.tools.demo import free_port
+from app.tools.fake_upstream import FakeUpstream
 
 __all__ = [
     "HTTP_SERVER",

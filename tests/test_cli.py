@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from app.cli import build_job_parser, build_parser, flag_name, main, parse
-from app.settings import Settings
+from app.service.settings import Settings
 from tests.servers import serve_once
 
 

@@ -16,9 +16,6 @@ from urllib.parse import urlsplit
 
 import httptools
 
-if typing.TYPE_CHECKING:
-    from app.http.client import HTTPClient
-
 MAX_BUFFER = 1 << 20
 #: A response head (status line and fields, interim answers included) larger than this is refused.
 MAX_HEAD_BYTES = 64 * 1024
@@ -92,10 +89,16 @@ class Origin:
         return (self.host if self.port == default else f"{self.host}:{self.port}").encode("idna")
 
 
+class ConnectionPool(typing.Protocol):
+    """What a connection needs of its client (`HTTPClient`): a place to go back to when it is idle."""
+
+    def _put_idle(self, conn: ClientConnection) -> None: ...
+
+
 class ClientConnection(asyncio.Protocol):
     """One keep-alive connection, one request at a time; also the parser's callback object."""
 
-    def __init__(self, client: HTTPClient, origin: Origin) -> None:
+    def __init__(self, client: ConnectionPool, origin: Origin) -> None:
         self.client = client
         self.origin = origin
         self.loop = asyncio.get_running_loop()

@@ -204,7 +204,7 @@ _UNLIMITED = 1 << 62
 class ExitSignal:
     """When a server's `serve()` stops: at `request_exit()` or SIGTERM/SIGINT; a second signal
     calls `force` (stop waiting for the requests in flight). Shared by the built-in server and
-    `app.uvicorn_server`, so that both stop alike."""
+    `app.service.uvicorn_server`, so that both stop alike."""
 
     def __init__(self, *, force: Callable[[], None]) -> None:
         self.force = force

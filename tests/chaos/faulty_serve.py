@@ -40,8 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import app.services
-from app.checkpointing import CheckpointManager
+import app.service.services
+from app.checkpoints.manager import CheckpointManager
 from app.cli import main
 from tests.faults import CHUNK_COMPLETION_STEPS
 
@@ -97,7 +97,7 @@ def inject(fault: str, log_path: str, output: str) -> None:
     step, _, nth = fault.partition("@")
     log = FaultLog(log_path, step, int(nth or 1))
     if step in CHUNK_COMPLETION_STEPS:
-        app.services.CheckpointManager = functools.partial(CheckpointManager, fault=log.happened)
+        app.service.services.CheckpointManager = functools.partial(CheckpointManager, fault=log.happened)
     elif step == "publish_rename":
         replace = os.replace
 

@@ -25,8 +25,8 @@ from urllib.parse import urlsplit
 
 import orjson
 
-from app.client import ProxyJob, ProxyJobError, Resume
 from app.http.client import HTTPClient, HTTPClientError
+from app.job.client import ProxyJob, ProxyJobError, Resume
 from tests.chaos.invariants import (
     GENERATED,
     REPLAYED,
@@ -425,7 +425,7 @@ async def ask(
 @dataclass
 class RankJob:
     """One rank of a batch job: for each document of its input not yet done (as `/resume` says), its
-    rollouts through `/v1/*`, then the document to `/documents` (through `app.client.ProxyJob`, batching
+    rollouts through `/v1/*`, then the document to `/documents` (through `app.job.client.ProxyJob`, batching
     as `run_job` does). Its last chunk is left open (`Run.finish` completes it).
 
     When the proxy dies under it, a job that `restarts` starts over from `/resume` (as a job killed with

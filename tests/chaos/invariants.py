@@ -34,8 +34,8 @@ from typing import Any
 
 import orjson
 
-from app.client import Resume
-from app.durable import temporary_target
+from app.job.client import Resume
+from app.store.durable import temporary_target
 
 _OUTPUT_NAME = re.compile(r"^(\d{5})_chunk_(\d+)\.jsonl$")
 _CHUNK_FILE = re.compile(r"^chunk_(\d{5})\.jsonl$")

@@ -1,4 +1,4 @@
-"""A batch job built on app.checkpointing, run as a real process by the kill -9 tests.
+"""A batch job built on app.checkpoints.manager, run as a real process by the kill -9 tests.
 
 usage: python library_job.py CHECKPOINTS OUTPUT N_DOCS RECORDS_PER_CHUNK CONCURRENCY
 
@@ -17,7 +17,7 @@ import sys
 from datatrove.data import Document
 from datatrove.pipeline.writers import JsonlWriter
 
-from app.checkpointing import CheckpointManager, RequestCache
+from app.checkpoints import CheckpointManager, RequestCache
 
 
 def say(*parts: object) -> None:

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 
 WRITER = """
 import asyncio, sys
-from app.cache import RequestCache
+from app.store.cache import RequestCache
 
 async def main(path):
     cache = RequestCache(path, flush_interval_ms=10)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from app.settings import Settings
+from app.service.settings import Settings
 from tests import faults
 from tests.servers import proxy_client
 

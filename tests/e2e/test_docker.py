@@ -24,7 +24,7 @@ import dockerfile
 import httpx
 import pytest
 
-from app.settings import Settings
+from app.service.settings import Settings
 from tests.e2e.conftest import Upstream
 from tests.servers import free_port, wait_for_http
 

@@ -2,7 +2,7 @@
 a slow publication, and an output that refuses chunks while the job moves to another proxy.
 
 Real `inferproxy serve` processes (through `tests.chaos.faulty_serve`, which slows or fails the output's
-file calls from outside) on one checkpoints dir and one output; the jobs are `app.client.ProxyJob`.
+file calls from outside) on one checkpoints dir and one output; the jobs are `app.job.client.ProxyJob`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.client import ProxyJob
+from app.job.client import ProxyJob
 from tests.chaos.harness import ProxyProcess
 
 pytestmark = pytest.mark.e2e

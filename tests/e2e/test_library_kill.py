@@ -1,4 +1,4 @@
-"""kill -9 a real job built on app.checkpointing at random moments; the output ends exactly once."""
+"""kill -9 a real job built on app.checkpoints.manager at random moments; the output ends exactly once."""
 
 from __future__ import annotations
 

@@ -11,8 +11,8 @@ import pytest
 
 from tests.e2e.conftest import Upstream, start_proxy
 from tests.factories import chat_request
+from tests.ops.test_memory import thread_heaps
 from tests.servers import process, wait_for_http
-from tests.test_memory import thread_heaps
 
 pytestmark = [
     pytest.mark.e2e,

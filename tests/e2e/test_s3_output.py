@@ -29,12 +29,12 @@ import httpx
 import orjson
 import pytest
 
-from app.client import run_job
-from app.documents import DocumentLike
-from app.publish import ChunkPublisher
+from app.checkpoints.documents import DocumentLike
+from app.checkpoints.publish import ChunkPublisher
+from app.job.client import run_job
 from tests.e2e.conftest import Upstream, start_proxy
+from tests.ops.test_memory import thread_heaps
 from tests.servers import free_port, process, wait_for_http
-from tests.test_memory import thread_heaps
 
 pytestmark = pytest.mark.e2e
 
@@ -348,7 +348,7 @@ def test_a_listing_that_lands_after_the_cache_was_cleared_never_hides_a_publishe
     # Under a /resume storm, one check of the output stored its listing (taken before a chunk's upload)
     # just after another check had cleared the cache: that check took the stale listing for the output,
     # and the chunk just published for "lost" (a 409 output_lost_error in the chaos suite).
-    from app.publish import ChunkPublisher
+    from app.checkpoints.publish import ChunkPublisher
 
     for name, value in s3.env.items():
         monkeypatch.setenv(name, value)

@@ -15,9 +15,10 @@ from datatrove.pipeline.writers.jsonl import JsonlWriter
 # datatrove's own logger: these messages land in the task logs a datatrove user reads.
 from datatrove.utils.logging import logger
 
-from app.client import ProxyJob, ProxyJobError, RankOwnedElsewhere, Resume
+from app.checkpoints.output import is_remote
+from app.checkpoints.publish import check_output_filename
 from app.http.client import ConnectError, ConnectionLost, HTTPClient, ReadTimeout
-from app.publish import check_output_filename, is_remote
+from app.job.client import ProxyJob, ProxyJobError, RankOwnedElsewhere, Resume
 
 UNREACHABLE = (ConnectError, ConnectionLost, ReadTimeout)
 

@@ -18,12 +18,12 @@ from datatrove.pipeline.inference.types import InferenceError, ServerError
 # datatrove's own logger: these messages land in the task logs a datatrove user reads.
 from datatrove.utils.logging import logger
 
-from app.checkpointing import CheckpointManager, RequestCache
-from app.client import ProxyJob
-from app.errors import BadRequest
-from app.headers import parse_doc_id
+from app.checkpoints.manager import CheckpointManager, RequestCache
 from app.http.client import HTTPClient
 from app.integrations.datatrove.checkpoints import UNREACHABLE, DocumentRefused, ProxyCheckpointManager
+from app.job.client import ProxyJob
+from app.service.errors import BadRequest
+from app.service.headers import parse_doc_id
 
 #: Answers worth waiting for: the upstream is busy, restarting or briefly gone.
 RETRY_STATUSES = frozenset({429, 502, 503, 504, 409})  # 409 on /v1: the rank is still another proxy's
@@ -306,7 +306,7 @@ def with_inferproxy_checkpointing(runner: Any) -> Any:
     """datatrove's own `InferenceRunner`, in-process, on inferproxy's checkpointing library.
 
     Replaces `runner.request_cache` and `runner.checkpoint_manager` with
-    `app.checkpointing`'s `RequestCache` and `CheckpointManager`, built from
+    `app.checkpoints.manager`'s `RequestCache` and `CheckpointManager`, built from
     the same `checkpoints_local_dir` and `records_per_chunk` (same files on
     disk, durable and faster); returns the runner::
 

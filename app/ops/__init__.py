@@ -1,0 +1,1 @@
+"""Operating a proxy: metrics, logs, memory tuning."""

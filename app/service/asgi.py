@@ -1,0 +1,100 @@
+"""The few raw-ASGI helpers the hot paths use instead of a framework's request/response objects."""
+
+from __future__ import annotations
+
+from app.http.asgi import ASGIApp, Headers, Message, Receive, Scope, Send
+from app.service.errors import BadRequest, PayloadTooLarge, ProxyError
+
+__all__ = ["ASGIApp", "Headers", "Message", "Receive", "Scope", "Send"]
+
+JSON_HEADERS: Headers = [(b"content-type", b"application/json")]
+
+
+def header(scope: Scope, name: bytes) -> bytes | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return bytes(value)
+    return None
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body; `PayloadTooLarge` as soon as it is known to exceed `limit`."""
+    declared = header(scope, b"content-length")
+    if declared is not None:
+        declared = declared.strip(b" \t")  # optional whitespace around a field value is legal (RFC 9110 §5.5)
+        if not declared.isdigit():
+            raise BadRequest(f"Content-Length must be an integer, got {declared!r}", param="Content-Length")
+        if int(declared) > limit:
+            raise PayloadTooLarge(f"the request body is {int(declared)} bytes; the limit is {limit} (max_body_bytes)")
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"the request body exceeds {limit} bytes (max_body_bytes)")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+#: Values (separators and containers) a JSON request body may hold: parsing one costs memory and event
+#: loop time by value, not by byte (a 31 MB `[{},{},...]` took ~1 GB and stalled every request for a
+#: second). Far more than any inference request or batch of documents holds.
+MAX_JSON_VALUES = 1 << 20
+
+
+def check_json_cost(body: bytes) -> None:
+    """`PayloadTooLarge` for a body whose JSON would hold more than `MAX_JSON_VALUES` values."""
+    # A small body cannot hold that many: the hit path does not pay for the count.
+    if len(body) > MAX_JSON_VALUES // 16:
+        values = body.count(b",") + body.count(b"{") + body.count(b"[")
+        if values > MAX_JSON_VALUES:
+            raise PayloadTooLarge(
+                f"the request body holds about {values} JSON values; the limit is {MAX_JSON_VALUES}: "
+                f"split it (a batch of documents or lookups into several requests)"
+            )
+
+
+class ClientGone(Exception):
+    """The client disconnected before its request was read."""
+
+
+async def send_bytes(send: Send, status: int, headers: Headers, body: bytes) -> None:
+    """A whole answer; a 204 or a 304 goes without Content-Length or body (RFC 9110 §8.6, §15.4.5),
+    whichever server writes it (uvicorn writes what it is given: a 304's body would be read by the
+    client as the start of the next answer on the connection)."""
+    if status == 204 or status == 304:
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": b""})
+        return
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [*headers, (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_error(send: Send, error: ProxyError, extra_headers: Headers | None = None) -> None:
+    """The proxy's own error, as the OpenAI envelope with the error's status."""
+    headers = [*JSON_HEADERS, *error.headers, *(extra_headers or [])]
+    if error.status == 401:
+        headers.append((b"www-authenticate", b"Bearer"))
+    await send_bytes(send, error.status, headers, error.body())
+
+
+async def lifespan_noop(receive: Receive, send: Send) -> None:
+    """Answer the lifespan protocol for an app that holds no resources."""
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return

@@ -1,0 +1,112 @@
+"""Request headers -> a frozen `RequestKey` (contract §3).
+
+Every bad value raises `BadRequest` naming the header in `param` and saying
+what a good value looks like; the request is then neither forwarded nor
+stored. Only the integer rank and chunk index ever reach a file path.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import NamedTuple
+
+from app.service.errors import BadRequest
+
+MAX_DOC_ID_BYTES = 1024
+MAX_RANK = 99_999
+MAX_INT64 = 2**63 - 1
+
+
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+class RequestKey(NamedTuple):
+    """Who a request works for. `doc_id=None`: not cacheable (X-Cache: BYPASS).
+
+    A NamedTuple rather than a frozen dataclass: as immutable, and built in a
+    third of the time on the hit path, where every microsecond shows.
+    """
+
+    doc_id: str | None
+    rollout_idx: int = 0
+    chunk_index: int | None = None
+    rank: int = 0
+    no_cache: bool = False
+    no_store: bool = False
+
+
+def parse_request_key(headers: list[tuple[bytes, bytes]]) -> RequestKey:
+    """Parse raw ASGI headers (lower-case names) into a `RequestKey`; a key header given twice is refused."""
+    doc_id: str | None = None
+    rollout_idx: int | None = None
+    chunk_index: int | None = None
+    rank: int | None = None
+    no_cache = no_store = False
+    for name, value in headers:
+        if not name.startswith((b"x-", b"cache-control")):
+            continue
+        if name == b"x-doc-id":
+            if doc_id is not None:
+                raise twice("X-Doc-Id")
+            doc_id = parse_doc_id(value)
+        elif name == b"x-rollout-idx":
+            if rollout_idx is not None:
+                raise twice("X-Rollout-Idx")
+            rollout_idx = parse_int(value, "X-Rollout-Idx")
+        elif name == b"x-chunk-index":
+            if chunk_index is not None:
+                raise twice("X-Chunk-Index")
+            chunk_index = parse_int(value, "X-Chunk-Index")
+        elif name == b"x-rank":
+            if rank is not None:
+                raise twice("X-Rank")
+            rank = parse_rank(value)
+        elif name == b"cache-control":
+            directives = {d.strip().lower() for d in value.decode("latin-1").split(",")}
+            no_cache = no_cache or "no-cache" in directives
+            no_store = no_store or "no-store" in directives
+    return RequestKey(doc_id, rollout_idx or 0, chunk_index, rank or 0, no_cache, no_store)
+
+
+def single_header(headers: list[tuple[bytes, bytes]], name: bytes, param: str) -> bytes | None:
+    """The value of a header that may be given once (None if absent); `BadRequest` if given twice."""
+    found: bytes | None = None
+    for key, value in headers:
+        if key == name:
+            if found is not None:
+                raise twice(param)
+            found = value
+    return found
+
+
+def twice(header: str) -> BadRequest:
+    # Which of two values would win differs between proxies and servers: neither is taken.
+    return BadRequest(f"{header} is given more than once: send it once", param=header)
+
+
+def parse_doc_id(value: bytes) -> str:
+    if not value:
+        raise BadRequest("X-Doc-Id must not be empty; omit the header to bypass the cache", param="X-Doc-Id")
+    if len(value) > MAX_DOC_ID_BYTES:
+        raise BadRequest(f"X-Doc-Id must be at most {MAX_DOC_ID_BYTES} bytes, got {len(value)}", param="X-Doc-Id")
+    try:
+        text = value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadRequest("X-Doc-Id must be UTF-8 text", param="X-Doc-Id") from None
+    if _CONTROL.search(text):
+        raise BadRequest(f"X-Doc-Id must not contain control characters, got {text!r}", param="X-Doc-Id")
+    return text
+
+
+def parse_int(value: bytes, header: str, *, maximum: int = MAX_INT64) -> int:
+    """A non-negative integer up to `maximum` (by default what SQLite and orjson store: 64 bits)."""
+    text = value.decode("latin-1").strip()
+    limit = "2^63-1" if maximum == MAX_INT64 else str(maximum)
+    # the length first: int() of more than 4300 digits raises ValueError
+    if not text.isascii() or not text.isdigit() or len(text) > len(str(maximum)) or int(text) > maximum:
+        raise BadRequest(f"{header} must be an integer >= 0 and <= {limit}, got {text[:40]!r}", param=header)
+    return int(text)
+
+
+def parse_rank(value: bytes) -> int:
+    return parse_int(value, "X-Rank", maximum=MAX_RANK)

@@ -1,0 +1,400 @@
+"""`/v1/*`: the caching proxy (contract §3-4), on raw ASGI for speed.
+
+`POST /v1/chat/completions` and `POST /v1/completions` are looked up by
+`(rank, doc_id, rollout_idx, payload_hash)`: a hit is replayed unchanged
+(status, body bytes, content type); a miss is forwarded, passed back as it
+arrives (SSE chunk by chunk) and stored if cacheable; identical requests in
+flight share one upstream call. Every other `/v1/*` route is forwarded
+unchanged and not cached.
+
+A hit costs a header scan, a JSON parse and hash, and one SQLite point
+query: no framework request/response objects, no routing tables. `lookup`
+does all of it, synchronously; `app.service.app.InferProxy.answer_fast` calls it inside
+the server's protocol callback, before any task or ASGI message exists, and
+what it cannot answer (a miss, a bad header) reaches `cacheable` with the
+`Lookup` in the scope's extensions, so that it is not parsed and hashed twice.
+Under a server without that fast path (uvicorn), `cacheable` calls `lookup` itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Coroutine
+from typing import Any, NamedTuple, TypeVar
+
+import orjson
+
+from app.http.asgi import Answer, CutConnection
+from app.http.client import HTTPClientError
+from app.service.asgi import Headers, Receive, Scope, Send, check_json_cost, read_body, send_bytes, send_error
+from app.service.errors import BadRequest, ProxyError
+from app.service.headers import RequestKey, parse_request_key
+from app.service.services import Services
+from app.service.upstream import UpstreamResponse, response_headers
+from app.store.cache import RequestCache, StoredResponse
+from app.store.hashing import payload_hash
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: The scope key under which a forwarding handler leaves the replica that answered, for the request's log line.
+REPLICA = "inferproxy.replica"
+CACHEABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+NO_CHUNK = -1  # the chunk_index stored for requests without X-Chunk-Index: never dropped by a chunk
+_PASSED_ON = frozenset({b"retry-after"})
+
+
+class Lookup(NamedTuple):
+    """A cacheable request parsed, hashed and looked up: what `lookup` found, for whichever path answers.
+
+    `looked` is False when the rank's cache was not open (the fast path opens nothing): `hit` is then
+    None for want of a look, and the ASGI path opens the cache and looks again.
+    """
+
+    key: RequestKey
+    body: bytes
+    digest: str
+    hit: StoredResponse | None
+    looked: bool
+    #: the cache looked in and its `stores` then: no answer stored in it since means the look still holds
+    cache: RequestCache | None = None
+    stores: int = -1
+
+
+#: The scope extension under which the fast path leaves its `Lookup` for the ASGI path (and says that the
+#: request is authenticated: the fast path looks up nothing for a request that is not).
+LOOKUP = "inferproxy.lookup"
+
+
+def lookup(services: Services, headers: Headers, body: bytes) -> Lookup:
+    """Parse the cache key from `headers`, hash `body`, find the stored answer in the rank's open cache.
+
+    The one lookup of both paths: `answer_fast` (synchronously, in the server's protocol callback)
+    and `cacheable` (the ASGI path). `BadRequest` for a bad header or body.
+    """
+    key = parse_request_key(headers)
+    digest = payload_digest(body)
+    if key.doc_id is None or key.no_cache:
+        return Lookup(key, body, digest, None, True)
+    cache = services.caches.opened_cache(key.rank)
+    if cache is None:
+        return Lookup(key, body, digest, None, False)  # not looked: the cache is not open
+    hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
+    return Lookup(key, body, digest, hit, True, cache, cache.stores)
+
+
+def stored_answer(answer: StoredResponse, state: bytes, digest: str) -> Answer:
+    """A stored answer as it is replayed (a hit, or a flight's shared answer)."""
+    headers = [
+        (b"content-type", answer.content_type.encode("latin-1")),
+        (b"x-cache", state),
+        (b"x-payload-hash", digest.encode()),
+    ]
+    return Answer(answer.status, headers, answer.body)
+
+
+def payload_digest(body: bytes) -> str:
+    check_json_cost(body)
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body must be a JSON object: {exc}") from None
+    if not isinstance(payload, dict):
+        raise BadRequest(f"the request body must be a JSON object, got a JSON {type(payload).__name__}")
+    return request_digest(payload)
+
+
+def request_digest(payload: dict[str, Any]) -> str:
+    """`payload_hash` of a parsed body; orjson parses 1024 levels of nesting but serializes only 254."""
+    try:
+        return payload_hash(payload)
+    except TypeError as exc:
+        raise BadRequest(f"the request body is nested too deep to be keyed: {exc}") from None
+
+
+async def cacheable(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+    """`POST /v1/chat/completions` and `/v1/completions`: the stored answer, or the upstream's (then stored)."""
+    extensions = scope.get("extensions")
+    found: Lookup | None = extensions.get(LOOKUP) if extensions else None
+    if found is None:
+        body = await read_body(scope, receive, services.settings.max_body_bytes)
+        found = lookup(services, scope["headers"], body)
+    key = found.key
+    if key.doc_id is None:
+        forwarding = forward(services, scope, receive, send, key, found.digest, found.body, b"BYPASS", cache=None)
+        await kept_by_nobody(receive, found.body, forwarding)
+        return
+    with services.activity.using(key.rank):
+        if not found.looked:
+            await services.caches.get(key.rank)
+            found = lookup(services, scope["headers"], found.body)
+        await cached_or_forwarded(services, scope, receive, send, found)
+
+
+async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive, send: Send, found: Lookup) -> None:
+    key, digest, body = found.key, found.digest, found.body
+    assert key.doc_id is not None
+    cache = services.caches.opened_cache(key.rank) or await services.caches.get(key.rank)
+    flight_key = (key.rank, key.doc_id, key.rollout_idx, digest)
+    if not key.no_cache:
+        hit, looked_at = found.hit, found.stores if found.cache is cache else -1
+        while hit is None:
+            flight = services.flights.get(flight_key)
+            if flight is None:
+                # The lookup may be an earlier turn's (the fast path's, before this task ran, or
+                # one from before a leader failed): an identical request may have been answered
+                # and stored since. Look again now, with nothing awaited between this look and
+                # leading, or the key is generated twice; unless nothing at all was stored since.
+                if cache.stores != looked_at:
+                    hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
+                break
+            # shield: a follower whose client leaves must not cancel the leader's future
+            shared = await asyncio.shield(flight)
+            if shared is not None:
+                services.metrics.replayed(key.rank, True, shared.body)
+                await send_answer(send, stored_answer(shared, b"COALESCED", digest))
+                return
+            # the leader got no whole answer (its client left mid-stream): look again, maybe lead
+        if hit is not None:
+            services.metrics.replayed(key.rank, False, hit.body)
+            await send_answer(send, stored_answer(hit, b"HIT", digest))
+            return
+    state = b"REFRESH" if key.no_cache else b"MISS"
+    future: asyncio.Future[StoredResponse | None] = asyncio.get_running_loop().create_future()
+    # A no-store request does not lead: its followers' answer would never be stored.
+    if not key.no_cache and not key.no_store:
+        services.flights[flight_key] = future
+    answer: StoredResponse | None = None
+    try:
+        forwarding = forward(services, scope, receive, send, key, digest, body, state, cache=cache)
+        answer = await (kept_by_nobody(receive, body, forwarding) if key.no_store else forwarding)
+    finally:
+        if services.flights.get(flight_key) is future:
+            del services.flights[flight_key]
+        future.set_result(answer)
+
+
+async def send_answer(send: Send, answer: Answer) -> None:
+    await send_bytes(send, answer.status, answer.headers, answer.body)
+
+
+async def kept_by_nobody(receive: Receive, body: bytes, forwarding: Coroutine[Any, Any, T]) -> T | None:
+    """A forwarding whose answer is not stored (no `X-Doc-Id`, or `no-store`), stopped when its client
+    leaves, as the upstream itself would stop it; a stream stops so by itself (`stream_through`). A
+    stored answer is awaited whatever the client does: for its retry, and for the followers."""
+    if _streamed(body):
+        return await forwarding
+    return await until_client_leaves(receive, forwarding)
+
+
+def _streamed(body: bytes) -> bool:
+    """Whether the request may ask for a stream (`stream` set and not false, 0 or null: a value the
+    upstream may take for true counts); its JSON is valid, `lookup` checked."""
+    return b'"stream"' in body and orjson.loads(body).get("stream") not in (None, False)
+
+
+async def forward(
+    services: Services,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    key: RequestKey,
+    digest: str,
+    body: bytes,
+    state: bytes,
+    *,
+    cache: RequestCache | None,
+) -> StoredResponse | None:
+    """Forward to the upstream and pass the answer back as it arrives.
+
+    Returns the whole answer when one was received (whatever its status),
+    None when there was none (upstream unreachable, stream cut short);
+    stores it when it is cacheable.
+    """
+    pool = services.pool
+    ours: Headers = [(b"x-cache", state), (b"x-payload-hash", digest.encode())]
+    try:
+        async with pool.request(
+            "POST", scope["path"], headers=pool.upstream_headers(scope["headers"]), body=body
+        ) as upstream:
+            scope[REPLICA] = upstream.replica.url
+            if key.doc_id is not None:  # generated upstream (not refused, not queued past the limit)
+                counters = services.metrics.rank(key.rank)
+                if key.no_cache:
+                    counters.refreshed += 1
+                else:
+                    counters.misses += 1
+            content_type = upstream.content_type
+            headers: Headers = [(b"content-type", content_type.encode("latin-1")), *ours]
+            headers += [(k, v) for k, v in response_headers(upstream.headers) if k in _PASSED_ON]
+            if content_type.startswith("text/event-stream"):
+                data = await stream_through(upstream, receive, send, headers, services.settings.max_response_bytes)
+                if data is None:
+                    return None
+                answer = StoredResponse(upstream.status, data, content_type, streamed=True)
+                whole = data.rstrip().endswith(b"data: [DONE]")
+            else:
+                data = await upstream.read()
+                answer = StoredResponse(upstream.status, data, content_type)
+                await send_bytes(send, upstream.status, headers, data)
+                whole = True
+            # An answer that ends where the connection does may have been cut: passed on, never kept.
+            whole = whole and not upstream.framed_by_close
+    except ProxyError as error:
+        await send_error(send, error, ours)
+        return None
+    disguised = error_in_disguise(answer) if whole and 200 <= answer.status < 300 else None
+    if disguised is not None:
+        logger.warning(
+            "the upstream answered %s for doc %r (rank %d): passed on, not stored, so that it is generated "
+            "again when asked again",
+            disguised,
+            key.doc_id,
+            key.rank,
+        )
+    if (
+        cache is not None
+        and key.doc_id is not None
+        and whole
+        and disguised is None
+        and not key.no_store
+        and cacheable_status(answer.status, services.settings.cache_error_statuses)
+    ):
+        chunk_index = NO_CHUNK if key.chunk_index is None else key.chunk_index
+        cache.store_response(chunk_index, key.doc_id, key.rollout_idx, digest, answer)
+    return answer if whole else None
+
+
+def error_in_disguise(answer: StoredResponse) -> str | None:
+    """What makes a 2xx answer an error all the same, or None: a stream with an error event (vLLM ends a
+    stream so when its engine fails mid-generation, then sends `[DONE]`), or a body that is an error
+    envelope (`{"error": ...}`, or vLLM's older `{"object": "error", ...}`). Such answers are never stored."""
+    body = answer.body
+    if b'"error"' not in body:  # the common case: one scan, no parse
+        return None
+    if answer.streamed:
+        for line in body.split(b"\n"):
+            if line.startswith(b"data:") and b'"error"' in line and _is_error(line[5:]):
+                return "a stream with an error event"
+        return None
+    return "a 2xx whose body is an error" if _is_error(body) else None
+
+
+def _is_error(data: bytes) -> bool:
+    try:
+        payload = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(payload, dict) and ("error" in payload or payload.get("object") == "error")
+
+
+async def stream_through(
+    upstream: UpstreamResponse, receive: Receive, send: Send, headers: Headers, limit: int
+) -> bytes | None:
+    """Pass an SSE answer on chunk by chunk; return all of it, or None if the client left or the
+    answer was over `limit` bytes (passed on whole all the same, but not kept to be stored).
+
+    A client that leaves has the upstream's connection dropped at once, so that the generation stops:
+    not when the upstream's next chunk comes, which may be long (a prompt still in prefill, a request
+    queued behind others, an engine that runs ahead of its server and sends the rest at its end)."""
+    await send({"type": "http.response.start", "status": upstream.status, "headers": headers})
+    gone = asyncio.ensure_future(_disconnected(receive))
+    streaming = True
+
+    def on_gone(task: asyncio.Future[None]) -> None:
+        # Runs a loop turn after the client left: by then the stream may have ended and its connection
+        # gone back to the pool, another request's now.
+        if streaming:
+            upstream.abort()
+
+    gone.add_done_callback(on_gone)
+    pieces: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in upstream.iter_chunks():
+            if gone.done():
+                return None
+            size += len(chunk)
+            if size <= limit:
+                pieces.append(chunk)
+            elif pieces:
+                pieces = []  # too large to store: stop holding it
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+    except HTTPClientError as exc:
+        if gone.done():
+            return None  # the connection `on_gone` dropped
+        # The upstream died mid-answer. The status line is gone already: end the
+        # response without its terminating chunk so that the client sees a cut.
+        logger.warning("the upstream stream broke off after %d bytes: %s", size, exc)
+        raise StreamBrokeOff from exc
+    finally:
+        streaming = False
+        gone.cancel()
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
+    if size > limit:
+        logger.warning("a streamed answer of %d bytes was passed on but not stored: over max_response_bytes", size)
+        return None
+    return b"".join(pieces)
+
+
+class StreamBrokeOff(CutConnection):
+    """The upstream's stream ended before its answer did; the client's connection is dropped (an expected
+    event: a WARNING says so, no traceback)."""
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def cacheable_status(status: int, error_statuses: list[int]) -> bool:
+    return 200 <= status < 300 or status in error_statuses
+
+
+async def forward_uncached(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+    """Any other `/v1/*` request: forwarded unchanged (method, query, body, status, streaming).
+
+    A client that leaves, before the answer or in the middle of it, takes the upstream call with it:
+    its connection is closed, so that the upstream stops generating for nobody.
+    """
+    body = await read_body(scope, receive, services.settings.max_body_bytes)
+    await until_client_leaves(receive, _pass_on(services, scope, send, body))
+
+
+async def until_client_leaves(receive: Receive, work: Coroutine[Any, Any, T]) -> T | None:
+    """`work`'s result, or None if the client leaves first: `work` is then cancelled, and an upstream
+    answer it left unread (inside `pool.request`) closes its connection, so the upstream stops."""
+    passing = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(receive))
+    try:
+        await asyncio.wait((passing, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not passing.done():
+            passing.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await passing
+    return None if passing.cancelled() else passing.result()
+
+
+async def _pass_on(services: Services, scope: Scope, send: Send, body: bytes) -> None:
+    pool = services.pool
+    # raw_path: the path as the client encoded it (%2F stays %2F, a space stays %20)
+    path = scope.get("raw_path") or scope["path"].encode()
+    query = scope.get("query_string") or b""
+    target = path.decode("latin-1") + (f"?{query.decode('latin-1')}" if query else "")
+    async with pool.request(scope["method"], target, headers=pool.upstream_headers(scope["headers"]), body=body) as up:
+        scope[REPLICA] = up.replica.url
+        await send({"type": "http.response.start", "status": up.status, "headers": response_headers(up.headers)})
+        size = 0
+        try:
+            async for chunk in up.iter_chunks():
+                size += len(chunk)
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        except HTTPClientError as exc:
+            # the path without its query, which may hold what is not for the log
+            logger.warning("the upstream's answer to %s broke off after %d bytes: %s", scope["path"], size, exc)
+            raise StreamBrokeOff from exc
+        await send({"type": "http.response.body", "body": b"", "more_body": False})

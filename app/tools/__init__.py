@@ -1,0 +1,1 @@
+"""Commands built on the layers below: status, inspect, demo, the fake upstream."""

@@ -1,0 +1,354 @@
+from __future__ import annotations
+
+import asyncio
+import os
+import sqlite3
+from pathlib import Path
+from typing import Any
+
+import pytest
+from datatrove.pipeline.inference.checkpointing import RequestCache as DatatroveRequestCache
+
+import app.store.cache
+from app.store.cache import MIGRATIONS, CacheWriteError, RequestCache, apply_migrations
+from app.store.durable import is_disk_full
+from app.store.hashing import payload_hash
+
+PAYLOAD = {"messages": [{"role": "user", "content": "hello"}]}
+H = payload_hash(PAYLOAD)
+RESULT = {"text": "world", "finish_reason": "stop", "usage": {"prompt_tokens": 1}, "reasoning": "scratchpad"}
+
+
+async def opened(path: Path, **kwargs: Any) -> RequestCache:
+    cache = RequestCache(str(path), **kwargs)
+    await cache.initialize(0)
+    return cache
+
+
+def rows(path: Path, rank: int = 0) -> list[tuple[Any, ...]]:
+    with sqlite3.connect(path / f"{rank:05d}" / "replay.sqlite3") as conn:
+        return conn.execute(
+            "SELECT chunk_index, doc_id, rollout_idx, payload_hash, result, error_message FROM request_cache "
+            "ORDER BY doc_id, rollout_idx"
+        ).fetchall()
+
+
+async def test_store_and_fetch_across_instances_as_datatrove_does(tmp_path: Path) -> None:
+    cache = await opened(tmp_path)
+    assert await cache.get_cached_response("doc-1", 0, payload_hash=H) == (None, None)
+    await cache.store_result(0, "doc-1", 0, RESULT, payload_hash=H)
+    await cache.store_error(0, "doc-2", 0, "boom", payload_hash=H)
+    await cache.flush()
+
+    resume = await opened(tmp_path)
+    assert await resume.get_cached_response("doc-1", 0, payload_hash=H) == (RESULT, None)
+    assert await resume.get_cached_response("doc-2", 0, payload_hash=H) == (None, "boom")
+    await resume.mark_document_complete("doc-1")
+    assert await resume.get_cached_response("doc-1", 0, payload_hash=H) == (None, None)
+    await resume.drop_chunk(0)
+    await resume.close(delete_file=True)
+    await cache.close()
+    assert not list(tmp_path.glob("*/replay.sqlite3"))
+
+
+async def test_answers_stored_in_this_run_are_not_replayed_by_default(tmp_path: Path) -> None:
+    cache = await opened(tmp_path)
+    await cache.store_result(0, "doc-1", 0, RESULT, payload_hash=H)
+    await cache.flush()
+    assert await cache.get_cached_response("doc-1", 0, payload_hash=H) == (None, None)
+    await cache.close()
+
+
+async def test_replay_same_run_serves_an_answer_before_it_is_committed(tmp_path: Path) -> None:
+    cache = await opened(tmp_path, replay_same_run=True, flush_interval_ms=60_000)
+    await cache.store_result(3, "doc-1", 0, RESULT, payload_hash=H)
+    await cache.store_error(3, "doc-1", 1, "too long", payload_hash=H)
+    assert rows(tmp_path) == []  # nothing committed yet
+    assert await cache.get_cached_response("doc-1", 0, payload_hash=H) == (RESULT, None)
+    assert await cache.get_cached_response("doc-1", 1, payload_hash=H) == (None, "too long")
+    assert await cache.get_cached_response("doc-1", 2, payload_hash=H) == (None, None)
+    await cache.close()
+
+
+async def test_newest_answer_for_a_key_wins(tmp_path: Path) -> None:
+    cache = await opened(tmp_path, replay_same_run=True)
+    await cache.store_result(0, "d", 0, {"v": 1}, payload_hash=H)
+    await cache.flush()
+    await cache.store_error(0, "d", 0, "later error", payload_hash=H)
+    await cache.flush()
+    assert await cache.get_cached_response("d", 0, payload_hash=H) == (None, "later error")
+    assert len(rows(tmp_path)) == 1
+    await cache.close()
+
+
+async def test_stores_between_flushes_are_committed_in_one_transaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    batches: list[int] = []
+    real = app.store.cache._write_batch
+
+    def counting(conn: sqlite3.Connection, batch: list[Any], *drop: Any) -> Any:
+        batches.append(len(batch))
+        return real(conn, batch, *drop)
+
+    monkeypatch.setattr(app.store.cache, "_write_batch", counting)
+    cache = await opened(tmp_path, flush_interval_ms=60_000)
+    for i in range(1000):
+        await cache.store_result(0, f"doc-{i}", 0, {"i": i}, payload_hash=H)
+    await cache.flush()
+    assert batches == [1000]
+    assert len(rows(tmp_path)) == 1000
+    await cache.close()
+
+
+@pytest.mark.parametrize("count", [1, 3, 4, 37, 256, 293, 1000])
+async def test_a_batch_of_any_size_is_written_whole_in_multi_row_statements(tmp_path: Path, count: int) -> None:
+    cache = await opened(tmp_path, flush_interval_ms=60_000)
+    await cache.store_result(7, "doc-0", 0, {"old": True}, payload_hash=H)
+    await cache.flush()
+    for i in range(count):  # doc-0 again among them: its newer answer replaces the committed one
+        await cache.store_result(i % 3, f"doc-{i}", i % 2, {"i": i}, payload_hash=H)
+    await cache.flush()
+    stored = rows(tmp_path)
+    assert len(stored) == count
+    assert {(r[0], r[1], r[2]) for r in stored} == {(i % 3, f"doc-{i}", i % 2) for i in range(count)}
+    reader = await opened(tmp_path)
+    for i in (0, count // 2, count - 1):
+        assert await reader.get_cached_response(f"doc-{i}", i % 2, payload_hash=H) == ({"i": i}, None)
+    await reader.close()
+    await cache.close()
+
+
+async def test_writer_commits_on_its_own_within_the_flush_window(tmp_path: Path) -> None:
+    cache = await opened(tmp_path, flush_interval_ms=5)
+    await cache.store_result(0, "doc-1", 0, RESULT, payload_hash=H)
+    for _ in range(400):  # bounded wait: up to ~4 s on a loaded machine
+        if rows(tmp_path):
+            break
+        await asyncio.sleep(0.01)
+    assert [r[1] for r in rows(tmp_path)] == ["doc-1"]
+    await cache.close()
+
+
+async def test_drop_chunk_deletes_committed_and_pending_rows_of_that_chunk_only(tmp_path: Path) -> None:
+    cache = await opened(tmp_path, flush_interval_ms=60_000)
+    await cache.store_result(0, "a", 0, {"v": "a"}, payload_hash=H)
+    await cache.flush()
+    await cache.store_result(0, "b", 0, {"v": "b"}, payload_hash=H)  # pending
+    await cache.store_result(1, "c", 0, {"v": "c"}, payload_hash=H)
+    await cache.drop_chunk(0)
+    assert [r[1] for r in rows(tmp_path)] == ["c"]
+    await cache.close()
+
+
+async def test_flush_failure_raises_and_keeps_the_rows_for_the_next_attempt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = app.store.cache._write_batch
+    calls = 0
+
+    def failing_once(conn: sqlite3.Connection, batch: list[Any], *drop: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise sqlite3.OperationalError("database or disk is full")
+        return real(conn, batch, *drop)
+
+    monkeypatch.setattr(app.store.cache, "_write_batch", failing_once)
+    cache = await opened(tmp_path, flush_interval_ms=60_000)
+    await cache.store_result(0, "a", 0, {"v": 1}, payload_hash=H)
+    with pytest.raises(CacheWriteError, match="disk is full"):
+        await cache.flush()
+    await cache.store_result(0, "b", 0, {"v": 2}, payload_hash=H)
+    await cache.flush()
+    assert [r[1] for r in rows(tmp_path)] == ["a", "b"]
+    await cache.close()
+
+
+async def test_a_commit_a_full_disk_refuses_is_a_cache_write_error_caused_by_it(tmp_path: Path) -> None:
+    # The checkpoint routes answer 507 for it, not 500, by asking the cause.
+    cache = await opened(tmp_path, flush_interval_ms=60_000)
+    assert cache._writer is not None
+    pages = cache._writer.execute("PRAGMA page_count").fetchone()[0]
+    cache._writer.execute(f"PRAGMA max_page_count = {pages}")  # SQLite refuses to grow the file, as on a full disk
+    await cache.store_result(0, "a", 0, {"v": "x" * 100_000}, payload_hash=H)
+    with pytest.raises(CacheWriteError, match="database or disk is full") as refused:
+        await cache.flush()
+    assert is_disk_full(refused.value.__cause__)
+    cache._writer.execute(f"PRAGMA max_page_count = {2**30}")  # space freed: the queued row is committed
+    await cache.flush()
+    assert [r[1] for r in rows(tmp_path)] == ["a"]
+    await cache.close()
+
+
+async def test_disabled_cache_is_a_no_op(tmp_path: Path) -> None:
+    cache = RequestCache(None)
+    assert cache.enabled is False
+    await cache.initialize(0)
+    await cache.store_result(0, "a", 0, {"v": 1}, payload_hash=H)
+    await cache.store_error(0, "a", 0, "e", payload_hash=H)
+    assert await cache.get_cached_response("a", 0, payload_hash=H) == (None, None)
+    await cache.flush()
+    await cache.drop_chunk(0)
+    await cache.mark_document_complete("a")
+    await cache.close(delete_file=True)
+    assert list(tmp_path.iterdir()) == []
+
+
+async def test_close_is_idempotent_and_delete_file_removes_wal_files(tmp_path: Path) -> None:
+    cache = await opened(tmp_path)
+    await cache.store_result(0, "a", 0, {"v": 1}, payload_hash=H)
+    await cache.close(delete_file=True)
+    await cache.close(delete_file=True)
+    assert os.listdir(tmp_path / "00000") == []
+
+
+def test_migrations_from_a_blank_file_create_datatrove_table_plus_response_columns(tmp_path: Path) -> None:
+    conn = sqlite3.connect(tmp_path / "blank.sqlite3", isolation_level=None)
+    assert apply_migrations(conn) == [name for name, _ in MIGRATIONS]
+    columns = [row[1] for row in conn.execute("PRAGMA table_info(request_cache)")]
+    assert columns == [
+        "chunk_index",
+        "doc_id",
+        "rollout_idx",
+        "payload_hash",
+        "result",
+        "error_message",
+        "status_code",
+        "content_type",
+        "streamed",
+    ]
+    primary_key = sorted((row[5], row[1]) for row in conn.execute("PRAGMA table_info(request_cache)") if row[5])
+    assert [name for _, name in primary_key] == ["doc_id", "rollout_idx", "payload_hash"]
+    assert apply_migrations(conn) == []  # recorded by name: never applied twice
+    conn.close()
+
+
+async def test_a_cache_written_by_datatrove_is_migrated_and_read(tmp_path: Path) -> None:
+    theirs = DatatroveRequestCache(str(tmp_path))
+    await theirs.initialize(0)
+    await theirs.store_result(2, "doc-1", 0, RESULT, payload_hash=H)
+    await theirs.store_error(2, "doc-2", 1, "boom", payload_hash=H)
+    await theirs.close()
+
+    ours = await opened(tmp_path)
+    assert await ours.get_cached_response("doc-1", 0, payload_hash=H) == (RESULT, None)
+    assert await ours.get_cached_response("doc-2", 1, payload_hash=H) == (None, "boom")
+    await ours.drop_chunk(2)
+    assert rows(tmp_path) == []
+    await ours.close()
+
+
+async def test_a_cache_written_by_inferproxy_is_read_by_datatrove(tmp_path: Path) -> None:
+    ours = await opened(tmp_path)
+    await ours.store_result(0, "doc-1", 0, RESULT, payload_hash=H)
+    await ours.store_error(0, "doc-2", 0, "boom", payload_hash=H)
+    await ours.close()
+
+    theirs = DatatroveRequestCache(str(tmp_path))
+    await theirs.initialize(0)
+    assert await theirs.get_cached_response("doc-1", 0, payload_hash=H) == (RESULT, None)
+    assert await theirs.get_cached_response("doc-2", 0, payload_hash=H) == (None, "boom")
+    await theirs.store_result(0, "doc-3", 0, {"x": 1}, payload_hash=H)  # its 6-column INSERT still works
+    await theirs.close()
+    assert [r[1] for r in rows(tmp_path)] == ["doc-1", "doc-2", "doc-3"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ((0, None, 0), "doc_id must be a str"),
+        ((0, "d", "1"), "rollout_idx must be a 64-bit integer"),
+        ((2**64, "d", 0), "chunk_index must be a 64-bit integer"),
+    ],
+)
+async def test_a_key_sqlite_cannot_store_is_refused_at_store_time(
+    tmp_path: Path, args: tuple[Any, Any, Any], message: str
+) -> None:
+    cache = await opened(tmp_path)
+    await cache.store_result(0, "good", 0, {"v": 1}, payload_hash=H)
+    with pytest.raises(TypeError, match=message):
+        await cache.store_result(args[0], args[1], args[2], {"v": 2}, payload_hash=H)
+    await cache.flush()  # the good row is not held hostage by the bad one
+    assert [r[1] for r in rows(tmp_path)] == ["good"]
+    await cache.close()
+
+
+async def test_an_error_message_with_undecodable_bytes_is_stored(tmp_path: Path) -> None:
+    cache = await opened(tmp_path)
+    await cache.store_error(0, "d", 0, "upstream said \udcff", payload_hash=H)
+    await cache.close()
+    assert rows(tmp_path)[0][5] == "upstream said ?"
+
+
+async def test_any_failure_in_a_commit_keeps_the_rows_and_the_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = app.store.cache._write_batch
+    calls = 0
+
+    def flaky(conn: sqlite3.Connection, batch: list[Any], *drop: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise RuntimeError("something unexpected")
+        return real(conn, batch, *drop)
+
+    monkeypatch.setattr(app.store.cache, "_write_batch", flaky)
+    cache = await opened(tmp_path, flush_interval_ms=1)
+    await cache.store_result(0, "a", 0, {"v": 1}, payload_hash=H)
+    for _ in range(500):  # bounded: the writer retries on its own
+        if rows(tmp_path):
+            break
+        await asyncio.sleep(0.01)
+    assert [r[1] for r in rows(tmp_path)] == ["a"]
+    assert cache._writer_task is not None
+    assert not cache._writer_task.done()
+    await cache.close()
+
+
+async def test_a_cancelled_flush_keeps_the_lock_until_its_commit_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    real = app.store.cache._write_batch
+    running = 0
+    overlap = False
+    gate = threading.Event()
+
+    def slow(conn: sqlite3.Connection, batch: list[Any], *drop: Any) -> Any:
+        nonlocal running, overlap
+        running += 1
+        overlap = overlap or running > 1
+        gate.wait(2)
+        try:
+            return real(conn, batch, *drop)
+        finally:
+            running -= 1
+
+    monkeypatch.setattr(app.store.cache, "_write_batch", slow)
+    cache = await opened(tmp_path, flush_interval_ms=60_000)
+    await cache.store_result(0, "first", 0, {"v": 1}, payload_hash=H)
+    flush = asyncio.create_task(cache.flush())
+    await asyncio.sleep(0.05)
+    flush.cancel()
+    await cache.store_result(0, "second", 0, {"v": 2}, payload_hash=H)
+    second = asyncio.create_task(cache.flush())
+    await asyncio.sleep(0.05)
+    gate.set()
+    with pytest.raises(asyncio.CancelledError):
+        await flush
+    await second
+    assert not overlap
+    assert [r[1] for r in rows(tmp_path)] == ["first", "second"]
+    await cache.close()
+
+
+async def test_drop_chunk_racing_close_is_harmless(tmp_path: Path) -> None:
+    cache = await opened(tmp_path)
+    await cache.store_result(3, "a", 0, {"v": 1}, payload_hash=H)
+    results = await asyncio.gather(cache.close(), cache.drop_chunk(3), return_exceptions=True)
+    assert results == [None, None]
+    await cache.drop_chunk(3)  # after close: nothing to do, nothing raised
+    assert [r[1] for r in rows(tmp_path)] in ([], ["a"])  # whichever ran first
