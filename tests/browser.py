@@ -12,7 +12,6 @@ import base64
 import contextlib
 import itertools
 import os
-import shutil
 import signal
 import subprocess
 import time
@@ -23,35 +22,17 @@ from typing import Any
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
 
+from tests.apt import CannotInstall, installed
+
+__all__ = ["CannotInstall", "chromium_path"]
+
 #: Bounds every wait on the browser: far above what a page load or a 2 s poll takes.
 TIMEOUT_S = 30.0
 
 
 def chromium_path() -> str:
     """Chromium's command, installed with apt-get if missing; `CannotInstall` says why it cannot be."""
-    found = shutil.which("chromium")
-    if found:
-        return found
-    if shutil.which("apt-get") is None:
-        raise CannotInstall("chromium is not installed and there is no apt-get to install it with")
-    if os.geteuid() != 0:
-        raise CannotInstall("chromium is not installed and installing it needs root: apt-get install chromium")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    install = ["apt-get", "-o", "DPkg::Lock::Timeout=300", "install", "-y", "chromium"]
-    done = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:  # a fresh machine has no package lists yet
-        subprocess.run(["apt-get", "update"], env=env, capture_output=True, check=False)
-        done = subprocess.run(install, env=env, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise CannotInstall(f"apt-get install chromium failed: {(done.stderr or done.stdout).strip()[-500:]}")
-    installed = shutil.which("chromium")
-    if installed is None:
-        raise CannotInstall("apt-get installed chromium, but there is no `chromium` command on PATH")
-    return installed
-
-
-class CannotInstall(RuntimeError):
-    pass
+    return installed("chromium", ["chromium"])
 
 
 class Browser:
