@@ -21,8 +21,8 @@ from hypothesis import seed as hypothesis_seed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.http_fuzz import Finding, Part, request_streams, response_streams
 from tests.http.test_fuzz import client_findings, excuse, server_findings
+from tests.http_fuzz import Finding, Part, request_streams, response_streams
 
 
 class Collector:
