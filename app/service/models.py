@@ -1,0 +1,181 @@
+"""The control plane's request and answer bodies as pydantic models: what `/openapi.json` and `/docs` show.
+
+The routes parse and validate their bodies themselves (`app.service.routes`), with the limits and
+one-line messages of docs/contract.md, which a framework's generic validation errors would not
+keep; these models describe the same shapes for the schema, and `tests/service/test_openapi.py`
+checks real answers against them (`extra="forbid"`: a field added to an answer and not here fails it).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, RootModel
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+# -- errors ----------------------------------------------------------------------------
+
+
+class ErrorDetail(Strict):
+    message: str = Field(description="what went wrong and what to do about it, in one line")
+    type: str = Field(description="`invalid_request_error`, `conflict_error`, `output_unavailable`, ...")
+    param: str | None = Field(description="the header or field at fault, if one is")
+    code: int | str = Field(description="the HTTP status")
+
+
+class ErrorEnvelope(Strict):
+    """Every error the proxy itself answers, in OpenAI's envelope; the upstream's pass through verbatim."""
+
+    error: ErrorDetail
+
+
+# -- checkpoints -----------------------------------------------------------------------
+
+
+class Document(Strict):
+    id: str = Field(min_length=1, description="unique within the rank: a duplicate is counted, not written")
+    text: str
+    media: list[Any] = Field(default_factory=list)
+    metadata: dict[str, Any] = Field(default_factory=dict)
+
+
+class Documents(RootModel[Document | list[Document]]):
+    """One document, or a non-empty JSON array of them."""
+
+
+class DocumentsWritten(Strict):
+    rank: int
+    chunk_index: int
+    written: int = Field(description="documents new to the chunk, durable before this answer")
+    duplicates: int = Field(description="documents the rank had already: not written again")
+    chunk_count: int = Field(description="documents the chunk holds now")
+    chunk_complete: bool = Field(description="the chunk is full (records_per_chunk) and published or queued")
+    last_chunk_index: int | None = Field(description="the last chunk published in order, null before the first")
+
+
+class ChunkCompleted(Strict):
+    rank: int
+    last_chunk_index: int | None
+    pending: list[int] = Field(description="complete chunks waiting for an earlier one before they publish")
+
+
+class ResumePoint(Strict):
+    rank: int
+    records_per_chunk: int
+    last_chunk_index: int | None
+    docs_to_skip: int = Field(description="the input documents a restarted job skips: its published chunks")
+    processed_ids: list[str] = Field(description="documents checkpointed in chunks not yet published, sorted")
+    output: str = Field(description="where the proxy publishes: a folder (absolute) or a URL without credentials")
+    output_filename: str
+
+
+# -- lookups ---------------------------------------------------------------------------
+
+
+class LookupKey(Strict):
+    doc_id: str = Field(min_length=1, description="as `X-Doc-Id`: 1-1024 bytes")
+    rollout_idx: int = Field(0, ge=0, description="as `X-Rollout-Idx`")
+    body: dict[str, Any] = Field(description="the request body the generation was, or will be, asked with")
+
+
+class Lookups(RootModel[list[LookupKey]]):
+    """At most 4096 lookups."""
+
+
+class StoredAnswer(Strict):
+    status: int
+    content_type: str
+    body: Any = Field(None, description="a JSON answer, as JSON")
+    text: str | None = Field(None, description="any other answer (a stored stream), as text")
+
+
+class LookedUp(RootModel[list[StoredAnswer | None]]):
+    """One item per lookup, in order: the answer a HIT would replay, or null (send the request itself)."""
+
+
+# -- operations -------------------------------------------------------------------------
+
+
+class Health(Strict):
+    status: Literal["ok"]
+
+
+class Ready(Strict):
+    status: Literal["ready"]
+    upstreams: dict[str, bool] = Field(description="each upstream's URL and whether it answered last")
+
+
+class UpstreamView(Strict):
+    url: str
+    healthy: bool
+    in_flight: int
+    requests: int
+    errors: int
+    retries: int
+    latency_p50_s: float | None
+    latency_p99_s: float | None
+
+
+class RankView(Strict):
+    rank: int
+    owned: bool
+    finished: bool
+    finished_at: float | None
+    hits: int
+    coalesced: int
+    misses: int
+    refreshed: int
+    tokens_saved: int
+    documents: int
+    duplicates: int
+    chunks_published: int
+    last_chunk_index: int | None
+    done_documents: int | None
+    total_documents: int | None
+    progress: float | None
+    documents_per_s: float | None
+    eta_s: float | None
+    cache_entries: int | None
+    cache_bytes: int
+    chunks_waiting: int
+    publication_error: str | None
+    publication_failing_since: float | None
+    publication_attempts: int
+    publication_retry_in_s: float | None
+    chunks_lost: list[int]
+
+
+class Fsync(Strict):
+    count: int
+    p99_s: float | None
+
+
+class Job(Strict):
+    ranks_declared: int | None
+    ranks_finished: int
+    finished: bool
+
+
+class Stats(Strict):
+    """Everything `/metrics`, the page and `inferproxy status` show (docs/contract.md, "Operations")."""
+
+    version: str
+    started_at: float
+    now: float
+    uptime_s: float
+    requests: dict[str, int] = Field(description="requests by outcome (`hit`, `miss`, ...) and `error_<status>`")
+    totals: dict[str, int | float | None] = Field(description="the counts since the start, and `hit_ratio`")
+    rates: dict[str, float] = Field(description="the last minute's rates per second, and `window_s`")
+    in_flight: int
+    queued: int
+    upstreams: list[UpstreamView]
+    fsync: Fsync
+    owned_ranks: list[int]
+    job: Job
+    ranks: list[RankView]
+    forgotten: dict[str, int] = Field(description="the counts of ranks no longer shown one by one")
+    history: list[dict[str, float]] = Field(description="the totals sampled every few seconds, `t` their time")
