@@ -1,11 +1,13 @@
-"""`create_app(settings)`: the ASGI application `inferproxy serve` runs, and `ROUTES`, every route it has.
+"""`create_app(settings)`: the application `inferproxy serve` runs, a FastAPI app with every route in one
+table (`app.service.api`).
 
-Where a request goes: `ROUTES` below, one table for all of them (method, path,
-handler, whether `--api-key` is needed), dispatched by `InferProxy.__call__`
-on raw ASGI with one dict lookup (`app.service.routing`). A path with dot segments is
-routed by its resolved form, and refused if that leaves `/v1/`. A path no route
-has gets 404, a method its route does not serve 405 (with `Allow`); `TRACE` and
-`CONNECT` are never served (501, as the built-in server answers them itself).
+Where a request goes: `InferProxy.dispatch` finds its route in an index of that table
+(`app.service.routing`: one dict lookup for an exact path), checks `--api-key`, and calls the raw
+route's handler (the proxied `/v1/*`, everything forwarded) or hands the request to FastAPI (the
+control plane, its models and `/docs`). A path with dot segments is routed by its resolved form, and
+refused if that leaves `/v1/`. A path no route has gets 404, a method its route does not serve 405
+(with `Allow`); `TRACE` and `CONNECT` are never served (501, as the built-in server answers them
+itself). Every request is counted and logged, however it ends.
 
 A cache hit on the built-in server (`app.http`) is answered before that, by
 `InferProxy.answer_fast` inside the server's protocol callback, with no task or
@@ -30,6 +32,8 @@ from collections.abc import AsyncIterator, Iterable
 from contextlib import AsyncExitStack
 from typing import Any, Protocol
 
+from fastapi import FastAPI
+
 from app import __version__
 from app.checkpoints.output import redact_url
 from app.checkpoints.resume import check_records_per_chunk
@@ -38,6 +42,7 @@ from app.http.server import HTTPServer
 from app.ops.logs import RequestLog
 from app.ops.memory import release_free_memory
 from app.ops.metrics import SAMPLE_EVERY_S, Metrics
+from app.service import api
 from app.service.asgi import ClientGone, Headers, Message, Receive, Scope, Send, send_error
 from app.service.errors import (
     BadRequest,
@@ -47,22 +52,11 @@ from app.service.errors import (
     ProxyError,
     Unauthorized,
     error_body,
+    failure,
 )
 from app.service.limits import default_max_connections, max_connections
-from app.service.routes import ops
-from app.service.routes.checkpoints import complete_chunk, get_resume, json_route, post_documents
-from app.service.routes.lookup import handle_lookup
-from app.service.routes.proxy import (
-    CACHEABLE_PATHS,
-    LOOKUP,
-    REPLICA,
-    Lookup,
-    cacheable,
-    forward_uncached,
-    lookup,
-    stored_answer,
-)
-from app.service.routing import NEVER_SERVED, OTHER, Handler, Route, Router, resolve_dot_segments
+from app.service.routes.proxy import CACHEABLE_PATHS, LOOKUP, REPLICA, Lookup, lookup, stored_answer
+from app.service.routing import NEVER_SERVED, Entry, Handler, Index, resolve_dot_segments
 from app.service.services import CacheRegistry, CheckpointRegistry, RankActivity, Services
 from app.service.settings import Settings
 from app.service.upstream import UpstreamPool
@@ -72,30 +66,11 @@ from app.store.ownership import RankOwnership
 
 logger = logging.getLogger(__name__)
 
-_BYPASS: Headers = [(b"x-cache", b"BYPASS")]
-
-FORWARDED = "/{path...}"
-#: Every route. The last one forwards every other path unchanged and uncached, so that whatever worked
-#: against vLLM or SGLang (`/tokenize`, `/health`, `/version`, ...) works through the proxy.
-ROUTES = [
-    Route("/v1/chat/completions", {"POST": cacheable, OTHER: forward_uncached}, error_headers=_BYPASS),
-    Route("/v1/completions", {"POST": cacheable, OTHER: forward_uncached}, error_headers=_BYPASS),
-    Route("/documents", {"POST": json_route(post_documents)}),
-    Route("/chunks/{i}/complete", {"POST": json_route(complete_chunk)}),
-    Route("/resume", {"GET": json_route(get_resume)}),
-    Route("/lookup", {"POST": handle_lookup}),
-    Route("/healthz", {"GET": ops.healthz}, auth=False),
-    Route("/readyz", {"GET": ops.readyz}),
-    Route("/stats", {"GET": ops.stats}),
-    Route("/metrics", {"GET": ops.metrics}),
-    Route("/", {"GET": ops.page}, auth=False),  # the page holds no numbers: it asks for the key itself
-    Route(FORWARDED, {OTHER: forward_uncached}, error_headers=_BYPASS),
-]
-#: The first path segments of the proxy's own routes: a path under one of them that no route has is the
-#: proxy's 404 (a mistyped `/chunks/x/complete`), not the upstream's.
-OWN_SEGMENTS = frozenset(r.path.split("/")[1] for r in ROUTES if not r.path.startswith(("/v1/", FORWARDED)))
-assert {r.path for r in ROUTES} >= CACHEABLE_PATHS  # the fast path's paths are routes of their own
-
+DESCRIPTION = """The control plane of inferproxy: the checkpoint routes, cache lookups and what the proxy
+counts (docs/contract.md has the whole contract). `POST /v1/chat/completions` and `/v1/completions`
+are OpenAI's, cached by `X-Doc-Id`, `X-Rollout-Idx` and `X-Rank`; every other path is forwarded to the
+upstream unchanged. With `--api-key`, every route but `/`, `/healthz` and these docs needs
+`Authorization: Bearer KEY`."""
 
 #: Scope keys: the route that served the request, and the replica that answered it (set by the handler).
 ROUTE = "inferproxy.route"
@@ -119,16 +94,41 @@ def create_app(settings: Settings | None = None) -> InferProxy:
     return InferProxy(settings or Settings())
 
 
-class InferProxy:
-    """The ASGI app: lifespan, authentication, then the route table."""
+class InferProxy(FastAPI):
+    """The app: lifespan, authentication, then the route table."""
 
     def __init__(self, settings: Settings) -> None:
+        super().__init__(
+            title="inferproxy",
+            version=__version__,
+            summary="A caching and checkpointing proxy for batch LLM inference",
+            description=DESCRIPTION,
+            openapi_url=api.OPENAPI_URL,
+            docs_url=None,  # `app.service.api`'s, with its files served here
+            redoc_url=None,
+        )
+        open_paths = api.routes(self)
+        self.index = Index(self.routes, self.through_fastapi, open_paths)
+        # The first path segments of the proxy's own routes: a path under one of them that no route has is
+        # the proxy's 404 (a mistyped `/chunks/x/complete`), not the upstream's.
+        self.own_segments = frozenset(
+            e.path.split("/")[1] for e in self.index.entries if not e.path.startswith(("/v1/", api.FORWARDED))
+        )
         self.settings = settings
-        self.router = Router(ROUTES)
         self.expected = f"Bearer {settings.api_key}".encode() if settings.api_key else None
         self.services: Services | None = None  # while the lifespan runs
         self.request_log = RequestLog(settings.log_hits_every)
         self.startup_error: BaseException | None = None  # why the last startup failed, for the server to raise
+
+    def openapi(self) -> dict[str, Any]:
+        """FastAPI's schema, with the models of the bodies the routes read themselves (`api.described`)."""
+        if self.openapi_schema is None:
+            schemas = super().openapi().setdefault("components", {}).setdefault("schemas", {})
+            for model in api.REQUEST_MODELS:
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+        return super().openapi()
 
     # -- the one authentication check ----------------------------------------------
 
@@ -179,6 +179,10 @@ class InferProxy:
         elif scope["type"] == "lifespan":
             await self.run_lifespan(receive, send)
 
+    async def through_fastapi(self, services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+        """The handler of the table's FastAPI routes: the request as FastAPI serves it."""
+        await super().__call__(scope, receive, send)
+
     async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Route the request; count it, and write its line, however it ends."""
         services = self.services
@@ -195,9 +199,9 @@ class InferProxy:
             await send(message)
 
         try:
-            found = await self.route(services, scope, tracking_send)
+            found = await self.find_route(services, scope, tracking_send)
             if found is not None:
-                route, handler = found
+                entry, handler = found
                 try:
                     await handler(services, scope, receive, tracking_send)
                 except ClientGone:
@@ -205,11 +209,8 @@ class InferProxy:
                 except Exception as exc:
                     if status != CLIENT_LEFT:
                         raise  # mid-answer: all that is left is to cut the connection
-                    if not isinstance(exc, ProxyError):
-                        logger.exception("%s %s failed", scope["method"], scope["path"])
-                    reason = f"inferproxy failed on this request: {type(exc).__name__}: {exc}"
-                    failure = exc if isinstance(exc, ProxyError) else ProxyError(reason)
-                    await send_error(tracking_send, failure, route.error_headers)
+                    error = failure(exc, f"{scope['method']} {scope['path']}")
+                    await send_error(tracking_send, error, entry.error_headers)
         finally:
             services.metrics.request(scope.get(ROUTE, "-"), outcome, status)
             log = self.request_log
@@ -218,7 +219,7 @@ class InferProxy:
                 replica = scope.get(REPLICA)
                 log.write(scope["method"], scope["path"], status, outcome, scope["headers"], replica, seconds)
 
-    async def route(self, services: Services, scope: Scope, send: Send) -> tuple[Route, Handler] | None:
+    async def find_route(self, services: Services, scope: Scope, send: Send) -> tuple[Entry, Handler] | None:
         """The request's route and handler, or None once a refusal is sent (404, 405, 401, ...)."""
         if "/." in scope["path"]:
             try:
@@ -231,9 +232,9 @@ class InferProxy:
         if method in NEVER_SERVED:  # under uvicorn; the built-in server refuses them itself
             await send_error(send, MethodNotSupported(f"{method} is not supported by this server"))
             return None
-        found = self.router.find(path)
+        found = self.index.find(path)
         route = found[0] if found is not None else None
-        if route is not None and route.path == FORWARDED and path.split("/", 2)[1] in OWN_SEGMENTS:
+        if route is not None and route.path == api.FORWARDED and path.split("/", 2)[1] in self.own_segments:
             route = None  # under one of the proxy's own routes: not the upstream's to answer
         if route is None or route.auth:
             extensions = scope.get("extensions")

@@ -81,12 +81,17 @@ async def send_bytes(send: Send, status: int, headers: Headers, body: bytes) -> 
     await send({"type": "http.response.body", "body": body})
 
 
-async def send_error(send: Send, error: ProxyError, extra_headers: Headers | None = None) -> None:
-    """The proxy's own error, as the OpenAI envelope with the error's status."""
+def error_headers(error: ProxyError, extra_headers: Headers | None = None) -> Headers:
+    """The headers of the proxy's own error answer (its body is `error.body()`), `Content-Length` aside."""
     headers = [*JSON_HEADERS, *error.headers, *(extra_headers or [])]
     if error.status == 401:
         headers.append((b"www-authenticate", b"Bearer"))
-    await send_bytes(send, error.status, headers, error.body())
+    return headers
+
+
+async def send_error(send: Send, error: ProxyError, extra_headers: Headers | None = None) -> None:
+    """The proxy's own error, as the OpenAI envelope with the error's status."""
+    await send_bytes(send, error.status, error_headers(error, extra_headers), error.body())
 
 
 async def lifespan_noop(receive: Receive, send: Send) -> None:

@@ -24,9 +24,12 @@ itself produces use this envelope:
 
 from __future__ import annotations
 
+import logging
 import math
 
 import orjson
+
+logger = logging.getLogger(__name__)
 
 
 class ProxyError(Exception):
@@ -153,3 +156,12 @@ class InsufficientStorage(ProxyError):
 def error_body(message: str, *, type_: str, param: str | None = None, code: int | str) -> bytes:
     """The OpenAI error envelope, as bytes."""
     return orjson.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}})
+
+
+def failure(exc: Exception, request: str) -> ProxyError:
+    """What to answer for `exc`, raised while serving `request` ("POST /documents"): itself if it is the
+    proxy's own error, else a 500 that names it (logged with its traceback: a bug, or a fault not foreseen)."""
+    if isinstance(exc, ProxyError):
+        return exc
+    logger.exception("%s failed", request)
+    return ProxyError(f"inferproxy failed on this request: {type(exc).__name__}: {exc}")

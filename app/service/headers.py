@@ -8,7 +8,8 @@ stored. Only the integer rank and chunk index ever reach a file path.
 from __future__ import annotations
 
 import re
-from typing import NamedTuple
+from collections.abc import MutableMapping
+from typing import Any, NamedTuple
 
 from app.service.errors import BadRequest
 
@@ -110,3 +111,9 @@ def parse_int(value: bytes, header: str, *, maximum: int = MAX_INT64) -> int:
 
 def parse_rank(value: bytes) -> int:
     return parse_int(value, "X-Rank", maximum=MAX_RANK)
+
+
+def rank_of(scope: MutableMapping[str, Any]) -> int:
+    """The request's `X-Rank`, 0 if it has none."""
+    value = single_header(scope["headers"], b"x-rank", "X-Rank")
+    return 0 if value is None else parse_rank(value)

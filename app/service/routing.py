@@ -1,16 +1,26 @@
-"""The route table's mechanics: exact paths in a dict, the few patterns after them, dot segments resolved.
+"""The route table's index: FastAPI's table (`app.service.api`) read once into a dict of exact paths and
+the few patterns after them, so that routing a `/v1/chat/completions` request costs one dict lookup.
 
-`app.service.app` lists every route once (`ROUTES`); `Router.find` is a dict lookup
-for an exact path, then a prefix/suffix test per pattern (no regular
-expression), so a `/v1/chat/completions` request costs one dict lookup.
+The table holds two kinds of routes. The control plane's are FastAPI's (`APIRoute`: models, OpenAPI,
+`/docs`); the index sends their requests through the FastAPI app. The hot ones, the proxied `/v1/*`
+and everything forwarded, are `RawRoute`s: raw-ASGI handlers in the same table, called by the index
+directly, as FastAPI's machinery costs ~80 µs of CPU per request (bench/README.md, "Routes"), more
+than the rest of a cache miss's own work in the proxy.
+
+Patterns (`Entry.path`, Starlette's syntax): one `{name}` part, ASCII digits only
+(`/chunks/{i}/complete`: `/chunks/x/complete` is no route), or `{name:path}`, any text, slashes
+included (`/{path:path}`). The part lands in `scope["path_params"]`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 from urllib.parse import quote
+
+from starlette.datastructures import URLPath
+from starlette.routing import BaseRoute, Match, NoMatchFound, Route
 
 from app.service.asgi import Headers, Receive, Scope, Send
 from app.service.errors import BadRequest
@@ -19,7 +29,7 @@ from app.service.services import Services
 #: (services, scope, receive, send): one route's raw-ASGI handler.
 Handler = Callable[[Services, Scope, Receive, Send], Awaitable[None]]
 
-#: In `Route.handlers`: every method the route does not name, except `NEVER_SERVED`.
+#: In `RawRoute.handlers`: every method the route does not name, except `NEVER_SERVED`.
 OTHER = "*"
 #: Refused on every route (501, as by the built-in server): a proxy must not reflect a request (TRACE)
 #: or open a tunnel (CONNECT).
@@ -32,39 +42,70 @@ class Pattern(NamedTuple):
     head: str
     tail: str
     name: str
-    anything: bool  # `{name...}`: any text, slashes included; `{name}`: ASCII digits
+    anything: bool  # `{name:path}`: any text, slashes included; `{name}`: ASCII digits
 
-
-@dataclass(frozen=True)
-class Route:
-    """`path` is exact (`/documents`) or a pattern with one `{name}` (digits only) or `{name...}`
-    (anything) part: `/chunks/{i}/complete`, `/v1/{path...}`. Its value lands in `scope["path_params"]`."""
-
-    path: str
-    handlers: Mapping[str, Handler]
-    auth: bool = True
-    #: added to the proxy's own error answers on this route (`X-Cache: BYPASS` on `/v1/*`)
-    error_headers: Headers = field(default_factory=list)
-    pattern: Pattern | None = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        pattern = None
-        if "{" in self.path:
-            head, rest = self.path.split("{", 1)
-            name, tail = rest.split("}", 1)
-            pattern = Pattern(head, tail, name.removesuffix("..."), name.endswith("..."))
-        object.__setattr__(self, "pattern", pattern)  # a frozen dataclass sets its own derived fields so
+    @classmethod
+    def of(cls, path: str) -> Pattern | None:
+        if "{" not in path:
+            return None
+        head, rest = path.split("{", 1)
+        name, tail = rest.split("}", 1)
+        return cls(head, tail, name.removesuffix(":path"), name.endswith(":path"))
 
     def match(self, path: str) -> dict[str, str] | None:
-        """The pattern's parameter if `path` matches it, else None."""
-        assert self.pattern is not None
-        head, tail, name, anything = self.pattern
+        """The parameter if `path` matches, else None."""
+        head, tail, name, anything = self
         if not path.startswith(head) or not path.endswith(tail) or len(path) < len(head) + len(tail):
             return None
         value = path[len(head) : len(path) - len(tail)]
         if not anything and not (value.isascii() and value.isdigit()):
             return None
         return {name: value}
+
+
+class RawRoute(BaseRoute):
+    """A raw-ASGI route in FastAPI's table: a handler per method (`OTHER` for the rest), whether it needs
+    `--api-key`, and the headers added to the proxy's own error answers on it (`X-Cache: BYPASS`)."""
+
+    def __init__(
+        self, path: str, handlers: Mapping[str, Handler], *, auth: bool = True, error_headers: Headers | None = None
+    ) -> None:
+        self.path = path
+        self.handlers = handlers
+        self.auth = auth
+        self.error_headers = error_headers or []
+        self.pattern = Pattern.of(path)
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        if scope["type"] != "http":
+            return Match.NONE, {}
+        if self.pattern is None:
+            return (Match.FULL, {}) if scope["path"] == self.path else (Match.NONE, {})
+        params = self.pattern.match(scope["path"])
+        return (Match.NONE, {}) if params is None else (Match.FULL, {"path_params": params})
+
+    def url_path_for(self, name: str, /, **path_params: Any) -> URLPath:
+        raise NoMatchFound(name, path_params)
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Served by Starlette's router (the index calls the handler itself)."""
+        handler = self.handlers.get(scope["method"]) or self.handlers.get(OTHER)
+        assert handler is not None, f"{scope['method']} {self.path}: the index answers 405 before"
+        await handler(scope["app"].services, scope, receive, send)
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One route of the table as the index serves it."""
+
+    path: str
+    handlers: Mapping[str, Handler]
+    auth: bool
+    error_headers: Headers
+    pattern: Pattern | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "pattern", Pattern.of(self.path))  # a frozen dataclass sets its own derived fields so
 
     def handler(self, method: str) -> Handler | None:
         handler = self.handlers.get(method)
@@ -79,20 +120,33 @@ class Route:
         return ", ".join(sorted(self.handlers)).encode()
 
 
-class Router:
-    def __init__(self, routes: Iterable[Route]) -> None:
-        self.routes = list(routes)
-        self.exact = {route.path: route for route in self.routes if route.pattern is None}
-        self.patterns = [route for route in self.routes if route.pattern is not None]
+class Index:
+    """`routes` (FastAPI's table, in order) as entries: a `RawRoute` served by its own handlers, any other
+    route by `framework` (the FastAPI app), for its methods; each needs the key unless in `open_paths`."""
 
-    def find(self, path: str) -> tuple[Route, dict[str, str] | None] | None:
-        route = self.exact.get(path)
-        if route is not None:
-            return route, None
-        for route in self.patterns:
-            params = route.match(path)
+    def __init__(self, routes: Iterable[BaseRoute], framework: Handler, open_paths: Collection[str]) -> None:
+        self.entries = []
+        for route in routes:
+            if isinstance(route, RawRoute):
+                entry = Entry(route.path, route.handlers, route.auth, route.error_headers)
+            elif isinstance(route, Route):  # FastAPI's own (`/openapi.json`) and every `APIRoute`
+                handlers = dict.fromkeys(route.methods or (), framework)
+                entry = Entry(route.path, handlers, route.path not in open_paths, [])
+            else:
+                raise TypeError(f"{route!r}: the index serves routes and raw routes, not mounts")
+            self.entries.append(entry)
+        self.exact = {entry.path: entry for entry in self.entries if entry.pattern is None}
+        self.patterns = [entry for entry in self.entries if entry.pattern is not None]
+
+    def find(self, path: str) -> tuple[Entry, dict[str, str] | None] | None:
+        entry = self.exact.get(path)
+        if entry is not None:
+            return entry, None
+        for entry in self.patterns:
+            assert entry.pattern is not None
+            params = entry.pattern.match(path)
             if params is not None:
-                return route, params
+                return entry, params
         return None
 
 

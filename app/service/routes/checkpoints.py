@@ -33,9 +33,9 @@ from app.checkpoints.manager import (
 from app.checkpoints.output import is_remote
 from app.checkpoints.publish import ChunkFileGone, PublishError
 from app.checkpoints.resume import docs_to_skip
-from app.service.asgi import JSON_HEADERS, Receive, Scope, Send, check_json_cost, read_body, send_bytes
+from app.service.asgi import Receive, Scope, check_json_cost, read_body
 from app.service.errors import BadRequest, ChunkConflict, InsufficientStorage, OutputUnavailable, ProxyError
-from app.service.headers import MAX_RANK, parse_int, parse_rank, single_header
+from app.service.headers import MAX_RANK, parse_int, rank_of, single_header
 from app.service.services import UNWRITABLE_ERRNOS, Services, checkpoints_unwritable
 from app.store.cache import CacheWriteError
 from app.store.durable import is_disk_full, refusal_reason
@@ -46,26 +46,6 @@ _FIELDS = frozenset({"id", "text", "media", "metadata"})
 
 #: One route's work: (services, scope, receive) -> the JSON object it answers 200 with.
 Work = Callable[[Services, Scope, Receive], Awaitable[dict[str, Any]]]
-
-
-def json_route(work: Work) -> Callable[[Services, Scope, Receive, Send], Awaitable[None]]:
-    """A checkpoint route's handler: `work` with the rank in use (never released meanwhile), answered as JSON.
-
-    A `ProxyError` is rendered by the app's dispatcher.
-    """
-
-    async def handle(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
-        with services.activity.using(rank_of(scope)):
-            answer = await work(services, scope, receive)
-        await send_bytes(send, 200, JSON_HEADERS, orjson.dumps(answer))
-
-    handle.__name__ = work.__name__
-    return handle
-
-
-def rank_of(scope: Scope) -> int:
-    value = single_header(scope["headers"], b"x-rank", "X-Rank")
-    return 0 if value is None else parse_rank(value)
 
 
 async def manager_of(services: Services, rank: int) -> CheckpointManager:

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import orjson
 
-from app.service.asgi import JSON_HEADERS, Receive, Scope, Send, check_json_cost, read_body, send_bytes
+from app.service.asgi import Receive, Scope, check_json_cost, read_body
 from app.service.errors import BadRequest
-from app.service.routes.checkpoints import rank_of
+from app.service.headers import rank_of
 from app.service.routes.proxy import request_digest
 from app.service.services import Services
 from app.store.cache import RequestCache, StoredResponse
@@ -35,7 +35,8 @@ MAX_KEYS = 4096
 MAX_ANSWER_BYTES = 16 << 20
 
 
-async def handle_lookup(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+async def lookups(services: Services, scope: Scope, receive: Receive) -> bytes:
+    """The answers, as the JSON array of the module's docstring."""
     rank = rank_of(scope)
     keys = parse_keys(await read_body(scope, receive, services.settings.max_body_bytes))
     with services.activity.using(rank):
@@ -46,7 +47,7 @@ async def handle_lookup(services: Services, scope: Scope, receive: Receive, send
             services.metrics.replayed(rank, False, answer.body)
         else:
             services.metrics.lookup_misses += 1
-    await send_bytes(send, 200, JSON_HEADERS, b"[" + b",".join(rendered(answer) for answer in answers) + b"]")
+    return b"[" + b",".join(rendered(answer) for answer in answers) + b"]"
 
 
 def looked_up(cache: RequestCache, keys: list[tuple[str, int, str]]) -> list[StoredResponse | None]:

@@ -19,12 +19,11 @@ from typing import Any
 
 import orjson
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client.exposition import generate_latest
 from prometheus_client.registry import Collector, CollectorRegistry
 
 from app import __version__
 from app.ops.metrics import COUNTS, FSYNC_SECONDS, Histogram, Metrics, RankCounters
-from app.service.asgi import JSON_HEADERS, Receive, Scope, Send, send_bytes, send_error
 from app.service.errors import ServiceUnavailable
 from app.service.services import PublicationState, Services
 from app.store.cache import count_rows
@@ -34,35 +33,27 @@ from app.store.cache import count_rows
 ROWS_PER_SECOND_SHOWN = 200_000
 
 
-async def healthz(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
-    """200 as soon as the server accepts requests."""
-    await send_bytes(send, 200, JSON_HEADERS, b'{"status":"ok"}')
+HEALTHY = b'{"status":"ok"}'
 
 
-async def readyz(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
-    """200 while at least one upstream answers `GET /v1/models`, else 503."""
+async def readiness(services: Services) -> dict[str, Any]:
+    """Ready while at least one upstream answers `GET /v1/models`; `ServiceUnavailable` (503) otherwise."""
     replicas = services.pool.replicas
-    if await services.pool.probe_all():
-        answer = {"status": "ready", "upstreams": {r.url: r.healthy for r in replicas}}
-        await send_bytes(send, 200, JSON_HEADERS, orjson.dumps(answer))
-        return
-    await send_error(
-        send, ServiceUnavailable("no upstream answers GET /v1/models: " + ", ".join(r.url for r in replicas))
-    )
+    if not await services.pool.probe_all():
+        raise ServiceUnavailable("no upstream answers GET /v1/models: " + ", ".join(r.url for r in replicas))
+    return {"status": "ready", "upstreams": {r.url: r.healthy for r in replicas}}
 
 
-async def stats(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+async def stats(services: Services) -> bytes:
     """Everything in one JSON object (docs/contract.md, "Operations")."""
     sizes, publications = await cache_sizes(services), services.publications()
-    body = await asyncio.to_thread(lambda: orjson.dumps(snapshot(services, sizes, publications)))
-    await send_bytes(send, 200, JSON_HEADERS, body)
+    return await asyncio.to_thread(lambda: orjson.dumps(snapshot(services, sizes, publications)))
 
 
-async def metrics(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
-    """The same numbers in Prometheus' text format."""
+async def metrics(services: Services) -> bytes:
+    """The same numbers in Prometheus' text format (`CONTENT_TYPE_LATEST`)."""
     sizes, publications = await cache_sizes(services), services.publications()
-    body = await asyncio.to_thread(render_metrics, services, sizes, publications)
-    await send_bytes(send, 200, [(b"content-type", CONTENT_TYPE_LATEST.encode())], body)
+    return await asyncio.to_thread(render_metrics, services, sizes, publications)
 
 
 def render_metrics(
@@ -73,10 +64,9 @@ def render_metrics(
     return generate_latest(registry)
 
 
-async def page(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
+def page() -> bytes:
     """The live page: one HTML file that polls `/stats` (no build step, no CDN)."""
-    html = resources.files("app.service").joinpath("static/page.html").read_bytes()
-    await send_bytes(send, 200, [(b"content-type", b"text/html; charset=utf-8"), (b"cache-control", b"no-cache")], html)
+    return resources.files("app.service").joinpath("static/page.html").read_bytes()
 
 
 # -- the snapshot -----------------------------------------------------------------------
