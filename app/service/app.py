@@ -252,7 +252,7 @@ class InferProxy(FastAPI):
             not_allowed = MethodNotAllowed(f"{method} {path} is not served: only {allow.decode() or 'nothing'}")
             await send_error(send, not_allowed, [(b"allow", allow)])
             return None
-        scope[ROUTE] = route.path
+        scope[ROUTE] = route.label
         if found is not None and found[1] is not None:
             scope["path_params"] = found[1]
         return route, handler

@@ -65,12 +65,20 @@ class Pattern(NamedTuple):
 
 class RawRoute(BaseRoute):
     """A raw-ASGI route in FastAPI's table: a handler per method (`OTHER` for the rest), whether it needs
-    `--api-key`, and the headers added to the proxy's own error answers on it (`X-Cache: BYPASS`)."""
+    `--api-key`, the headers added to the proxy's own error answers on it (`X-Cache: BYPASS`), and its
+    name in the metrics and the request log (`label`, its path unless given)."""
 
     def __init__(
-        self, path: str, handlers: Mapping[str, Handler], *, auth: bool = True, error_headers: Headers | None = None
+        self,
+        path: str,
+        handlers: Mapping[str, Handler],
+        *,
+        auth: bool = True,
+        error_headers: Headers | None = None,
+        label: str | None = None,
     ) -> None:
         self.path = path
+        self.label = label or path
         self.handlers = handlers
         self.auth = auth
         self.error_headers = error_headers or []
@@ -102,6 +110,7 @@ class Entry:
     handlers: Mapping[str, Handler]
     auth: bool
     error_headers: Headers
+    label: str
     pattern: Pattern | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -128,10 +137,10 @@ class Index:
         self.entries = []
         for route in routes:
             if isinstance(route, RawRoute):
-                entry = Entry(route.path, route.handlers, route.auth, route.error_headers)
+                entry = Entry(route.path, route.handlers, route.auth, route.error_headers, route.label)
             elif isinstance(route, Route):  # FastAPI's own (`/openapi.json`) and every `APIRoute`
                 handlers = dict.fromkeys(route.methods or (), framework)
-                entry = Entry(route.path, handlers, route.path not in open_paths, [])
+                entry = Entry(route.path, handlers, route.path not in open_paths, [], route.path)
             else:
                 raise TypeError(f"{route!r}: the index serves routes and raw routes, not mounts")
             self.entries.append(entry)
