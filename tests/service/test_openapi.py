@@ -95,7 +95,8 @@ async def test_a_jobs_real_answers_match_the_models_the_schema_names(client: htt
         assert answer.status_code == 200, (answer.request.url, answer.text)
         model.model_validate(answer.json())
     looked_up = models.LookedUp.model_validate(checks[0][1].json()).root
-    assert looked_up[0] is not None and looked_up[1] is None
+    assert looked_up[0] is not None
+    assert looked_up[1] is None
     # and an error, in the envelope the schema names for it
     refused = await client.post("/documents", json=doc("e"))  # no X-Chunk-Index
     assert refused.status_code == 400
@@ -118,7 +119,8 @@ async def test_the_schema_and_docs_are_open_without_the_key_and_what_they_descri
             name: kind if kind == "image/png" else f"{kind}; charset=utf-8" for name, kind in api.DOCS_ASSETS.items()
         }
         page = (await client.get(api.DOCS_URL)).text
-        assert "http://" not in page and "https://" not in page  # nothing from a CDN, nothing from the web
+        assert "http://" not in page  # nothing from a CDN, nothing from the web
+        assert "https://" not in page
         for method, path in CONTROL:
             if path in ("/healthz",):
                 continue
@@ -157,7 +159,8 @@ async def test_the_docs_page_renders_every_operation_offline_in_headless_chromiu
         )
         assert {path for _, path in CONTROL} <= {str(p).replace("\u200b", "") for p in shown}
         # the proxy served everything the page asked for: it works on a cluster without the internet
-        assert page.requests and all(request.startswith(proxy) for request in page.requests), page.requests
+        assert page.requests
+        assert all(request.startswith(proxy) for request in page.requests), page.requests
         assert page.errors == []
 
         # "Try it out" on /healthz, from the page itself (open: no key needed)
