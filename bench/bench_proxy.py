@@ -19,6 +19,9 @@ it as real processes on loopback ports, then with wrk (Debian package `wrk`):
   request (master and worker processes), and the proxy's CPU µs over nginx's;
 - p50/p99 latency added on a miss, at concurrency 1 and 64, with the upstream taking 20 ms
   per answer: the proxy's latency minus the upstream's own, each measured directly;
+- the route table: `/v1/chat/completions` as the raw ASGI route it is vs as a FastAPI route
+  (bench/fastapi_v1.py), two proxies in front of one upstream, their miss runs alternated three
+  times: the CPU µs per miss FastAPI's per-request machinery adds (issue 19's threshold: 15 µs);
 - the upstream client alone: requests/s that app.http.client, aiohttp and httpx achieve
   against the upstream at 64 concurrent requests (why the pool uses app.http.client).
 
@@ -162,6 +165,44 @@ def measure_metrics_cost(
                 results[f"metrics_{name}_hit_{round_}"] = hit
 
 
+ROUTE_KINDS = {"raw": ["-m", "app.cli"], "fastapi": [str(Path(__file__).with_name("fastapi_v1.py"))]}
+
+
+def measure_routes_cost(
+    results: dict[str, dict[str, float]],
+    upstream_port: int,
+    up_pid: int,
+    data: Path,
+    *,
+    connections: int,
+    duration: int,
+) -> None:
+    """Misses on `/v1/chat/completions` as a raw ASGI route and as a FastAPI route: two proxies in front of
+    one upstream, their miss runs alternated three times (each a new set of documents)."""
+    payload, path = body(ANSWER_SIZES[0]), "/v1/chat/completions"
+    with contextlib.ExitStack() as stack:
+        urls: dict[str, tuple[str, int]] = {}
+        for name, entry in ROUTE_KINDS.items():
+            port = free_port()
+            pid = stack.enter_context(
+                inferproxy(
+                    "serve",
+                    f"--port={port}",
+                    f"--upstream=http://127.0.0.1:{upstream_port}",
+                    f"--checkpoints-dir={data}/routes-{name}",
+                    "--log-level=warning",
+                    entry=entry,
+                )
+            )
+            wait_until_up(f"http://127.0.0.1:{port}/v1/models")
+            urls[name] = (f"http://127.0.0.1:{port}{path}", pid)
+        run = {"connections": connections, "duration": duration}
+        for round_ in range(3):
+            for name, (url, pid) in urls.items():
+                script = miss_script(payload, f"routes{round_}")
+                results[f"routes_{name}_{round_}"] = wrk(url, script, **run, cpu_of={"server": pid, "upstream": up_pid})
+
+
 def proxy_stats(url: str) -> dict[str, int]:
     counts: dict[str, int] = get_json(url.split("/v1/")[0] + "/stats")["requests"]  # type: ignore[assignment]
     return {"hit": 0, **counts}
@@ -219,10 +260,12 @@ def cpu_seconds(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def inferproxy(*args: str, log: Path | None = None) -> Iterator[int]:
-    """A server process; its log (stderr) goes to `log` if given."""
+def inferproxy(*args: str, log: Path | None = None, entry: list[str] | None = None) -> Iterator[int]:
+    """A server process (`entry`: the command after the interpreter, `-m app.cli` by default); its log
+    (stderr) goes to `log` if given."""
     stderr = open(log, "wb") if log is not None else None  # noqa: SIM115 (closed below, with the process)
-    proc = subprocess.Popen([sys.executable, "-m", "app.cli", *args], stdout=subprocess.DEVNULL, stderr=stderr)
+    command = [sys.executable, *(entry or ["-m", "app.cli"]), *args]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
     try:
         yield proc.pid
     finally:
@@ -442,6 +485,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=int, default=8, help="seconds per wrk run")
     parser.add_argument("--connections", type=int, default=64)
+    parser.add_argument("--routes-only", action="store_true", help="only the route table's rows (raw vs FastAPI)")
     parser.add_argument(
         "--nginx-dir",
         default="/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir(),
@@ -456,6 +500,17 @@ def main() -> None:
         print(f"bench_proxy: skipping the nginx rows: {nginx_missing}", file=sys.stderr)
     d, c = args.duration, args.connections
     data = Path(tempfile.mkdtemp(prefix="bench-proxy-"))
+    if args.routes_only:
+        results_only: dict[str, dict[str, float]] = {}
+        try:
+            port = free_port()
+            with inferproxy("fake-upstream", f"--port={port}") as up_pid:
+                wait_until_up(f"http://127.0.0.1:{port}/v1/models")
+                measure_routes_cost(results_only, port, up_pid, data, connections=c, duration=d)
+        finally:
+            shutil.rmtree(data, ignore_errors=True)
+        report_routes(results_only)
+        return
     ports = [free_port() for _ in range(2 + 2 * len(ANSWER_SIZES))]
     slow_up, slow_px = ports[0], ports[1]
     path = "/v1/chat/completions"
@@ -499,6 +554,7 @@ def main() -> None:
                 results[f"slow_upstream_{conns}"] = wrk(slow_upstream, miss_script(BODY), **run, cpu_of={})
                 results[f"slow_miss_{conns}"] = wrk(slow_proxy, miss_script(BODY, f"slow{conns}"), **run, cpu_of={})
             measure_metrics_cost(results, ports[2], pids[2], data, connections=c, duration=d)
+            measure_routes_cost(results, ports[2], pids[2], data, connections=c, duration=d)
             first_upstream = f"http://127.0.0.1:{ports[2]}{path}"
             rates = {
                 kind: asyncio.run(client_rate(kind, first_upstream, d / 2))
@@ -583,12 +639,33 @@ def report(
         miss = results[f"metrics_{name}_miss"]["cpu_us_server"]
         label = "on (default)" if name == "on" else "off (--no-metrics)"
         print(f"| {label} | {listed} | {cpu[1]:.1f} | {rps[1]:,.0f} | {miss:.1f} |")
+    report_routes(results)
     print()
     print("| upstream client alone, 64 concurrent | requests/s | ratio to upstream |")
     print("| --- | ---: | ---: |")
     base = results[f"upstream_{ANSWER_SIZES[0]}"]["rps"]
     for kind, rate in rates.items():
         print(f"| {kind} | {rate:,.0f} | {rate / base:.2f}x |")
+
+
+def report_routes(results: dict[str, dict[str, float]]) -> None:
+    print()
+    print(f"The route table ({ANSWER_SIZES[0]} tokens, misses, three runs each, alternated):")
+    print()
+    print("| /v1/chat/completions as | CPU µs per miss, runs | median | misses req/s, median |")
+    print("| --- | --- | ---: | ---: |")
+    medians = {}
+    for name in ROUTE_KINDS:
+        runs = [results[f"routes_{name}_{i}"] for i in range(3)]
+        cpu = sorted(r["cpu_us_server"] for r in runs)
+        rps = sorted(r["rps"] for r in runs)
+        medians[name] = cpu[1]
+        listed = " / ".join(f"{r['cpu_us_server']:.1f}" for r in runs)
+        label = "a raw ASGI route (as served)" if name == "raw" else "a FastAPI route (bench/fastapi_v1.py)"
+        print(f"| {label} | {listed} | {cpu[1]:.1f} | {rps[1]:,.0f} |")
+    added = medians["fastapi"] - medians["raw"]
+    verdict = "raw routes kept" if added > 15 else "within it: FastAPI would do"
+    print(f"| FastAPI adds | | {added:+.1f} | (threshold 15 µs: {verdict}) |")
 
 
 if __name__ == "__main__":
