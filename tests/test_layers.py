@@ -24,9 +24,6 @@ LAYERS: list[tuple[str, ...]] = [
 #: At most this many modules directly in app/ (the issue's bound): the rest live in the layers.
 MAX_TOP_MODULES = 6
 
-#: Being taken apart in this session (issue 19): the connection to see its server through a protocol.
-TEMPORARY_CYCLES = [["app.http.connection", "app.http.server"]]
-
 APP = Path(__file__).resolve().parent.parent / "app"
 
 
@@ -131,7 +128,7 @@ def test_every_import_goes_down_a_layer() -> None:
 def test_no_import_cycle() -> None:
     # a package's __init__ re-exporting its modules is not a cycle of theirs
     edges = {m: {t for t in ts if not m.startswith(t + ".")} for m, ts in graph().items()}
-    assert cycles(edges) == TEMPORARY_CYCLES
+    assert cycles(edges) == []
 
 
 def test_few_modules_directly_in_app() -> None:

@@ -10,7 +10,8 @@ per request; REFUSED once a request is refused (nothing more is parsed, the refu
 for the answers owed before it); LINGERING once the refusal is out; CLOSING once the
 transport is asked to close; CLOSED once it has. The answering side is the `active` request
 and the `waiting` line behind it. Calls go one way: the connection drives its `Request`s,
-which reach back only through the narrow `Channel` the connection implements.
+which reach back only through the narrow `Channel` the connection implements; the connection
+reaches its server only through the narrow `Host` the server implements.
 """
 
 from __future__ import annotations
@@ -25,11 +26,8 @@ import typing
 
 import httptools
 
-from app.http.asgi import Headers
-from app.http.exchange import HIGH_WATER, Request, UnsafeHeader
-
-if typing.TYPE_CHECKING:
-    from app.http.server import HTTPServer
+from app.http.asgi import FastHandler, Headers
+from app.http.exchange import HIGH_WATER, Request, Site, UnsafeHeader
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +40,43 @@ REQUEST_STALL_S = 30.0  # a request that stops arriving part-way, with nothing i
 #: Connections turned away past `max_connections` that may linger at once (their 503 out, the client's bytes
 #: read and dropped so that it gets to read the 503); past it they are closed at once, and may be reset.
 MAX_TURNED_AWAY_LINGERING = 16
+
+
+class Host(Site, typing.Protocol):
+    """What a connection needs of the server that accepted it (`HTTPServer` implements it)."""
+
+    @property
+    def closing(self) -> bool:
+        """The server is stopping: idle connections close, nothing new is kept alive."""
+
+    @property
+    def fast(self) -> FastHandler | None: ...
+    @property
+    def fast_paths(self) -> frozenset[str]:
+        """The paths whose whole `POST`s are offered to `fast` first."""
+
+    @property
+    def keep_alive_s(self) -> float: ...
+    @property
+    def head_timeout_s(self) -> float: ...
+    @property
+    def body_timeout_s(self) -> float: ...
+
+    def admit(self, connection: HTTPConnection) -> bool:
+        """Count `connection` among the open ones; False if that would pass `max_connections`."""
+
+    def turn_away(self, connection: HTTPConnection) -> str | None:
+        """Count a connection turned away (past `max_connections`) and say why, for its 503; None if
+        too many turned-away ones linger already (it is closed at once)."""
+
+    def release(self, connection: HTTPConnection) -> None:
+        """`connection` has closed (admitted or turned away): no longer counted."""
+
+    def track(self, task: asyncio.Task[None]) -> None:
+        """A request's ASGI cycle: the server waits for it (or cancels it) when it stops."""
+
+    def flush_soon(self, connection: HTTPConnection) -> None:
+        """Call `connection.flush()` at the end of this turn of the loop, with the others'."""
 
 
 class State(enum.Enum):
@@ -76,7 +111,7 @@ class _Ticks:
 class HTTPConnection(asyncio.Protocol):
     """One client connection: parses requests, runs them in order, writes their answers."""
 
-    def __init__(self, server: HTTPServer) -> None:
+    def __init__(self, server: Host) -> None:
         self.server = server
         self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport = None  # type: ignore[assignment]
@@ -130,10 +165,9 @@ class HTTPConnection(asyncio.Protocol):
         sock = transport.get_extra_info("sockname")
         self.client = (str(peer[0]), int(peer[1])) if isinstance(peer, tuple) else None
         self.local = (str(sock[0]), int(sock[1])) if isinstance(sock, tuple) else None
-        if len(self.server.connections) >= self.server.max_connections:
+        if not self.server.admit(self):
             self._turn_away()
             return
-        self.server.connections.add(self)
         if self.server.closing:
             self.abort()
             return
@@ -182,11 +216,7 @@ class HTTPConnection(asyncio.Protocol):
         # connection (its transport, buffers, timers) as soon as its requests let go, instead of the
         # cyclic collector, which lets thousands pile up between full collections (bench/README.md, soak).
         self.parser = _CLOSED
-        if self.turned_away:
-            self.server.lingering_turned_away -= 1
-        self.server.connections.discard(self)
-        if self.server.closing:
-            self.server.wakeup.set()
+        self.server.release(self)
         self._cancel_idle_timer()
         for request in (self.active, *self.waiting, self.parsing):
             if request is not None:
@@ -359,9 +389,7 @@ class HTTPConnection(asyncio.Protocol):
     def _start(self, request: Request) -> None:
         self.active = request
         task = request.task = self.loop.create_task(request.run(self.server))
-        tasks = self.server.tasks
-        tasks.add(task)
-        task.add_done_callback(tasks.discard)
+        self.server.track(task)
 
     def _check_method(self, method: str) -> None:
         # CONNECT asks for a tunnel and TRACE echoes the request back (headers and cookies
@@ -435,10 +463,7 @@ class HTTPConnection(asyncio.Protocol):
         whether the client reads them.
         """
         if not self.outbox:
-            server = self.server
-            if not server.flushing:
-                self.loop.call_soon(server.flush)
-            server.flushing.append(self)
+            self.server.flush_soon(self)
         self.outbox.append(data)
         self.outbox_bytes += len(data)
         if self.outbox_bytes > MAX_UNSENT:
@@ -598,23 +623,13 @@ class HTTPConnection(asyncio.Protocol):
         Answered rather than closed bare: an OpenAI client retries a 503 after its `Retry-After`, and
         its log says the server is busy, not that it broke. It is not counted among the connections.
         """
-        server = self.server
         self.turned_away = True
-        server.turned_away += 1
-        server.lingering_turned_away += 1
-        if server.turned_away & (server.turned_away - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
-            logger.warning(
-                "turned away a connection from %s: max_connections (%d) are open; %d turned away so far",
-                self.client,
-                len(server.connections),
-                server.turned_away,
-            )
-        if server.lingering_turned_away > MAX_TURNED_AWAY_LINGERING:
+        message = self.server.turn_away(self)
+        if message is None:
             self.abort_transport()
             return
-        message = f"the server has max_connections ({len(server.connections)}) connections open: retry later"
         self.state = REFUSED
-        self.refusal = server.error_answer(503, message, b"retry-after: 1\r\n")
+        self.refusal = self.server.error_answer(503, message, b"retry-after: 1\r\n")
         self._send_refusal()
 
     def _reject(self, status: int, message: str) -> typing.NoReturn:

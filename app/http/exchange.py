@@ -65,7 +65,8 @@ class Site(typing.Protocol):
     def app(self) -> ASGIApp: ...
     @property
     def state(self) -> dict[str, typing.Any]: ...
-    def error_answer(self, status: int, message: str) -> bytes: ...
+    def error_answer(self, status: int, message: str, headers: bytes = b"") -> bytes:
+        """The server's own error answer; `headers`: more header lines, each ending in CRLF."""
 
 
 class Channel(typing.Protocol):

@@ -57,7 +57,7 @@ import typing
 from collections.abc import Awaitable, Callable, Iterable
 
 from app.http.asgi import ASGIApp, ErrorRenderer, FastHandler, Message, plain_error
-from app.http.connection import HTTPConnection
+from app.http.connection import MAX_TURNED_AWAY_LINGERING, HTTPConnection
 from app.http.exchange import CLOCK, status_line
 
 logger = logging.getLogger(__name__)
@@ -138,6 +138,44 @@ class HTTPServer:
         content_type, body = self.render_error(status, message)
         head = b"content-type: %b\r\ncontent-length: %d\r\nconnection: close\r\n" % (content_type, len(body))
         return status_line(status) + head + headers + self.clock.date() + b"\r\n" + body
+
+    # -- what its connections ask of it (`app.http.connection.Host`) ----------
+
+    def admit(self, connection: HTTPConnection) -> bool:
+        if len(self.connections) >= self.max_connections:
+            return False
+        self.connections.add(connection)
+        return True
+
+    def turn_away(self, connection: HTTPConnection) -> str | None:
+        self.turned_away += 1
+        self.lingering_turned_away += 1
+        if self.turned_away & (self.turned_away - 1) == 0:  # the 1st, 2nd, 4th, ...: a flood logs little
+            logger.warning(
+                "turned away a connection from %s: max_connections (%d) are open; %d turned away so far",
+                connection.client,
+                len(self.connections),
+                self.turned_away,
+            )
+        if self.lingering_turned_away > MAX_TURNED_AWAY_LINGERING:
+            return None
+        return f"the server has max_connections ({len(self.connections)}) connections open: retry later"
+
+    def release(self, connection: HTTPConnection) -> None:
+        if connection.turned_away:
+            self.lingering_turned_away -= 1
+        self.connections.discard(connection)
+        if self.closing:
+            self.wakeup.set()
+
+    def track(self, task: asyncio.Task[None]) -> None:
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    def flush_soon(self, connection: HTTPConnection) -> None:
+        if not self.flushing:
+            connection.loop.call_soon(self.flush)
+        self.flushing.append(connection)
 
     def flush(self) -> None:
         connections, self.flushing = self.flushing, []
