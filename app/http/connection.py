@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import enum
 import logging
 import typing
@@ -28,6 +27,8 @@ import httptools
 
 from app.http.asgi import FastHandler, Headers
 from app.http.exchange import HIGH_WATER, Request, Site, UnsafeHeader
+from app.http.outbox import Outbox
+from app.http.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -95,19 +96,6 @@ class State(enum.Enum):
 IDLE, HEAD, BODY, REFUSED, LINGERING, CLOSING, CLOSED = State
 
 
-@dataclasses.dataclass(slots=True)
-class _Ticks:
-    """What the per-connection timer saw on its last tick (it compares, rather than re-arming per request)."""
-
-    requests: int = -1
-    bytes_in: int = -1
-    stalled: int = 0  # ticks in a row with a request part-way and no byte arriving
-    head_request: int = 0  # the request whose head the timer saw arriving, and when it first did
-    head_since: float = 0.0
-    body_request: int = 0  # the same for a body
-    body_since: float = 0.0
-
-
 class HTTPConnection(asyncio.Protocol):
     """One client connection: parses requests, runs them in order, writes their answers."""
 
@@ -130,10 +118,14 @@ class HTTPConnection(asyncio.Protocol):
         self.reading_paused = False
         self.write_paused = False  # the transport's buffer is over its high-water mark: no new answer is made
         self.writable: asyncio.Event | None = None  # for `drain`, made the first time writing pauses
-        self.outbox: list[bytes] = []  # answers waiting for the end of the loop's turn
-        self.outbox_bytes = 0
-        self.idle_timer: asyncio.TimerHandle | None = None
-        self.ticks = _Ticks()
+        self.outbox = Outbox()  # answers waiting for the end of the loop's turn
+        self.watchdog = Watchdog(
+            self.loop,
+            keep_alive_s=server.keep_alive_s,
+            head_timeout_s=server.head_timeout_s,
+            body_timeout_s=server.body_timeout_s,
+            stall_s=REQUEST_STALL_S,
+        )
         self.requests = 0  # begun on this connection; the idle timer compares it with its last look
         self.bytes_in = 0
         self.turned_away = False  # past `max_connections`: answered 503 and closed, nothing read
@@ -155,7 +147,7 @@ class HTTPConnection(asyncio.Protocol):
     @property
     def unsent_bytes(self) -> int:
         """Answers made and not yet taken by the kernel: the outbox and the transport's buffer."""
-        return self.outbox_bytes + self.transport.get_write_buffer_size()
+        return self.outbox.size + self.transport.get_write_buffer_size()
 
     # -- asyncio.Protocol ------------------------------------------------------
 
@@ -448,35 +440,26 @@ class HTTPConnection(asyncio.Protocol):
 
     def write(self, data: bytes) -> None:
         """Write now, in one write with what is queued on this connection (which goes first)."""
-        if self.outbox:
-            outbox, self.outbox, self.outbox_bytes = self.outbox, [], 0
-            data = b"".join([*outbox, data])
+        if self.outbox.parts:
+            data = self.outbox.take(data)
         self.transport.write(data)
 
     def write_soon(self, data: bytes) -> None:
-        """Queue `data` for one write at the end of this turn of the event loop.
+        """Queue `data` for one write at the end of this turn of the event loop (`app.http.outbox`).
 
-        Each write to a socket whose reader sleeps pays for waking it up (~10 µs here,
-        half a hit's cost): the answers made in one turn go out back to back, so that
-        the client wakes once for all of them rather than once per answer. Past
-        `MAX_UNSENT` bytes they go at once: the transport's buffer then tells (`pause_writing`)
-        whether the client reads them.
+        Past `MAX_UNSENT` bytes they go at once: the transport's buffer then tells
+        (`pause_writing`) whether the client reads them.
         """
-        if not self.outbox:
+        outbox = self.outbox
+        if not outbox.parts:
             self.server.flush_soon(self)
-        self.outbox.append(data)
-        self.outbox_bytes += len(data)
-        if self.outbox_bytes > MAX_UNSENT:
+        outbox.add(data)
+        if outbox.size > MAX_UNSENT:
             self.flush()
 
     def take_back(self, data: bytes) -> bool:
         """Take `data` back if it is the last thing queued and has not left yet; True if it was."""
-        outbox = self.outbox
-        if not outbox or outbox[-1] is not data:
-            return False
-        outbox.pop()
-        self.outbox_bytes -= len(data)
-        return True
+        return self.outbox.take_back(data)
 
     async def drain(self) -> None:
         if self.writable is not None and not self.writable.is_set() and self.state is not CLOSED:
@@ -485,11 +468,10 @@ class HTTPConnection(asyncio.Protocol):
     # -- writing, flow control and closing ----------------------------------------
 
     def flush(self) -> None:
-        outbox = self.outbox
-        if outbox:
-            self.outbox, self.outbox_bytes = [], 0
+        if self.outbox.parts:
+            data = self.outbox.take()
             if self.state is not CLOSED:
-                self.transport.write(outbox[0] if len(outbox) == 1 else b"".join(outbox))
+                self.transport.write(data)
 
     def pause_reading(self) -> None:
         if not self.reading_paused and self.state is not CLOSED:
@@ -533,79 +515,48 @@ class HTTPConnection(asyncio.Protocol):
                 request.task.cancel()
 
     def abort_transport(self) -> None:
-        self.outbox, self.outbox_bytes = [], 0
+        self.outbox.clear()
         if self.state is not CLOSED:
             self.transport.abort()
 
-    # -- timers --------------------------------------------------------------------
+    # -- the timer (`app.http.watchdog`) ---------------------------------------------
 
     def _arm_idle_timer(self) -> None:
-        # One timer per connection, not one per request: when it fires it closes the
-        # connection only if no request began since it was armed (idle keep_alive_s to 2x).
-        if self.idle_timer is None and self.state is not CLOSED:
-            self.ticks.requests = self.requests
-            self.ticks.bytes_in = self.bytes_in
-            self.idle_timer = self.loop.call_later(self.server.keep_alive_s, self._idle_timeout)
+        if self.state is not CLOSED:
+            self.watchdog.arm(self.requests, self.bytes_in, self._tick)
 
     def _cancel_idle_timer(self) -> None:
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-            self.idle_timer = None
+        self.watchdog.cancel()
 
-    def _idle_timeout(self) -> None:
-        self.idle_timer = None
-        state, ticks = self.state, self.ticks
+    def _tick(self) -> None:
+        state, watchdog = self.state, self.watchdog
+        watchdog.fired()
         if state is CLOSED:
             return
-        if state is BODY and self._body_overdue():
+        if state is BODY and watchdog.body_overdue(self.requests, self.reading_paused):
             self._refuse_body()
             return
         if self.busy:
-            ticks.stalled = 0
-            ticks.head_request = 0  # a head arriving behind answers owed is not timed: reading may be paused
-        elif state is HEAD and self._head_overdue():
-            logger.info("refusing a request from %s: its head took over %g s", self.client, self.server.head_timeout_s)
+            watchdog.waiting_on_answers()
+        elif state is HEAD and watchdog.head_overdue(self.requests):
+            limit = watchdog.head_timeout_s
+            logger.info("refusing a request from %s: its head took over %g s", self.client, limit)
             with contextlib.suppress(_Rejected):
-                self._reject(408, f"the request head was not complete within {self.server.head_timeout_s:g} s")
+                self._reject(408, f"the request head was not complete within {limit:g} s")
             return
         elif state is HEAD or state is BODY:
             # A request that stopped arriving part-way, with nothing owed to its client.
-            ticks.stalled = 0 if self.bytes_in != ticks.bytes_in else ticks.stalled + 1
-            if ticks.stalled * self.server.keep_alive_s >= REQUEST_STALL_S:
+            if watchdog.stopped_arriving(self.bytes_in):
                 logger.info("closing a connection from %s: its request stopped arriving", self.client)
                 self.close()
                 return
-        elif self.requests == ticks.requests:
+        elif watchdog.idle(self.requests):
             self.close()
             return
         self._arm_idle_timer()
 
-    def _head_overdue(self) -> bool:
-        """Whether the head arriving now began over `head_timeout_s` ago, bytes arriving or not.
-
-        Timed from the first tick that sees it (no clock read per request on the hit path):
-        a head is refused between `head_timeout_s` and that plus two ticks after its first byte.
-        """
-        now, ticks = self.loop.time(), self.ticks
-        if ticks.head_request != self.requests:
-            ticks.head_request, ticks.head_since = self.requests, now
-            return False
-        return now - ticks.head_since >= self.server.head_timeout_s
-
-    def _body_overdue(self) -> bool:
-        """Whether the body arriving now began over `body_timeout_s` ago, bytes arriving or not.
-
-        Timed as the head is, from the first tick that sees it; not while reading is paused (the
-        app has not taken what came, or answers are owed before it): that wait is not the client's.
-        """
-        now, ticks = self.loop.time(), self.ticks
-        if self.reading_paused or ticks.body_request != self.requests:
-            ticks.body_request, ticks.body_since = self.requests, now
-            return False
-        return now - ticks.body_since >= self.server.body_timeout_s
-
     def _refuse_body(self) -> None:
-        request, limit = self.parsing, self.server.body_timeout_s
+        request, limit = self.parsing, self.watchdog.body_timeout_s
         logger.info("refusing a request from %s: its body took over %g s", self.client, limit)
         if request is not None and request.response_complete:
             self.close()  # answered already (413, 401): only the rest of its body was being thrown away
