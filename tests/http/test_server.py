@@ -435,9 +435,9 @@ async def test_shutdown_lets_requests_in_flight_finish_and_refuses_new_connectio
     await busy.send(get("/slow?0.2"))
     await idle.send(get("/work-after"))
     assert (await idle.response())[2] == b"answered"
-    await asyncio.sleep(0.02)
+    await eventually(lambda: any(c.active is not None for c in server.connections), "/slow never started")
     stopping = asyncio.create_task(server.shutdown())
-    await asyncio.sleep(0.05)
+    await eventually(lambda: server.closing, "the shutdown never began")
     status, headers, body = await busy.response()
     assert (status, body, headers[b"connection"]) == (200, b"slow", b"close")
     assert await busy.closed_by_server()
@@ -455,7 +455,7 @@ async def test_shutdown_cuts_requests_that_outlast_the_grace_period(caplog: pyte
     await server.start()
     conn = await Conn.open(server)
     await conn.send(get("/slow?30"))
-    await asyncio.sleep(0.02)
+    await eventually(lambda: bool(server.tasks), "/slow never started")
     async with asyncio.timeout(5):
         await server.shutdown()
     assert await conn.closed_by_server()
@@ -617,9 +617,11 @@ async def test_shutdown_delivers_a_large_answer_to_a_slow_reader_in_full() -> No
     await server.start()
     conn = await Conn.open(server)
     await conn.send(get("/big"))
-    await asyncio.sleep(0.05)  # answered into the socket's buffer, not yet read
+    # answered into the socket's buffer (and the transport's), not yet read
+    answered = lambda: any(c.requests == 1 and not c.owes_answers for c in server.connections)  # noqa: E731
+    await eventually(answered, "/big was never answered")
     stopping = asyncio.create_task(server.shutdown())
-    await asyncio.sleep(0.05)
+    await eventually(lambda: server.closing, "the shutdown never began")
     assert len((await conn.response())[2]) == 8 * HIGH_WATER
     assert await conn.closed_by_server()
     await stopping
@@ -632,9 +634,9 @@ async def test_shutdown_waits_for_a_fast_path_request_whose_body_is_still_arrivi
     conn = await Conn.open(server)
     request = post("/fast", b"miss")
     await conn.send(request[:-2])
-    await asyncio.sleep(0.02)
+    await eventually(lambda: any(c.parsing is not None for c in server.connections), "the body never began")
     stopping = asyncio.create_task(server.shutdown())
-    await asyncio.sleep(0.05)
+    await eventually(lambda: server.closing, "the shutdown never began")
     await conn.send(request[-2:])
     status, headers, body = await conn.response()
     assert (status, body, headers[b"connection"]) == (200, b"asgi saw miss", b"close")
