@@ -13,7 +13,7 @@ number of documents done, far enough apart that every kill happens before
 the job could finish. The job stops there, frozen with its other requests
 in flight at the proxy, until the parent's SIGKILL.
 
-The job is `app.job.client.run_job`: it asks the proxy where to resume, sends
+The job is `app.job.run.run_job`: it asks the proxy where to resume, sends
 each rollout as an OpenAI-compatible chat request through the proxy with
 the document's headers, and sends each finished document to the
 checkpoint service.
@@ -43,7 +43,8 @@ import orjson
 
 from app.checkpoints.documents import Document, DocumentLike
 from app.http.client import HTTPClient
-from app.job.client import ProxyJob, run_job
+from app.job.client import ProxyJob
+from app.job.run import run_job
 
 MARKER = ".inferproxy-demo"
 PROXY_KILLS = {"never": "the proxy never", "alternate": "the proxy too, every second time", "always": "the proxy too"}

@@ -1,4 +1,4 @@
-"""app.job.client against a real proxy on a loopback port (in this event loop), with the openai client."""
+"""ProxyJob and run_job against a real proxy on a loopback port (in this event loop), with the openai client."""
 
 from __future__ import annotations
 
@@ -19,7 +19,8 @@ import pytest
 
 from app.checkpoints.documents import DocumentLike
 from app.http.client import HTTPClient, ReadTimeout
-from app.job.client import ProxyJob, ProxyJobError, run_job
+from app.job.client import ProxyJob, ProxyJobError
+from app.job.run import run_job
 from app.service.app import create_app
 from app.service.settings import Settings
 from app.tools.fake_upstream import FakeUpstream
@@ -93,10 +94,10 @@ async def test_a_finished_job_run_again_says_at_info_that_it_is_done_and_warns_o
 ) -> None:
     await run_job(DOCS, env.rollout, base_url=env.proxy, progress=False)  # 10 documents: chunks 0-1 full, 2 half
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="app.job.client"):
+    with caplog.at_level(logging.INFO, logger="app.job"):
         again = await run_job(DOCS, env.rollout, base_url=env.proxy, progress=False)
     assert (again.written, again.skipped) == (0, 10)
-    messages = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "app.job.client"]
+    messages = [(r.levelname, r.getMessage()) for r in caplog.records if r.name in ("app.job.client", "app.job.run")]
     assert messages == [("INFO", "rank 0: all 10 documents were already done: nothing to do")]
 
 
@@ -104,7 +105,7 @@ async def test_an_input_shorter_than_what_the_checkpoints_hold_is_warned_about(
     env: Env, caplog: pytest.LogCaptureFixture
 ) -> None:
     await run_job(DOCS, env.rollout, base_url=env.proxy, progress=False)
-    with caplog.at_level(logging.WARNING, logger="app.job.client"):
+    with caplog.at_level(logging.WARNING, logger="app.job.run"):
         report = await run_job(DOCS[:6], env.rollout, base_url=env.proxy, progress=False)
     assert (report.written, report.skipped) == (0, 6)
     assert "the first 12 documents are done, more than this input has (6)" in caplog.text
