@@ -158,7 +158,7 @@ async def run_demo_job(options: DemoOptions) -> None:
 # ------------------------------------------------------------- the parent
 
 
-def free_port() -> int:
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -209,7 +209,7 @@ class Proxy:
     """`inferproxy serve` for the demo, restartable on the same port and folders."""
 
     def __init__(self, options: DemoOptions, upstream: str) -> None:
-        self.port = free_port()
+        self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [
             "serve",
@@ -350,7 +350,7 @@ def upstream_server(options: DemoOptions) -> Iterator[str]:
         check_upstream_answers(root)
         yield root
         return
-    port = free_port()
+    port = _free_port()
     proc = inferproxy(
         "fake-upstream", f"--port={port}", f"--latency-ms={options.latency_ms}", f"--model={options.model}", silent=True
     )
