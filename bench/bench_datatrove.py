@@ -44,7 +44,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.tools.demo import free_port  # noqa: E402
+from ports import free_port  # noqa: E402
 
 ROLLOUTS = 2
 RECORDS_PER_CHUNK = 500

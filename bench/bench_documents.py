@@ -47,7 +47,8 @@ from app.store.cache import DB_FILENAME, apply_migrations
 from app.store.hashing import payload_hash
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench_proxy import cpu_seconds, free_port, inferproxy, wait_until_up, wrk
+from bench_proxy import cpu_seconds, inferproxy, wait_until_up, wrk
+from ports import free_port
 from profile_hit import ANSWER, CountingTransport
 from profile_hit import BODY as HIT_BODY
 

@@ -50,7 +50,7 @@ import urllib.request
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from app.tools.demo import free_port
+from ports import free_port
 
 
 def body(max_tokens: int) -> str:

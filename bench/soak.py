@@ -57,9 +57,9 @@ from typing import Any, NamedTuple
 
 import orjson
 from bench_proxy import cpu_seconds, inferproxy, wait_until_up
+from ports import free_port
 
 from app.http.client import HTTPClient, HTTPClientError
-from app.tools.demo import free_port
 
 RANKS = 4
 RESTING = (2, 3)  # ranks that rest in turns, long enough to be released

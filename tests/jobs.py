@@ -11,7 +11,8 @@ from typing import Any
 import httpx
 
 from app.checkpoints.documents import Document, DocumentLike
-from app.job.client import JobReport, ProxyJob, run_job
+from app.job.client import ProxyJob
+from app.job.run import JobReport, run_job
 from app.service.settings import Settings
 from tests.factories import chat_request
 from tests.servers import fake_upstream, serve_proxy

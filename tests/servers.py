@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -18,7 +19,6 @@ import uvicorn
 
 from app.service.app import create_server
 from app.service.settings import Settings
-from app.tools.demo import free_port
 from app.tools.fake_upstream import FakeUpstream
 
 __all__ = [
@@ -31,6 +31,14 @@ __all__ = [
     "serve_proxy",
     "wait_for_http",
 ]
+
+
+def free_port() -> int:
+    """A loopback port free now, for a server started next (another may take it first: start it soon)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
 
 
 @contextlib.asynccontextmanager

@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("checkpoints",),  # the checkpoint manager, chunk files, resume, publishing, output locations
     ("ops",),  # metrics, logs, memory tuning
     ("service",),  # the app, its routes, the upstream pool, settings, errors: all that knows HTTP exists
-    ("job",),  # the job client and its loop
+    ("job",),  # the job client (client.py) and its loop (run.py)
     ("integrations", "tools"),  # datatrove's adapters; status, inspect, demo, the fake upstream
     ("cli",),  # `inferproxy ...`
 ]

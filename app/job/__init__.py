@@ -1,1 +1,1 @@
-"""The job client (`ProxyJob`) and the loop that runs a job through a proxy (`run_job`)."""
+"""The job side: `client.ProxyJob`, the checkpoint routes of one rank, and `run.run_job`, the loop on it."""

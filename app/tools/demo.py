@@ -13,7 +13,7 @@ number of documents done, far enough apart that every kill happens before
 the job could finish. The job stops there, frozen with its other requests
 in flight at the proxy, until the parent's SIGKILL.
 
-The job is `app.job.client.run_job`: it asks the proxy where to resume, sends
+The job is `app.job.run.run_job`: it asks the proxy where to resume, sends
 each rollout as an OpenAI-compatible chat request through the proxy with
 the document's headers, and sends each finished document to the
 checkpoint service.
@@ -43,7 +43,8 @@ import orjson
 
 from app.checkpoints.documents import Document, DocumentLike
 from app.http.client import HTTPClient
-from app.job.client import ProxyJob, run_job
+from app.job.client import ProxyJob
+from app.job.run import run_job
 
 MARKER = ".inferproxy-demo"
 PROXY_KILLS = {"never": "the proxy never", "alternate": "the proxy too, every second time", "always": "the proxy too"}
@@ -157,7 +158,7 @@ async def run_demo_job(options: DemoOptions) -> None:
 # ------------------------------------------------------------- the parent
 
 
-def free_port() -> int:
+def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port: int = s.getsockname()[1]
@@ -208,7 +209,7 @@ class Proxy:
     """`inferproxy serve` for the demo, restartable on the same port and folders."""
 
     def __init__(self, options: DemoOptions, upstream: str) -> None:
-        self.port = free_port()
+        self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [
             "serve",
@@ -349,7 +350,7 @@ def upstream_server(options: DemoOptions) -> Iterator[str]:
         check_upstream_answers(root)
         yield root
         return
-    port = free_port()
+    port = _free_port()
     proc = inferproxy(
         "fake-upstream", f"--port={port}", f"--latency-ms={options.latency_ms}", f"--model={options.model}", silent=True
     )

@@ -31,7 +31,7 @@ import pytest
 
 from app.checkpoints.documents import DocumentLike
 from app.checkpoints.publish import ChunkPublisher
-from app.job.client import run_job
+from app.job.run import run_job
 from tests.e2e.conftest import Upstream, start_proxy
 from tests.ops.test_memory import thread_heaps
 from tests.servers import free_port, process, wait_for_http

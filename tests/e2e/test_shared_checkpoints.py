@@ -1,6 +1,6 @@
 """Many proxies on one checkpoints dir, a proxy SIGKILLed under load, and checkpoints lost with a node.
 
-Real `inferproxy serve` and `fake-upstream` processes; the jobs are `app.job.client.run_job`
+Real `inferproxy serve` and `fake-upstream` processes; the jobs are `app.job.run.run_job`
 in this process, one per rank, each pointed at its node's proxy as a cluster's would be.
 """
 
@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from app.http.client import HTTPClient, HTTPClientError
-from app.job.client import run_job
+from app.job.run import run_job
 from tests.e2e.conftest import Upstream, running_upstream
 from tests.e2e.conftest import start_proxy as proxy_args
 from tests.servers import process, wait_for_http

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.checkpoints.documents import DocumentLike
-from app.job.client import run_job
+from app.job.run import run_job
 from app.ops.metrics import HISTORY_EVERY_S, HISTORY_POINTS, SAMPLE_EVERY_S, Metrics
 from app.service.settings import Settings
 from app.tools.fake_upstream import FakeUpstream

@@ -1,4 +1,4 @@
-"""A batch job on `app.job.client.run_job` whose rollouts are vLLM chat completions through the proxy,
+"""A batch job on `app.job.run.run_job` whose rollouts are vLLM chat completions through the proxy,
 run as a real process (and killed) by test_faults.py.
 
 usage: python job.py PROXY_URL N_DOCS ROLLOUTS CONCURRENCY
@@ -14,7 +14,7 @@ import sys
 from openai import AsyncOpenAI
 
 from app.checkpoints.documents import DocumentLike
-from app.job.client import run_job
+from app.job.run import run_job
 from tests.vllm.server import MODEL
 
 
