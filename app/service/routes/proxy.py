@@ -78,7 +78,7 @@ def lookup(services: Services, headers: Headers, body: bytes) -> Lookup:
     digest = payload_digest(body)
     if key.doc_id is None or key.no_cache:
         return Lookup(key, body, digest, None, True)
-    cache = services.caches.opened_cache(key.rank)
+    cache = services.caches.opened(key.rank)
     if cache is None:
         return Lookup(key, body, digest, None, False)  # not looked: the cache is not open
     hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
@@ -136,7 +136,7 @@ async def cacheable(services: Services, scope: Scope, receive: Receive, send: Se
 async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive, send: Send, found: Lookup) -> None:
     key, digest, body = found.key, found.digest, found.body
     assert key.doc_id is not None
-    cache = services.caches.opened_cache(key.rank) or await services.caches.get(key.rank)
+    cache = services.caches.opened(key.rank) or await services.caches.get(key.rank)
     flight_key = (key.rank, key.doc_id, key.rollout_idx, digest)
     if not key.no_cache:
         hit, looked_at = found.hit, found.stores if found.cache is cache else -1
