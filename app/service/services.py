@@ -22,6 +22,7 @@ from app.checkpoints.output import redact_url, scrub
 from app.checkpoints.publish import ChunkPublisher, in_daemon_thread, shortened
 from app.checkpoints.resume import check_records_per_chunk, docs_to_skip, read_last_chunk
 from app.ops.metrics import Metrics
+from app.service.coalescing import Flights
 from app.service.errors import (
     InsufficientStorage,
     OutputLost,
@@ -33,16 +34,13 @@ from app.service.errors import (
 from app.service.limits import files_short_for_a_rank, open_files_limit, out_of_files
 from app.service.settings import Settings
 from app.service.upstream import UpstreamPool
-from app.store.cache import CacheWriteError, RequestCache, StoredResponse
+from app.store.cache import CacheWriteError, RequestCache
 from app.store.durable import atomic_write_bytes, is_disk_full, refusal_reason
 from app.store.layout import CheckpointsLayout
 from app.store.ownership import RankOwnedError, RankOwnership
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
-
-#: (rank, doc_id, rollout_idx, payload_hash): the cache key of a request.
-CacheKey = tuple[int, str, int, str]
 
 
 class RankLocks:
@@ -585,7 +583,7 @@ class Services:
     caches: CacheRegistry
     checkpoints: CheckpointRegistry
     activity: RankActivity = field(default_factory=RankActivity)
-    flights: dict[CacheKey, asyncio.Future[StoredResponse | None]] = field(default_factory=dict)
+    flights: Flights = field(default_factory=Flights)
     metrics: Metrics = field(default_factory=Metrics)
 
     def note_progress(self, rank: int, manager: CheckpointManager) -> None:

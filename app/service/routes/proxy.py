@@ -4,7 +4,8 @@
 `(rank, doc_id, rollout_idx, payload_hash)`: a hit is replayed unchanged
 (status, body bytes, content type); a miss is forwarded, passed back as it
 arrives (SSE chunk by chunk) and stored as `app.service.storage_policy`
-says; identical requests in flight share one upstream call. Every other `/v1/*` route is forwarded
+says; identical requests in flight share one upstream call
+(`app.service.coalescing`). Every other `/v1/*` route is forwarded
 unchanged and not cached.
 
 A hit costs a header scan, a JSON parse and hash, and one SQLite point
@@ -150,8 +151,7 @@ async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive
                 if cache.stores != looked_at:
                     hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
                 break
-            # shield: a follower whose client leaves must not cancel the leader's future
-            shared = await asyncio.shield(flight)
+            shared = await flight.answer()
             if shared is not None:
                 services.metrics.replayed(key.rank, True, shared.body)
                 await send_answer(send, stored_answer(shared, b"COALESCED", digest))
@@ -162,18 +162,10 @@ async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive
             await send_answer(send, stored_answer(hit, b"HIT", digest))
             return
     state = b"REFRESH" if key.no_cache else b"MISS"
-    future: asyncio.Future[StoredResponse | None] = asyncio.get_running_loop().create_future()
-    # A no-store request does not lead: its followers' answer would never be stored.
-    if not key.no_cache and not key.no_store:
-        services.flights[flight_key] = future
-    answer: StoredResponse | None = None
-    try:
+    # A no-store request is joined by none: its followers' answer would never be stored.
+    with services.flights.lead(flight_key, joinable=not key.no_cache and not key.no_store) as flight:
         forwarding = forward(services, scope, receive, send, key, digest, body, state, cache=cache)
-        answer = await (kept_by_nobody(receive, body, forwarding) if key.no_store else forwarding)
-    finally:
-        if services.flights.get(flight_key) is future:
-            del services.flights[flight_key]
-        future.set_result(answer)
+        flight.land(await (kept_by_nobody(receive, body, forwarding) if key.no_store else forwarding))
 
 
 async def send_answer(send: Send, answer: Answer) -> None:
