@@ -57,7 +57,7 @@ from app.service.errors import (
 from app.service.limits import default_max_connections, max_connections
 from app.service.routes.proxy import CACHEABLE_PATHS, LOOKUP, REPLICA, Lookup, lookup, stored_answer
 from app.service.routing import NEVER_SERVED, Entry, Handler, Index, resolve_dot_segments
-from app.service.services import CacheRegistry, CheckpointRegistry, RankActivity, Services
+from app.service.services import CheckpointRegistry, RankActivity, Services
 from app.service.settings import Settings
 from app.service.upstream import UpstreamPool
 from app.store.durable import make_dirs_durable
@@ -302,9 +302,9 @@ class InferProxy(FastAPI):
             await pool.start()
             stack.push_async_callback(pool.close)
             activity = RankActivity()
-            caches = CacheRegistry(settings.checkpoints_dir, ownership, flush_interval_ms=settings.flush_interval_ms)
-            stack.push_async_callback(caches.close)
-            checkpoints = CheckpointRegistry(settings, caches, activity)
+            checkpoints = CheckpointRegistry(settings, ownership, activity)
+            caches = checkpoints.caches
+            stack.push_async_callback(caches.close)  # after the managers, which write through them
             stack.push_async_callback(checkpoints.close)
             services = Services(
                 settings=settings,

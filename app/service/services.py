@@ -10,16 +10,19 @@ import errno
 import logging
 import sqlite3
 import time
+from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar, Generic, TypeVar
 
 from app.checkpoints.manager import CheckpointManager
 from app.checkpoints.output import redact_url, scrub
 from app.checkpoints.publish import ChunkPublisher, in_daemon_thread, shortened
 from app.checkpoints.resume import check_records_per_chunk, docs_to_skip, read_last_chunk
 from app.ops.metrics import Metrics
+from app.service.coalescing import Flights
 from app.service.errors import (
     InsufficientStorage,
     OutputLost,
@@ -31,15 +34,13 @@ from app.service.errors import (
 from app.service.limits import files_short_for_a_rank, open_files_limit, out_of_files
 from app.service.settings import Settings
 from app.service.upstream import UpstreamPool
-from app.store.cache import CacheWriteError, RequestCache, StoredResponse
+from app.store.cache import CacheWriteError, RequestCache
 from app.store.durable import atomic_write_bytes, is_disk_full, refusal_reason
 from app.store.layout import CheckpointsLayout
 from app.store.ownership import RankOwnedError, RankOwnership
 
 logger = logging.getLogger(__name__)
-
-#: (rank, doc_id, rollout_idx, payload_hash): the cache key of a request.
-CacheKey = tuple[int, str, int, str]
+T = TypeVar("T")
 
 
 class RankLocks:
@@ -65,83 +66,6 @@ class RankLocks:
                 self._locks[rank] = (lock, users)
             else:
                 del self._locks[rank]
-
-
-class CacheRegistry:
-    """One `RequestCache` per rank this proxy owns, opened on first use: `<checkpoints_dir>/<rank:05d>/replay.sqlite3`.
-
-    Opening a rank's cache claims the rank first (`RankOwned` if another live
-    proxy has it): only one host ever has a rank's SQLite file open.
-    """
-
-    def __init__(self, root: Path, ownership: RankOwnership, *, flush_interval_ms: float) -> None:
-        self.root = root
-        self.ownership = ownership
-        self.flush_interval_ms = flush_interval_ms
-        self._caches: dict[int, RequestCache] = {}
-        self._opening = RankLocks()
-        #: claims a rank before its cache opens; `CheckpointRegistry` makes room under `max_open_ranks` first
-        self.admit: Callable[[int], Awaitable[None]] = self._claim
-
-    async def _claim(self, rank: int) -> None:
-        self.ownership.claim(rank)
-
-    async def get(self, rank: int) -> RequestCache:
-        cache = self._caches.get(rank)
-        if cache is not None:
-            return cache
-        async with self._opening.hold(rank):
-            cache = self._caches.get(rank)
-            if cache is None:
-                claimed = not self.ownership.owns(rank)
-                with opening_files(rank, self.root):
-                    try:
-                        await self.admit(rank)
-                        # replay_same_run: the proxy answers a repeated request with the first answer at once.
-                        cache = RequestCache(
-                            str(self.root), flush_interval_ms=self.flush_interval_ms, replay_same_run=True
-                        )
-                        await cache.initialize(rank)
-                    except Exception:
-                        if claimed:  # nothing of the rank is open: its lock goes too, for whichever proxy can
-                            self.ownership.release(rank)
-                        raise
-                self._caches[rank] = cache
-        return cache
-
-    def opening(self, rank: int) -> contextlib.AbstractAsyncContextManager[None]:
-        """The lock under which the rank's cache is opened (and closed when the rank is released)."""
-        return self._opening.hold(rank)
-
-    def opened_cache(self, rank: int) -> RequestCache | None:
-        """The rank's cache if it is open already: the hot path's lookup, without an await."""
-        return self._caches.get(rank)
-
-    def opened(self) -> dict[int, RequestCache]:
-        return dict(self._caches)
-
-    def take(self, rank: int) -> RequestCache | None:
-        """Forget the rank's cache without closing it: the caller closes it."""
-        return self._caches.pop(rank, None)
-
-    async def discard(self, rank: int) -> None:
-        """Close a rank's cache whose file was removed (its job finished)."""
-        cache = self._caches.pop(rank, None)
-        if cache is not None:
-            await cache.close()
-
-    async def close(self) -> None:
-        """Flush and close every cache, even if one of them fails."""
-        caches, self._caches = self._caches, {}
-        errors = []
-        for rank, cache in caches.items():
-            try:
-                await cache.close()
-            except Exception as exc:  # keep closing the others
-                logger.exception("closing the request cache of rank %d failed", rank)
-                errors.append(exc)
-        if errors:
-            raise errors[0]
 
 
 #: A checkpoints dir remounted read-only, or its permissions taken away, under a running proxy.
@@ -226,11 +150,124 @@ class RankActivity:
             del self.last_used[rank]
 
 
+class RankRegistry(ABC, Generic[T]):
+    """What this proxy holds open for each rank it owns (a `T`: a cache, a checkpoint manager), opened on
+    first use.
+
+    A rank's `T` is opened once, under the rank's lock, after `admit` claimed the rank (`RankOwned` if
+    another live proxy has it) and made room for it. A `T` that fails to open gives the rank's claim up
+    again if this open made it and nothing else of the rank is open. Failing for want of file
+    descriptors or disk space is answered as `opening_files` says. Subclasses say how a `T` is opened
+    and closed.
+    """
+
+    #: what a `T` is, for log lines
+    what: ClassVar[str]
+
+    def __init__(self, root: str | Path, ownership: RankOwnership, admit: Callable[[int], Awaitable[None]]) -> None:
+        self.root = str(root)
+        self.ownership = ownership
+        self._admit = admit
+        self._opened: dict[int, T] = {}
+        self._opening = RankLocks()
+
+    @abstractmethod
+    async def _open(self, rank: int) -> T:
+        """Open the rank's `T`; the rank is admitted (claimed) already."""
+
+    @abstractmethod
+    async def _close(self, rank: int, opened: T) -> None: ...
+
+    def _holds_otherwise(self, rank: int) -> bool:
+        """Whether something else of the rank is open, keeping its claim when its `T` failed to open."""
+        return False
+
+    async def get(self, rank: int) -> T:
+        opened = self._opened.get(rank)
+        if opened is not None:
+            return opened
+        async with self._opening.hold(rank):
+            opened = self._opened.get(rank)
+            if opened is not None:
+                return opened
+            claimed = not self.ownership.owns(rank)
+            with opening_files(rank, self.root):
+                try:
+                    await self._admit(rank)
+                    opened = await self._open(rank)
+                except Exception:
+                    if claimed and not self._holds_otherwise(rank):
+                        self.ownership.release(rank)  # nothing of the rank is open: its lock goes too
+                    raise
+            self._opened[rank] = opened
+            return opened
+
+    def opened(self, rank: int) -> T | None:
+        """The rank's `T` if it is open already: the hot path's lookup, without an await."""
+        return self._opened.get(rank)
+
+    def all_opened(self) -> dict[int, T]:
+        return dict(self._opened)
+
+    def opening(self, rank: int) -> contextlib.AbstractAsyncContextManager[None]:
+        """The lock under which the rank's `T` is opened (and closed when the rank is released)."""
+        return self._opening.hold(rank)
+
+    def take(self, rank: int) -> T | None:
+        """Forget the rank's `T` without closing it: the caller closes it."""
+        return self._opened.pop(rank, None)
+
+    async def discard(self, rank: int) -> None:
+        """Close the rank's `T`, if it is open."""
+        opened = self._opened.pop(rank, None)
+        if opened is not None:
+            await self._close(rank, opened)
+
+    async def close(self) -> None:
+        """Close every `T` at once, each even if another fails; raise the first failure."""
+        opened, self._opened = self._opened, {}
+        results = await asyncio.gather(
+            *(self._close(rank, one) for rank, one in opened.items()), return_exceptions=True
+        )
+        failed: BaseException | None = None
+        for rank, result in zip(opened, results, strict=True):
+            if isinstance(result, BaseException):
+                logger.error("closing %s of rank %d failed: %s", self.what, rank, result, exc_info=result)
+                failed = failed or result
+        if failed is not None:
+            raise failed
+
+
+class CacheRegistry(RankRegistry[RequestCache]):
+    """One `RequestCache` per rank this proxy owns, opened on first use: `<checkpoints_dir>/<rank:05d>/replay.sqlite3`.
+
+    Opening a rank's cache claims the rank first (`RankOwned` if another live
+    proxy has it): only one host ever has a rank's SQLite file open.
+    """
+
+    what = "the request cache"
+
+    def __init__(
+        self, root: Path, ownership: RankOwnership, admit: Callable[[int], Awaitable[None]], *, flush_interval_ms: float
+    ) -> None:
+        super().__init__(root, ownership, admit)
+        self.flush_interval_ms = flush_interval_ms
+
+    async def _open(self, rank: int) -> RequestCache:
+        # replay_same_run: the proxy answers a repeated request with the first answer at once.
+        cache = RequestCache(self.root, flush_interval_ms=self.flush_interval_ms, replay_same_run=True)
+        await cache.initialize(rank)
+        return cache
+
+    async def _close(self, rank: int, opened: RequestCache) -> None:
+        await opened.close()
+
+
 #: Idle ranks closed, at most, to open one rank when file descriptors run short (each frees ~7).
 FILES_EVICTIONS = 2
 
 
-class CheckpointRegistry:
+class CheckpointRegistry(RankRegistry[CheckpointManager]):
     """One `CheckpointManager` per rank this proxy owns, restored from disk before it serves anything.
 
     A rank is claimed and restored on its first request: its checkpoints
@@ -246,22 +283,26 @@ class CheckpointRegistry:
     used idle rank is closed and released to make room (it reopens on its
     next request); a rank in use is never closed, and when all are,
     the new rank gets `TooManyRanks` (503).
+
+    It holds the ranks' caches too (`caches`): a rank's manager writes
+    through its cache, and a rank is admitted, and given up, whole. Either
+    opens the rank through `admit`.
     """
 
-    def __init__(self, settings: Settings, caches: CacheRegistry, activity: RankActivity) -> None:
+    what = "the checkpoints"
+
+    def __init__(self, settings: Settings, ownership: RankOwnership, activity: RankActivity) -> None:
+        super().__init__(str(settings.checkpoints_dir), ownership, self.admit)
         self.settings = settings
-        self.caches = caches
         self.activity = activity
-        self.ownership = caches.ownership
-        self.root = str(settings.checkpoints_dir)
+        self.caches = CacheRegistry(
+            settings.checkpoints_dir, ownership, self.admit, flush_interval_ms=settings.flush_interval_ms
+        )
         self.layout = CheckpointsLayout(self.root)
         self.publisher = ChunkPublisher(
             settings.output, self.root, settings.output_filename, holds_rank=self.ownership.owns
         )
-        self._managers: dict[int, CheckpointManager] = {}
-        self._opening = RankLocks()
         self._admitting = asyncio.Lock()
-        caches.admit = self.admit
         #: Ranks whose published chunks were found missing from the output, with those chunks.
         self.lost: dict[int, list[int]] = {}
 
@@ -304,7 +345,7 @@ class CheckpointRegistry:
             self.ownership.claim(rank)
 
     def _is_idle(self, rank: int) -> bool:
-        manager = self._managers.get(rank)
+        manager = self._opened.get(rank)
         busy = manager is not None and manager.busy()
         return not self.activity.in_flight[rank] and not busy and not self.ownership.kept(rank)
 
@@ -312,46 +353,40 @@ class CheckpointRegistry:
         idle = [rank for rank in self.ownership.owned() if self._is_idle(rank)]
         return min(idle, key=lambda rank: self.activity.last_used.get(rank, 0.0), default=None)
 
-    async def get(self, rank: int) -> CheckpointManager:
-        manager = self._managers.get(rank)
-        if manager is not None:
-            return manager
-        async with self._opening.hold(rank):
-            manager = self._managers.get(rank)
-            if manager is None:
-                claimed = not self.ownership.owns(rank)
-                with opening_files(rank, self.root):
-                    try:
-                        await self.admit(rank)
-                        await self.recover_from_output(rank)
-                        await self.check_output(rank)
-                        cache = await self.caches.get(rank)
-                        manager = CheckpointManager(
-                            self.root,
-                            self.settings.records_per_chunk,
-                            request_cache=cache,
-                            fsync=self.settings.fsync,
-                            publish_in_background=True,
-                            max_waiting_chunks=self.settings.max_waiting_chunks,
-                            backlog_wait_s=self.settings.backlog_wait_s,
-                            max_retry_backoff_s=self.settings.publish_retry_max_s,
-                        )
-                        await manager.restore(rank, self.publisher)
-                    except Exception:
-                        if claimed and self.caches.opened_cache(rank) is None:
-                            self.ownership.release(rank)  # nothing of the rank is open
-                        raise
-                self._managers[rank] = manager
+    async def _open(self, rank: int) -> CheckpointManager:
+        await self.recover_from_output(rank)
+        await self.check_output(rank)
+        cache = await self.caches.get(rank)
+        manager = CheckpointManager(
+            self.root,
+            self.settings.records_per_chunk,
+            request_cache=cache,
+            fsync=self.settings.fsync,
+            publish_in_background=True,
+            max_waiting_chunks=self.settings.max_waiting_chunks,
+            backlog_wait_s=self.settings.backlog_wait_s,
+            max_retry_backoff_s=self.settings.publish_retry_max_s,
+        )
+        await manager.restore(rank, self.publisher)
         return manager
 
-    def is_open(self, rank: int) -> bool:
-        return rank in self._managers
+    def _holds_otherwise(self, rank: int) -> bool:
+        return self.caches.opened(rank) is not None
 
-    def opened(self, rank: int) -> CheckpointManager | None:
-        return self._managers.get(rank)
-
-    def open_managers(self) -> dict[int, CheckpointManager]:
-        return dict(self._managers)
+    async def _close(self, rank: int, opened: CheckpointManager) -> None:
+        """Let a publication under way finish within `shutdown_grace_s` (then give it up); a rank with one
+        still running keeps its lock until the process exits."""
+        try:
+            await opened.close(grace_s=self.settings.shutdown_grace_s)
+        finally:
+            if opened.publishing():
+                logger.error(
+                    "a publication of rank %d is still running past shutdown_grace_s and could not be given "
+                    "up; the rank's lock is held until this process exits",
+                    rank,
+                )
+                self.ownership.keep_until_exit(rank)
+            warn_unpublished(rank, opened, "closed")
 
     def has_working_files(self, rank: int) -> bool:
         return self.layout.rank(rank).has_working_files()
@@ -364,7 +399,7 @@ class CheckpointRegistry:
         meanwhile and completed a chunk past it, taking `last_chunk` back.
         """
         async with self._opening.hold(rank):
-            manager = self._managers.get(rank)
+            manager = self._opened.get(rank)
             if manager is not None:  # opened while this request waited: it knows best
                 return manager.last_chunk_index
             with opening_files(rank, self.root):
@@ -436,9 +471,9 @@ class CheckpointRegistry:
             await self.check_output(rank)
         except OutputLost:
             async with self._opening.hold(rank):
-                manager = self._managers.get(rank)
+                manager = self._opened.get(rank)
                 if manager is not None and not manager.busy():
-                    del self._managers[rank]
+                    del self._opened[rank]
                     if not await manager.close(grace_s=self.settings.shutdown_grace_s):
                         self.ownership.keep_until_exit(rank)
             raise
@@ -449,7 +484,7 @@ class CheckpointRegistry:
         if manager.last_chunk_index == chunk_index:
             # The rank dir is gone: close its cache, start afresh on the next use, let another proxy have it.
             await manager.close()
-            self._managers.pop(rank, None)
+            self._opened.pop(rank, None)
             await self.caches.discard(rank)
             self.ownership.release(rank)
         return manager
@@ -475,13 +510,13 @@ class CheckpointRegistry:
         request arriving meanwhile reopens it (after the close, under the
         rank's opening lock) instead of using what is being closed.
         """
-        manager = self._managers.get(rank)
+        manager = self._opened.get(rank)
         if manager is not None and manager.busy():
             return False
         async with self._opening.hold(rank), self.caches.opening(rank):
             if not still_idle(rank) or not self.ownership.owns(rank):
                 return False
-            manager = self._managers.pop(rank, None)
+            manager = self._opened.pop(rank, None)
             cache = self.caches.take(rank)
             try:
                 try:
@@ -509,30 +544,6 @@ class CheckpointRegistry:
             )
             self.ownership.keep_until_exit(rank)
         self.ownership.release(rank)
-
-    async def close(self) -> None:
-        """Close every manager, letting publications under way finish within `shutdown_grace_s` (then
-        giving them up); a rank with one still running keeps its lock until the process exits."""
-        managers, self._managers = self._managers, {}
-        grace_s = self.settings.shutdown_grace_s
-        results = await asyncio.gather(
-            *(manager.close(grace_s=grace_s) for manager in managers.values()), return_exceptions=True
-        )
-        failed: BaseException | None = None
-        for (rank, manager), result in zip(managers.items(), results, strict=True):
-            if isinstance(result, BaseException):
-                logger.error("closing rank %d's checkpoints failed: %s", rank, result)
-                failed = failed or result
-            if manager.publishing():
-                logger.error(
-                    "a publication of rank %d is still running past shutdown_grace_s and could not be given "
-                    "up; the rank's lock is held until this process exits",
-                    rank,
-                )
-                self.ownership.keep_until_exit(rank)
-            warn_unpublished(rank, manager, "closed")
-        if failed is not None:
-            raise failed
 
 
 def warn_unpublished(rank: int, manager: CheckpointManager, how: str) -> None:
@@ -572,7 +583,7 @@ class Services:
     caches: CacheRegistry
     checkpoints: CheckpointRegistry
     activity: RankActivity = field(default_factory=RankActivity)
-    flights: dict[CacheKey, asyncio.Future[StoredResponse | None]] = field(default_factory=dict)
+    flights: Flights = field(default_factory=Flights)
     metrics: Metrics = field(default_factory=Metrics)
 
     def note_progress(self, rank: int, manager: CheckpointManager) -> None:
@@ -593,7 +604,7 @@ class Services:
         """Each open rank's publications now (its progress brought up to date too: chunks are published
         in the background, between the rank's requests)."""
         states = {}
-        for rank, manager in self.checkpoints.open_managers().items():
+        for rank, manager in self.checkpoints.all_opened().items():
             if self.metrics.rank(rank).known:
                 self.note_progress(rank, manager)
             failure = manager.publication_failure

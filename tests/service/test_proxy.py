@@ -12,8 +12,9 @@ import httpx
 import orjson
 import pytest
 
-from app.service.routes.proxy import StreamBrokeOff, error_in_disguise
+from app.service.routes.proxy import StreamBrokeOff
 from app.service.settings import Settings
+from app.service.storage_policy import error_in_disguise
 from app.store.cache import StoredResponse
 from app.store.hashing import payload_hash
 from tests.factories import chat_request, completion_request, doc_headers

@@ -141,7 +141,7 @@ async def post_documents(services: Services, scope: Scope, receive: Receive) -> 
     counters.duplicates += outcome.duplicates
     services.note_progress(rank, manager)
     keep_total(services, rank, total)
-    cache = services.caches.opened_cache(rank)
+    cache = services.caches.opened(rank)
     if cache is not None:
         for document in documents:
             await cache.mark_document_complete(document.id)
@@ -270,7 +270,7 @@ async def get_resume(services: Services, scope: Scope, receive: Receive) -> dict
     rank = rank_of(scope)
     total, ranks = declared_total(scope), declared_ranks(scope, rank)
     registry = services.checkpoints
-    if registry.is_open(rank) or registry.has_working_files(rank):
+    if registry.opened(rank) is not None or registry.has_working_files(rank):
         manager = await manager_of(services, rank)
         try:
             # Complete chunks waiting (left by a crash, or by an output that failed) are tried now.

@@ -40,7 +40,7 @@ async def lookups(services: Services, scope: Scope, receive: Receive) -> bytes:
     rank = rank_of(scope)
     keys = parse_keys(await read_body(scope, receive, services.settings.max_body_bytes))
     with services.activity.using(rank):
-        cache = services.caches.opened_cache(rank) or await services.caches.get(rank)
+        cache = services.caches.opened(rank) or await services.caches.get(rank)
         answers = looked_up(cache, keys)
     for answer in answers:
         if answer is not None:

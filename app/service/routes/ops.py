@@ -219,7 +219,7 @@ async def cache_sizes(services: Services) -> dict[int, tuple[int | None, int]]:
     counts = services.metrics.cache_entries
     sizes: dict[int, tuple[int | None, int]] = {}
     now = time.monotonic()
-    opened = services.caches.opened()
+    opened = services.caches.all_opened()
     for rank in counts.keys() - opened.keys():  # closed since: counted again if it opens again
         counts.pop(rank, None)
     for rank, cache in opened.items():

@@ -3,8 +3,9 @@
 `POST /v1/chat/completions` and `POST /v1/completions` are looked up by
 `(rank, doc_id, rollout_idx, payload_hash)`: a hit is replayed unchanged
 (status, body bytes, content type); a miss is forwarded, passed back as it
-arrives (SSE chunk by chunk) and stored if cacheable; identical requests in
-flight share one upstream call. Every other `/v1/*` route is forwarded
+arrives (SSE chunk by chunk) and stored as `app.service.storage_policy`
+says; identical requests in flight share one upstream call
+(`app.service.coalescing`). Every other `/v1/*` route is forwarded
 unchanged and not cached.
 
 A hit costs a header scan, a JSON parse and hash, and one SQLite point
@@ -32,6 +33,7 @@ from app.service.asgi import Headers, Receive, Scope, Send, check_json_cost, rea
 from app.service.errors import BadRequest, ProxyError
 from app.service.headers import RequestKey, parse_request_key
 from app.service.services import Services
+from app.service.storage_policy import is_whole, store_if_kept
 from app.service.upstream import UpstreamResponse, response_headers
 from app.store.cache import RequestCache, StoredResponse
 from app.store.hashing import payload_hash
@@ -42,7 +44,6 @@ T = TypeVar("T")
 #: The scope key under which a forwarding handler leaves the replica that answered, for the request's log line.
 REPLICA = "inferproxy.replica"
 CACHEABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-NO_CHUNK = -1  # the chunk_index stored for requests without X-Chunk-Index: never dropped by a chunk
 _PASSED_ON = frozenset({b"retry-after"})
 
 
@@ -78,7 +79,7 @@ def lookup(services: Services, headers: Headers, body: bytes) -> Lookup:
     digest = payload_digest(body)
     if key.doc_id is None or key.no_cache:
         return Lookup(key, body, digest, None, True)
-    cache = services.caches.opened_cache(key.rank)
+    cache = services.caches.opened(key.rank)
     if cache is None:
         return Lookup(key, body, digest, None, False)  # not looked: the cache is not open
     hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
@@ -136,7 +137,7 @@ async def cacheable(services: Services, scope: Scope, receive: Receive, send: Se
 async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive, send: Send, found: Lookup) -> None:
     key, digest, body = found.key, found.digest, found.body
     assert key.doc_id is not None
-    cache = services.caches.opened_cache(key.rank) or await services.caches.get(key.rank)
+    cache = services.caches.opened(key.rank) or await services.caches.get(key.rank)
     flight_key = (key.rank, key.doc_id, key.rollout_idx, digest)
     if not key.no_cache:
         hit, looked_at = found.hit, found.stores if found.cache is cache else -1
@@ -150,8 +151,7 @@ async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive
                 if cache.stores != looked_at:
                     hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
                 break
-            # shield: a follower whose client leaves must not cancel the leader's future
-            shared = await asyncio.shield(flight)
+            shared = await flight.answer()
             if shared is not None:
                 services.metrics.replayed(key.rank, True, shared.body)
                 await send_answer(send, stored_answer(shared, b"COALESCED", digest))
@@ -162,18 +162,10 @@ async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive
             await send_answer(send, stored_answer(hit, b"HIT", digest))
             return
     state = b"REFRESH" if key.no_cache else b"MISS"
-    future: asyncio.Future[StoredResponse | None] = asyncio.get_running_loop().create_future()
-    # A no-store request does not lead: its followers' answer would never be stored.
-    if not key.no_cache and not key.no_store:
-        services.flights[flight_key] = future
-    answer: StoredResponse | None = None
-    try:
+    # A no-store request is joined by none: its followers' answer would never be stored.
+    with services.flights.lead(flight_key, joinable=not key.no_cache and not key.no_store) as flight:
         forwarding = forward(services, scope, receive, send, key, digest, body, state, cache=cache)
-        answer = await (kept_by_nobody(receive, body, forwarding) if key.no_store else forwarding)
-    finally:
-        if services.flights.get(flight_key) is future:
-            del services.flights[flight_key]
-        future.set_result(answer)
+        flight.land(await (kept_by_nobody(receive, body, forwarding) if key.no_store else forwarding))
 
 
 async def send_answer(send: Send, answer: Answer) -> None:
@@ -211,7 +203,7 @@ async def forward(
 
     Returns the whole answer when one was received (whatever its status),
     None when there was none (upstream unreachable, stream cut short);
-    stores it when it is cacheable.
+    stores it as `app.service.storage_policy` says.
     """
     pool = services.pool
     ours: Headers = [(b"x-cache", state), (b"x-payload-hash", digest.encode())]
@@ -234,60 +226,16 @@ async def forward(
                 if data is None:
                     return None
                 answer = StoredResponse(upstream.status, data, content_type, streamed=True)
-                whole = data.rstrip().endswith(b"data: [DONE]")
             else:
                 data = await upstream.read()
                 answer = StoredResponse(upstream.status, data, content_type)
                 await send_bytes(send, upstream.status, headers, data)
-                whole = True
-            # An answer that ends where the connection does may have been cut: passed on, never kept.
-            whole = whole and not upstream.framed_by_close
+            whole = is_whole(answer, framed_by_close=upstream.framed_by_close)
     except ProxyError as error:
         await send_error(send, error, ours)
         return None
-    disguised = error_in_disguise(answer) if whole and 200 <= answer.status < 300 else None
-    if disguised is not None:
-        logger.warning(
-            "the upstream answered %s for doc %r (rank %d): passed on, not stored, so that it is generated "
-            "again when asked again",
-            disguised,
-            key.doc_id,
-            key.rank,
-        )
-    if (
-        cache is not None
-        and key.doc_id is not None
-        and whole
-        and disguised is None
-        and not key.no_store
-        and cacheable_status(answer.status, services.settings.cache_error_statuses)
-    ):
-        chunk_index = NO_CHUNK if key.chunk_index is None else key.chunk_index
-        cache.store_response(chunk_index, key.doc_id, key.rollout_idx, digest, answer)
+    store_if_kept(cache, key, digest, answer, whole=whole, error_statuses=services.settings.cache_error_statuses)
     return answer if whole else None
-
-
-def error_in_disguise(answer: StoredResponse) -> str | None:
-    """What makes a 2xx answer an error all the same, or None: a stream with an error event (vLLM ends a
-    stream so when its engine fails mid-generation, then sends `[DONE]`), or a body that is an error
-    envelope (`{"error": ...}`, or vLLM's older `{"object": "error", ...}`). Such answers are never stored."""
-    body = answer.body
-    if b'"error"' not in body:  # the common case: one scan, no parse
-        return None
-    if answer.streamed:
-        for line in body.split(b"\n"):
-            if line.startswith(b"data:") and b'"error"' in line and _is_error(line[5:]):
-                return "a stream with an error event"
-        return None
-    return "a 2xx whose body is an error" if _is_error(body) else None
-
-
-def _is_error(data: bytes) -> bool:
-    try:
-        payload = orjson.loads(data)
-    except orjson.JSONDecodeError:
-        return False
-    return isinstance(payload, dict) and ("error" in payload or payload.get("object") == "error")
 
 
 async def stream_through(
@@ -347,10 +295,6 @@ class StreamBrokeOff(CutConnection):
 async def _disconnected(receive: Receive) -> None:
     while (await receive())["type"] != "http.disconnect":
         pass
-
-
-def cacheable_status(status: int, error_statuses: list[int]) -> bool:
-    return 200 <= status < 300 or status in error_statuses
 
 
 async def forward_uncached(services: Services, scope: Scope, receive: Receive, send: Send) -> None:

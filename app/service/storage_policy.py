@@ -1,0 +1,86 @@
+"""What answer from the upstream is stored in the cache, and what is only passed on (contract §3-4).
+
+Stored: a whole answer (a stream that reached `data: [DONE]`, a body not ended by the connection's
+close) to a request with `X-Doc-Id`, not `no-store`, whose status is 2xx or one of
+`cache_error_statuses`, and that is no error in disguise (a 2xx stream with an error event, a 2xx
+body that is an error envelope). Everything else is passed on and generated again when asked again.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import orjson
+
+from app.service.headers import RequestKey
+from app.store.cache import RequestCache, StoredResponse
+
+logger = logging.getLogger(__name__)
+
+NO_CHUNK = -1  # the chunk_index stored for requests without X-Chunk-Index: never dropped by a chunk
+
+
+def is_whole(answer: StoredResponse, *, framed_by_close: bool) -> bool:
+    """Whether `answer` is all the upstream meant to send. An answer that ends where the connection does
+    may have been cut: passed on, never kept (nor shared with a flight's followers)."""
+    if framed_by_close:
+        return False
+    return not answer.streamed or answer.body.rstrip().endswith(b"data: [DONE]")
+
+
+def store_if_kept(
+    cache: RequestCache | None,
+    key: RequestKey,
+    digest: str,
+    answer: StoredResponse,
+    *,
+    whole: bool,
+    error_statuses: list[int],
+) -> None:
+    """Store `answer` in `cache` if the policy keeps it; say so when a 2xx is an error in disguise."""
+    disguised = error_in_disguise(answer) if whole and 200 <= answer.status < 300 else None
+    if disguised is not None:
+        logger.warning(
+            "the upstream answered %s for doc %r (rank %d): passed on, not stored, so that it is generated "
+            "again when asked again",
+            disguised,
+            key.doc_id,
+            key.rank,
+        )
+    if (
+        cache is not None
+        and key.doc_id is not None
+        and whole
+        and disguised is None
+        and not key.no_store
+        and cacheable_status(answer.status, error_statuses)
+    ):
+        chunk_index = NO_CHUNK if key.chunk_index is None else key.chunk_index
+        cache.store_response(chunk_index, key.doc_id, key.rollout_idx, digest, answer)
+
+
+def error_in_disguise(answer: StoredResponse) -> str | None:
+    """What makes a 2xx answer an error all the same, or None: a stream with an error event (vLLM ends a
+    stream so when its engine fails mid-generation, then sends `[DONE]`), or a body that is an error
+    envelope (`{"error": ...}`, or vLLM's older `{"object": "error", ...}`). Such answers are never stored."""
+    body = answer.body
+    if b'"error"' not in body:  # the common case: one scan, no parse
+        return None
+    if answer.streamed:
+        for line in body.split(b"\n"):
+            if line.startswith(b"data:") and b'"error"' in line and _is_error(line[5:]):
+                return "a stream with an error event"
+        return None
+    return "a 2xx whose body is an error" if _is_error(body) else None
+
+
+def _is_error(data: bytes) -> bool:
+    try:
+        payload = orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return False
+    return isinstance(payload, dict) and ("error" in payload or payload.get("object") == "error")
+
+
+def cacheable_status(status: int, error_statuses: list[int]) -> bool:
+    return 200 <= status < 300 or status in error_statuses
