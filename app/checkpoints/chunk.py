@@ -1,0 +1,56 @@
+"""`Chunk`: everything a `CheckpointManager` knows about one of a rank's chunks, in one object.
+
+A chunk's life is one explicit state (as h11 keeps a connection's)::
+
+    OPEN  --all its documents, or declared complete-->  READY  --output closed-->  PUBLISHED
+
+and then, once `last_chunk` has moved over it, the manager drops the object:
+whatever the chunk held (its ids, count, output, lock) goes with it, so no
+piece can be left behind. A chunk whose checkpoint file is found gone is
+dropped the same way, from READY.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from dataclasses import dataclass, field
+
+from app.checkpoints.documents import OutputWriter
+
+__all__ = ["Chunk", "ChunkState"]
+
+
+class ChunkState(enum.Enum):
+    OPEN = "open"  # takes documents
+    READY = "ready"  # has all its documents (or was declared complete): its output is to be closed
+    PUBLISHED = "published"  # its output is closed; it waits for `last_chunk` to move over it
+
+
+@dataclass(eq=False, slots=True)
+class Chunk:
+    """One chunk of a rank, from its first document (or its completion) until the manager drops it.
+
+    `count` is the number of distinct documents in it (without a checkpoints
+    dir, the number written: nothing is remembered then), `ids` their ids,
+    `output` the output writer and file name its documents went to, closed
+    when it is published. `lock` serialises the writes to its checkpoint file.
+    """
+
+    index: int
+    state: ChunkState = ChunkState.OPEN
+    count: int = 0
+    ids: set[str] = field(default_factory=set)
+    output: tuple[OutputWriter, str] | None = None
+    warned_duplicate: bool = False  # a repeated id was logged once; the next are not
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def mark_ready(self) -> None:
+        """It has all its documents, or the job says it has: publish it next. A chunk past OPEN stays where it is."""
+        if self.state is ChunkState.OPEN:
+            self.state = ChunkState.READY
+
+    def mark_published(self) -> None:
+        """Its output is closed; it waits for the chunks before it."""
+        assert self.state is ChunkState.READY, self.state
+        self.state = ChunkState.PUBLISHED
