@@ -5,7 +5,7 @@ A chunk's life is one explicit state (as h11 keeps a connection's)::
     OPEN  --all its documents, or declared complete-->  READY  --output closed-->  PUBLISHED
 
 and then, once `last_chunk` has moved over it, the manager drops the object:
-whatever the chunk held (its ids, count, output, lock) goes with it, so no
+whatever the chunk held (its ids, count, output, open file, lock) goes with it, so no
 piece can be left behind. A chunk whose checkpoint file is found gone is
 dropped the same way, from READY.
 """
@@ -17,6 +17,7 @@ import enum
 from dataclasses import dataclass, field
 
 from app.checkpoints.documents import OutputWriter
+from app.store.durable import AppendFile
 
 __all__ = ["Chunk", "ChunkState"]
 
@@ -34,7 +35,8 @@ class Chunk:
     `count` is the number of distinct documents in it (without a checkpoints
     dir, the number written: nothing is remembered then), `ids` their ids,
     `output` the output writer and file name its documents went to, closed
-    when it is published. `lock` serialises the writes to its checkpoint file.
+    when it is published. `file` is its checkpoint file while open, `lock`
+    serialises the writes to it.
     """
 
     index: int
@@ -44,6 +46,12 @@ class Chunk:
     output: tuple[OutputWriter, str] | None = None
     warned_duplicate: bool = False  # a repeated id was logged once; the next are not
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    file: AppendFile | None = None
+
+    def take_file(self) -> AppendFile | None:
+        """Its open checkpoint file, for the caller to close: a writer syncing after this finds none."""
+        file, self.file = self.file, None
+        return file
 
     def mark_ready(self) -> None:
         """It has all its documents, or the job says it has: publish it next. A chunk past OPEN stays where it is."""

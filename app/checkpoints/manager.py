@@ -11,9 +11,10 @@ stand in for the other and resume the other's checkpoints::
 plus `checkpoint_meta.json`, recording `records_per_chunk` for the resume check.
 
 The manager decides what is written where and when a chunk completes; the
-rest has a module each: `app.store.layout` (every path), `app.checkpoints.chunkfiles` (open
-chunk files and their fsync), `app.checkpoints.resume` (reading checkpoints back, the
-`records_per_chunk` check), `app.checkpoints.publish` (the one publisher of chunks).
+rest has a module each: `app.store.layout` (every path), `app.checkpoints.chunk` (all the
+state of one chunk), `app.checkpoints.chunkfiles` (opening chunk files and their fsync),
+`app.checkpoints.resume` (reading checkpoints back, the `records_per_chunk` check),
+`app.checkpoints.publish` (the one publisher of chunks).
 
 Where datatrove can lose or repeat work, these do not:
 
@@ -329,7 +330,9 @@ class CheckpointManager:
                         )
                     data = lines[0] if len(lines) == 1 else b"".join(lines[position] for position in fresh.values())
                     self._ensure_meta()
-                    file = await self._chunk_files.open(chunk_index, self._paths(rank).chunk_file(chunk_index))
+                    file = chunk.file
+                    if file is None:
+                        file = chunk.file = await self._chunk_files.open(self._paths(rank).chunk_file(chunk_index))
                     file.append(data)
                     try:
                         for position in fresh.values():
@@ -352,7 +355,7 @@ class CheckpointManager:
                 chunk.lock.release()
             break
         # Outside the chunk lock, so the chunk's other writers share this fsync.
-        await self._chunk_files.make_durable(chunk_index)
+        await self._chunk_files.make_durable(chunk.file)
         if self._publication_due():
             if self.publish_in_background:
                 self._start_publisher(rank)
@@ -573,8 +576,7 @@ class CheckpointManager:
         """
         async with self._publish_lock:
             for chunk in self._ready_chunks():
-                chunk_index = chunk.index
-                await self._chunk_files.make_durable(chunk_index)
+                await self._chunk_files.make_durable(chunk.file)
                 if chunk.output is not None:
                     writer, name = chunk.output
                     close_async = getattr(writer, "close_file_async", None)  # a slow close, off the event loop
@@ -605,7 +607,7 @@ class CheckpointManager:
             chunk.count,
         )
         self._drop(chunk)
-        self._chunk_files.remove(chunk.index, self._paths(rank).chunk_file(chunk.index))
+        self._chunk_files.remove(chunk.take_file(), self._paths(rank).chunk_file(chunk.index))
 
     # ---------------------------------------------------------------- resuming
 
@@ -746,7 +748,7 @@ class CheckpointManager:
         rank_dir = self._paths(rank).rank_dir
         if self.last_chunk_index >= chunk_index:
             if self.last_chunk_index == chunk_index and os.path.exists(rank_dir):
-                await self._chunk_files.close()
+                await self._close_files()
                 shutil.rmtree(rank_dir)
             return
         # The first few only: chunk_index comes from the job and may be far ahead (listing all could fill memory).
@@ -795,7 +797,7 @@ class CheckpointManager:
                 self.last_chunk_index = chunk_index
                 self._fault("last_chunk_written")
                 async with chunk.lock:
-                    self._chunk_files.remove(chunk_index, self._paths(rank).chunk_file(chunk_index))
+                    self._chunk_files.remove(chunk.take_file(), self._paths(rank).chunk_file(chunk_index))
                 self._fault("chunk_file_deleted")
                 logger.info("Finished chunk %d", chunk_index)
                 self._drop(chunk)
@@ -846,7 +848,7 @@ class CheckpointManager:
                 if abandon is not None:
                     abandon(name)
             stopped = await self._publications_stopped(_ABANDON_WAIT_S)
-        await self._chunk_files.close()
+        await self._close_files()
         return stopped
 
     def publishing(self) -> bool:
@@ -863,6 +865,11 @@ class CheckpointManager:
         return True
 
     # ----------------------------------------------------------------- helpers
+
+    async def _close_files(self) -> None:
+        """Make every append durable and close every chunk's open file; a later write opens it again."""
+        files = [file for chunk in self._chunks.values() if (file := chunk.take_file()) is not None]
+        await self._chunk_files.close(files)
 
     def _ensure_meta(self) -> None:
         """Record `records_per_chunk` beside the checkpoints, or check it against the recorded one."""
