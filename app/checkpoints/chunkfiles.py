@@ -1,7 +1,7 @@
-"""`ChunkFiles`: the open checkpoint files of a rank's unfinished chunks, and their durability.
+"""`ChunkFiles`: opening, syncing and removing the checkpoint files of a rank's unfinished chunks.
 
 Each chunk's file is opened (created durably: its directory fsynced) on its
-first append and kept open until the chunk completes. `make_durable` waits
+first append and kept open, by its `Chunk`, until the chunk completes. `make_durable` waits
 for an fsync that started after the caller's append, shared with every
 concurrent writer (`GroupSync`). A failed fsync breaks the whole set: after
 it the kernel may have dropped the pages, so the only safe state is the one
@@ -31,12 +31,8 @@ class CheckpointDurabilityError(OSError):
 class ChunkFiles:
     def __init__(self, fsync: FsyncPolicy) -> None:
         self.fsync: FsyncPolicy = fsync
-        self._files: dict[int, AppendFile] = {}
         self._sync = GroupSync()
         self._broken: BaseException | None = None
-
-    def get(self, chunk_index: int) -> AppendFile | None:
-        return self._files.get(chunk_index)
 
     def check_usable(self) -> None:
         if self._broken is not None:
@@ -45,11 +41,8 @@ class ChunkFiles:
                 f"since may not be on disk. Restart the job: it resumes from what the disk holds"
             ) from self._broken
 
-    async def open(self, chunk_index: int, path: str) -> AppendFile:
-        """The chunk's file, opened for appending (and created durably) if it is not open yet."""
-        file = self._files.get(chunk_index)
-        if file is not None:
-            return file
+    async def open(self, path: str) -> AppendFile:
+        """A chunk's file, opened for appending (and created durably if it does not exist)."""
         created = not os.path.exists(path)
         if created:
             await asyncio.to_thread(make_dirs_durable, os.path.dirname(path))
@@ -61,12 +54,10 @@ class ChunkFiles:
             except BaseException:
                 file.close()
                 raise
-        self._files[chunk_index] = file
         return file
 
-    async def make_durable(self, chunk_index: int) -> None:
-        """Under `fsync="always"`: return once every append made to the chunk's file so far is on disk."""
-        file = self._files.get(chunk_index)
+    async def make_durable(self, file: AppendFile | None) -> None:
+        """Under `fsync="always"`: return once every append made to `file` so far is on disk."""
         if file is None or self.fsync != "always":
             return
         try:
@@ -75,18 +66,15 @@ class ChunkFiles:
             self._broken = exc
             self.check_usable()
 
-    def remove(self, chunk_index: int, path: str) -> None:
-        """The chunk is complete and published: close its file and delete it."""
-        file = self._files.pop(chunk_index, None)
+    def remove(self, file: AppendFile | None, path: str) -> None:
+        """The chunk is complete and published: close its file (if open) and delete it."""
         if file is not None:
             file.close()
         with contextlib.suppress(FileNotFoundError):
             os.remove(path)
 
-    async def close(self) -> None:
-        """Make every append durable and close every file; idempotent."""
-        files = list(self._files.values())
-        self._files.clear()
+    async def close(self, files: list[AppendFile]) -> None:
+        """Make every append to `files` durable and close them (their owners have let go of them already)."""
         try:
             if files and self.fsync == "always":
                 await self._sync.sync(*files)

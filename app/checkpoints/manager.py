@@ -11,9 +11,10 @@ stand in for the other and resume the other's checkpoints::
 plus `checkpoint_meta.json`, recording `records_per_chunk` for the resume check.
 
 The manager decides what is written where and when a chunk completes; the
-rest has a module each: `app.store.layout` (every path), `app.checkpoints.chunkfiles` (open
-chunk files and their fsync), `app.checkpoints.resume` (reading checkpoints back, the
-`records_per_chunk` check), `app.checkpoints.publish` (the one publisher of chunks).
+rest has a module each: `app.store.layout` (every path), `app.checkpoints.chunk` (all the
+state of one chunk), `app.checkpoints.chunkfiles` (opening chunk files and their fsync),
+`app.checkpoints.resume` (reading checkpoints back, the `records_per_chunk` check),
+`app.checkpoints.publish` (the one publisher of chunks).
 
 Where datatrove can lose or repeat work, these do not:
 
@@ -42,11 +43,12 @@ import logging
 import os
 import shutil
 import time
-from collections import Counter, defaultdict
-from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
+from collections import Counter
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from app.checkpoints.chunk import Chunk, ChunkState
 from app.checkpoints.chunkfiles import CheckpointDurabilityError, ChunkFiles, FsyncPolicy
 from app.checkpoints.documents import Document, DocumentLike, OutputWriter, encode_document, is_removed
 from app.checkpoints.publish import ChunkFileGone, PublicationAbandoned, PublishError, chunk_file_gone, in_daemon_thread
@@ -199,26 +201,65 @@ class CheckpointManager:
         #: Why the complete chunks waiting are not published, while the last attempt failed.
         self.publication_failure: PublicationFailure | None = None
 
-        self.file_locks: defaultdict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
         self.checkpoint_file_lock = asyncio.Lock()
-        self.per_chunk_counts: Counter[int] = Counter()
-        self.new_completed_chunks: set[int] = set()
         self.last_chunk_index = -1
 
-        self._chunk_ids: defaultdict[int, set[str]] = defaultdict(set)
+        # Each chunk's whole state, from its first write or completion (`_chunk`) until it is finished (`_drop`).
+        self._chunks: dict[int, Chunk] = {}
         self._chunk_files = ChunkFiles(fsync)
         self._meta_checked = False
-        # The output file of each chunk with documents, to close when it completes.
-        self._outputs: dict[int, tuple[OutputWriter, str]] = {}
-        # Chunks with all their documents, not yet published (their output not closed).
-        self._ready: set[int] = set()
         self._publish_lock = asyncio.Lock()
-        self._warned_duplicates: set[int] = set()
         self._publisher: asyncio.Task[None] | None = None  # publishing in the background, retrying
         self._retry_now = asyncio.Event()  # wakes the publisher from its backoff
         self._published = asyncio.Event()  # set (and replaced) as a chunk is published or a publication fails
         self._closing = False
         self._gone: BaseException | None = None  # a chunk forgotten as its file was gone, not said yet
+
+    # ------------------------------------------------------------ chunk state
+
+    @property
+    def per_chunk_counts(self) -> Counter[int]:
+        """datatrove's attribute, read-only here: the documents in each chunk not yet finished."""
+        return Counter({index: chunk.count for index, chunk in self._chunks.items() if chunk.count})
+
+    @property
+    def new_completed_chunks(self) -> set[int]:
+        """datatrove's attribute, read-only here: the chunks published that `last_chunk` has not reached."""
+        return {index for index, chunk in self._chunks.items() if chunk.state is ChunkState.PUBLISHED}
+
+    @property
+    def file_locks(self) -> Mapping[int, asyncio.Lock]:
+        """datatrove's attribute, read-only here: each known chunk's lock."""
+        return {index: chunk.lock for index, chunk in self._chunks.items()}
+
+    def _chunk(self, chunk_index: int) -> Chunk:
+        """The chunk's state, created OPEN the first time it is asked for."""
+        chunk = self._chunks.get(chunk_index)
+        if chunk is None:
+            chunk = self._chunks[chunk_index] = Chunk(chunk_index)
+        return chunk
+
+    def _drop(self, chunk: Chunk) -> None:
+        """Forget all of the chunk's state at once: finished (`last_chunk` moved over it), or its file gone."""
+        if self._chunks.get(chunk.index) is chunk:
+            del self._chunks[chunk.index]
+
+    async def _locked_chunk(self, chunk_index: int) -> Chunk:
+        """The chunk's state with its lock taken (the caller releases it): the state current once the lock
+        is had, not one dropped while this waited for it."""
+        while True:
+            chunk = self._chunk(chunk_index)
+            await chunk.lock.acquire()
+            if self._chunks.get(chunk_index) is chunk:
+                return chunk
+            chunk.lock.release()
+
+    def _ready_chunks(self) -> list[Chunk]:
+        """The chunks with all their documents whose output is not closed yet, in order."""
+        return sorted((c for c in self._chunks.values() if c.state is ChunkState.READY), key=lambda c: c.index)
+
+    def _any_ready(self) -> bool:
+        return any(chunk.state is ChunkState.READY for chunk in self._chunks.values())
 
     # ----------------------------------------------------------------- writing
 
@@ -262,24 +303,26 @@ class CheckpointManager:
             for document in documents:
                 if not is_removed(document):
                     output_writer_context.write(document, rank=rank, chunk_index=chunk_index)
-            self.per_chunk_counts[chunk_index] += len(documents)
-            return BatchOutcome(len(documents), 0, chunk_index, self.per_chunk_counts[chunk_index], False, -1)
+            chunk = self._chunk(chunk_index)
+            chunk.count += len(documents)
+            return BatchOutcome(len(documents), 0, chunk_index, chunk.count, False, -1)
         deadline = time.monotonic() + self.backlog_wait_s
         while True:
             await self._wait_for_room(deadline)
-            async with self.file_locks[chunk_index]:
-                ids = self._chunk_ids[chunk_index]
+            chunk = await self._locked_chunk(chunk_index)
+            try:
+                ids = chunk.ids
                 fresh: dict[str, int] = {}  # id -> position in `documents`, first occurrence
                 for position, document in enumerate(documents):
                     if document.id in ids or document.id in fresh:
-                        self._warn_duplicate(document.id, chunk_index)
+                        self._warn_duplicate(document.id, chunk)
                     else:
                         fresh[document.id] = position
                 if fresh:
-                    self._check_open_chunk(chunk_index)
+                    self._check_open_chunk(chunk)
                     if self._backlogged(deadline):
                         continue  # others filled the room first: wait again, the chunk's lock let go
-                    room = self.records_per_chunk - self.per_chunk_counts[chunk_index]
+                    room = self.records_per_chunk - chunk.count
                     if len(fresh) > room:
                         raise ChunkCompleteError(
                             f"chunk {chunk_index} has room for {room} more documents (records_per_chunk="
@@ -287,7 +330,9 @@ class CheckpointManager:
                         )
                     data = lines[0] if len(lines) == 1 else b"".join(lines[position] for position in fresh.values())
                     self._ensure_meta()
-                    file = await self._chunk_files.open(chunk_index, self._paths(rank).chunk_file(chunk_index))
+                    file = chunk.file
+                    if file is None:
+                        file = chunk.file = await self._chunk_files.open(self._paths(rank).chunk_file(chunk_index))
                     file.append(data)
                     try:
                         for position in fresh.values():
@@ -296,33 +341,35 @@ class CheckpointManager:
                     except BaseException:
                         file.truncate(file.size - len(data))
                         raise
-                    if chunk_index not in self._outputs:
+                    if chunk.output is None:
                         first = documents[next(iter(fresh.values()))]
                         name = output_writer_context._get_output_filename(first, rank, chunk_index=chunk_index)
-                        self._outputs[chunk_index] = (output_writer_context, name)
+                        chunk.output = (output_writer_context, name)
                     ids.update(fresh)
-                    self.per_chunk_counts[chunk_index] += len(fresh)
-                    if self.per_chunk_counts[chunk_index] == self.records_per_chunk:
+                    chunk.count += len(fresh)
+                    if chunk.count == self.records_per_chunk:
                         # Decided here, under the lock: a caller cancelled below cannot lose it.
-                        self._ready.add(chunk_index)
-                count = self.per_chunk_counts[chunk_index]
+                        chunk.mark_ready()
+                count = chunk.count
+            finally:
+                chunk.lock.release()
             break
         # Outside the chunk lock, so the chunk's other writers share this fsync.
-        await self._chunk_files.make_durable(chunk_index)
+        await self._chunk_files.make_durable(chunk.file)
         if self._publication_due():
             if self.publish_in_background:
                 self._start_publisher(rank)
             else:
                 # Shielded: once started, publishing finishes even if this caller is cancelled.
                 await asyncio.shield(self._publish_ready(rank))
+        now = self._chunks.get(chunk_index)  # may be finished, and dropped, by now
         return BatchOutcome(
             written=len(fresh),
             duplicates=len(documents) - len(fresh),
             chunk_index=chunk_index,
             chunk_count=count,
             chunk_complete=chunk_index <= self.last_chunk_index
-            or chunk_index in self.new_completed_chunks
-            or chunk_index in self._ready,
+            or (now is not None and now.state is not ChunkState.OPEN),
             last_chunk_index=self.last_chunk_index,
         )
 
@@ -331,19 +378,20 @@ class CheckpointManager:
         published. A chunk waiting for an output that failed is not: the rank may be released meanwhile,
         the chunk staying in its checkpoints for the next owner to publish."""
         return bool(
-            (self._ready and self.publication_failure is None)
+            (self._any_ready() and self.publication_failure is None)
             or self._publish_lock.locked()
             or self.checkpoint_file_lock.locked()
-            or any(lock.locked() for lock in self.file_locks.values())
+            or any(chunk.lock.locked() for chunk in self._chunks.values())
         )
 
     def waiting_chunks(self) -> list[int]:
         """The complete chunks not yet published, in order."""
-        return sorted(self._ready)
+        return [chunk.index for chunk in self._ready_chunks()]
 
     def _publication_due(self) -> bool:
         # the latter: a chunk published whose last_chunk could not be recorded
-        return bool(self._ready) or self.last_chunk_index + 1 in self.new_completed_chunks
+        after = self._chunks.get(self.last_chunk_index + 1)
+        return self._any_ready() or (after is not None and after.state is ChunkState.PUBLISHED)
 
     async def _wait_for_room(self, deadline: float) -> None:
         """Past `max_waiting_chunks` chunks waiting for an output that works but is slower than the writes,
@@ -352,7 +400,7 @@ class CheckpointManager:
         limit = self.max_waiting_chunks
         if limit is None or not self.publish_in_background:
             return
-        while len(self._ready) >= limit and self.publication_failure is None:
+        while len(self._ready_chunks()) >= limit and self.publication_failure is None:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 return
@@ -367,14 +415,17 @@ class CheckpointManager:
         """Whether a write of new documents must wait for room (`_wait_for_room`) before it is taken; past
         the deadline, or while publications fail, `PublicationBacklog` refuses it instead."""
         limit = self.max_waiting_chunks
-        if limit is None or len(self._ready) < limit:
+        if limit is None:
+            return False
+        waiting = len(self._ready_chunks())
+        if waiting < limit:
             return False
         failure = self.publication_failure
         if failure is None and self.publish_in_background and time.monotonic() < deadline:
             return True
         why = f"the last attempt failed: {failure.reason}" if failure is not None else "the output is slow"
         raise PublicationBacklog(
-            f"{len(self._ready)} complete chunks of this rank are waiting to be published ({why}); new "
+            f"{waiting} complete chunks of this rank are waiting to be published ({why}); new "
             f"documents are taken again once fewer than max_waiting_chunks={limit} wait",
             failure=failure,
         )
@@ -453,7 +504,7 @@ class CheckpointManager:
             previous = self.publication_failure
             attempts = previous.attempts + 1 if previous is not None else 1
             delay = min(self.retry_backoff_s * 2 ** (attempts - 1), self.max_retry_backoff_s)
-            chunk_index = min(self._ready, default=self.last_chunk_index + 1)
+            chunk_index = min((c.index for c in self._ready_chunks()), default=self.last_chunk_index + 1)
             self.publication_failure = PublicationFailure(
                 chunk_index=chunk_index,
                 reason=str(exc),
@@ -487,32 +538,32 @@ class CheckpointManager:
     def resume_state(self) -> tuple[int, list[str]]:
         """`(docs_to_skip, processed_ids)` as `parse_existing_checkpoints` would return them now, the ids
         sorted (as `GET /resume` lists them)."""
+        ids = {index: chunk.ids for index, chunk in self._chunks.items()}
         return docs_to_skip(self.last_chunk_index, self.records_per_chunk), sorted_processed_ids(
-            self.last_chunk_index, self._chunk_ids
+            self.last_chunk_index, ids
         )
 
-    def _warn_duplicate(self, doc_id: str, chunk_index: int) -> None:
-        if chunk_index in self._warned_duplicates or chunk_index in self._ready:
+    def _warn_duplicate(self, doc_id: str, chunk: Chunk) -> None:
+        if chunk.warned_duplicate or chunk.state is ChunkState.READY:
             return
-        self._warned_duplicates.add(chunk_index)
+        chunk.warned_duplicate = True
         logger.warning(
             "document id %r was written to chunk %d again and counted once; if the input repeats ids "
             "(rather than a write being retried), chunk %d will not reach %d distinct documents",
             doc_id,
-            chunk_index,
-            chunk_index,
+            chunk.index,
+            chunk.index,
             self.records_per_chunk,
         )
 
-    def _check_open_chunk(self, chunk_index: int) -> None:
+    def _check_open_chunk(self, chunk: Chunk) -> None:
         if (
-            chunk_index <= self.last_chunk_index
-            or chunk_index in self.new_completed_chunks
-            or chunk_index in self._ready  # full, or declared complete and being published
-            or self.per_chunk_counts[chunk_index] >= self.records_per_chunk
+            chunk.index <= self.last_chunk_index
+            or chunk.state is not ChunkState.OPEN  # full, or declared complete, being published or published
+            or chunk.count >= self.records_per_chunk
         ):
             raise ChunkCompleteError(
-                f"chunk {chunk_index} is already complete (last_chunk_index={self.last_chunk_index}); "
+                f"chunk {chunk.index} is already complete (last_chunk_index={self.last_chunk_index}); "
                 f"a document for it belongs to another chunk, or was already written before a restart"
             )
 
@@ -524,11 +575,10 @@ class CheckpointManager:
         close stays ready and is retried by the next write or cleanup.
         """
         async with self._publish_lock:
-            for chunk_index in sorted(self._ready):
-                await self._chunk_files.make_durable(chunk_index)
-                output = self._outputs.get(chunk_index)
-                if output is not None:
-                    writer, name = output
+            for chunk in self._ready_chunks():
+                await self._chunk_files.make_durable(chunk.file)
+                if chunk.output is not None:
+                    writer, name = chunk.output
                     close_async = getattr(writer, "close_file_async", None)  # a slow close, off the event loop
                     try:
                         if close_async is not None:
@@ -537,16 +587,15 @@ class CheckpointManager:
                             writer.close_file(name)
                     except (ChunkFileGone, PublishError) as exc:
                         if chunk_file_gone(exc):
-                            self._forget_chunk(rank, chunk_index)
+                            self._forget_chunk(rank, chunk)
                         raise
-                    del self._outputs[chunk_index]
+                    chunk.output = None
                 self._fault("output_closed")
-                self._ready.discard(chunk_index)
-                self.new_completed_chunks.add(chunk_index)
+                chunk.mark_published()
                 self._signal_published()
         await self.update_last_chunk_index(rank)
 
-    def _forget_chunk(self, rank: int, chunk_index: int) -> None:
+    def _forget_chunk(self, rank: int, chunk: Chunk) -> None:
         """A complete chunk whose checkpoint file is gone (removed under the running proxy): forget it, as a
         restarted proxy would find it, so that the job generates its documents again (they are no longer
         among the processed ids) instead of meeting the same error at every resume."""
@@ -554,15 +603,11 @@ class CheckpointManager:
             "rank %d's chunk %d cannot be published: its checkpoint file is gone; its %d documents are "
             "forgotten, and the job generates them again once restarted",
             rank,
-            chunk_index,
-            self.per_chunk_counts[chunk_index],
+            chunk.index,
+            chunk.count,
         )
-        self._ready.discard(chunk_index)
-        self._outputs.pop(chunk_index, None)
-        self.per_chunk_counts.pop(chunk_index, None)
-        self._chunk_ids.pop(chunk_index, None)
-        self._warned_duplicates.discard(chunk_index)
-        self._chunk_files.remove(chunk_index, self._paths(rank).chunk_file(chunk_index))
+        self._drop(chunk)
+        self._chunk_files.remove(chunk.take_file(), self._paths(rank).chunk_file(chunk.index))
 
     # ---------------------------------------------------------------- resuming
 
@@ -605,31 +650,34 @@ class CheckpointManager:
                 except OSError as exc:  # left for the next restore; the publications do not need it
                     logger.warning("could not look for temporary files of rank %d in the output: %s", rank, exc)
             for chunk_index, path, scan in chunks:
-                async with self.file_locks[chunk_index]:
-                    known = self._chunk_ids[chunk_index]
+                chunk = await self._locked_chunk(chunk_index)
+                try:
+                    known = chunk.ids
                     fresh = scan.ids - known if known else scan.ids
                     if not fresh:
                         continue
                     if rewrite:
-                        await self._rewrite(rank, chunk_index, path, fresh, output_writer_context)
-                    elif chunk_index not in self._outputs and scan.first is not None:
+                        await self._rewrite(rank, chunk, path, fresh, output_writer_context)
+                    elif chunk.output is None and scan.first is not None:
                         first = self.document_factory(scan.first)
                         name = output_writer_context._get_output_filename(first, rank, chunk_index=chunk_index)
-                        self._outputs[chunk_index] = (output_writer_context, name)
+                        chunk.output = (output_writer_context, name)
                     if known:
                         known |= fresh
                     else:
-                        self._chunk_ids[chunk_index] = fresh
+                        chunk.ids = fresh
                     if all_ids is not None:
                         all_ids |= fresh
-                    self.per_chunk_counts[chunk_index] += len(fresh)
-                    if self.per_chunk_counts[chunk_index] >= self.records_per_chunk:
-                        self._ready.add(chunk_index)
+                    chunk.count += len(fresh)
+                    if chunk.count >= self.records_per_chunk:
+                        chunk.mark_ready()
+                finally:
+                    chunk.lock.release()
         if self.request_cache is not None and self.last_chunk_index >= 0:
             # A crash between deleting the last chunk's file and dropping its
             # cache rows leaves those rows behind; nothing will ask for them.
             await self.request_cache.drop_chunk(self.last_chunk_index)
-        if self._ready:
+        if self._any_ready():
             if self.publish_in_background:
                 self._start_publisher(rank)  # `publish_pending` waits for it, if the caller must know
             else:
@@ -637,7 +685,7 @@ class CheckpointManager:
         return docs_to_skip(self.last_chunk_index, self.records_per_chunk)
 
     async def _rewrite(
-        self, rank: int, chunk_index: int, path: str, fresh: set[str], output_writer_context: OutputWriter
+        self, rank: int, chunk: Chunk, path: str, fresh: set[str], output_writer_context: OutputWriter
     ) -> None:
         """Write the first occurrence of each of `fresh`'s ids in the chunk file to the output, as datatrove does."""
         waiting = set(fresh)
@@ -646,10 +694,10 @@ class CheckpointManager:
                 continue
             waiting.discard(document.id)
             if not is_removed(document):
-                output_writer_context.write(document, rank=rank, chunk_index=chunk_index)
-            if chunk_index not in self._outputs:
-                name = output_writer_context._get_output_filename(document, rank, chunk_index=chunk_index)
-                self._outputs[chunk_index] = (output_writer_context, name)
+                output_writer_context.write(document, rank=rank, chunk_index=chunk.index)
+            if chunk.output is None:
+                name = output_writer_context._get_output_filename(document, rank, chunk_index=chunk.index)
+                chunk.output = (output_writer_context, name)
 
     def _scan_chunks(self, rank: int) -> list[tuple[int, str, ChunkScan]]:
         """Validate the rank's unfinished chunk files, all before anything is written; keep their ids."""
@@ -687,8 +735,12 @@ class CheckpointManager:
             self._chunk_files.check_usable()
             # Under the chunk's lock: a write already appending finishes first (and is published),
             # any later one is refused as a write to a complete chunk.
-            async with self.file_locks[chunk_index]:
-                self._ready.add(chunk_index)
+            chunk = await self._locked_chunk(chunk_index)
+            try:
+                if chunk_index > self.last_chunk_index:  # else finished while this call waited for the lock
+                    chunk.mark_ready()
+            finally:
+                chunk.lock.release()
             if self.publish_in_background:
                 await self.publish_pending(rank)
             else:
@@ -696,11 +748,12 @@ class CheckpointManager:
         rank_dir = self._paths(rank).rank_dir
         if self.last_chunk_index >= chunk_index:
             if self.last_chunk_index == chunk_index and os.path.exists(rank_dir):
-                await self._chunk_files.close()
+                await self._close_files()
                 shutil.rmtree(rank_dir)
             return
         # The first few only: chunk_index comes from the job and may be far ahead (listing all could fill memory).
-        incomplete = (c for c in range(self.last_chunk_index + 1, chunk_index) if c not in self.new_completed_chunks)
+        published, counts = self.new_completed_chunks, self.per_chunk_counts
+        incomplete = (c for c in range(self.last_chunk_index + 1, chunk_index) if c not in published)
         waiting = list(itertools.islice(incomplete, _SHOWN_CHUNKS + 1))
         more = ", ..." if len(waiting) > _SHOWN_CHUNKS else ""
         waiting = waiting[:_SHOWN_CHUNKS]
@@ -709,7 +762,7 @@ class CheckpointManager:
             "input repeats ids. Their checkpoints stay in %s, so a restart retries what is missing",
             ", ".join(map(str, waiting)),
             more,
-            ", ".join(str(self.per_chunk_counts[c]) for c in waiting),
+            ", ".join(str(counts[c]) for c in waiting),
             more,
             self.records_per_chunk,
             rank_dir,
@@ -729,8 +782,10 @@ class CheckpointManager:
 
     async def _advance(self, rank: int) -> None:
         async with self.checkpoint_file_lock:
-            while self.last_chunk_index + 1 in self.new_completed_chunks:
-                chunk_index = self.last_chunk_index + 1
+            while (chunk := self._chunks.get(self.last_chunk_index + 1)) is not None and (
+                chunk.state is ChunkState.PUBLISHED
+            ):
+                chunk_index = chunk.index
                 last_chunk_file = self._paths(rank).last_chunk_file
                 try:
                     await asyncio.to_thread(atomic_write_bytes, last_chunk_file, str(chunk_index).encode())
@@ -741,16 +796,11 @@ class CheckpointManager:
                     ) from exc
                 self.last_chunk_index = chunk_index
                 self._fault("last_chunk_written")
-                async with self.file_locks[chunk_index]:
-                    self._chunk_files.remove(chunk_index, self._paths(rank).chunk_file(chunk_index))
+                async with chunk.lock:
+                    self._chunk_files.remove(chunk.take_file(), self._paths(rank).chunk_file(chunk_index))
                 self._fault("chunk_file_deleted")
                 logger.info("Finished chunk %d", chunk_index)
-                self.file_locks.pop(chunk_index, None)
-                self.per_chunk_counts.pop(chunk_index, None)
-                self._chunk_ids.pop(chunk_index, None)
-                self._outputs.pop(chunk_index, None)
-                self._warned_duplicates.discard(chunk_index)
-                self.new_completed_chunks.remove(chunk_index)
+                self._drop(chunk)
                 if self.request_cache is not None:
                     await self.request_cache.drop_chunk(chunk_index)
                 self._fault("cache_rows_dropped")
@@ -793,12 +843,12 @@ class CheckpointManager:
         self._retry_now.set()
         stopped = await self._publications_stopped(grace_s)
         if not stopped:
-            for writer, name in list(self._outputs.values()):
+            for writer, name in [chunk.output for chunk in self._chunks.values() if chunk.output is not None]:
                 abandon = getattr(writer, "abandon_file", None)
                 if abandon is not None:
                     abandon(name)
             stopped = await self._publications_stopped(_ABANDON_WAIT_S)
-        await self._chunk_files.close()
+        await self._close_files()
         return stopped
 
     def publishing(self) -> bool:
@@ -815,6 +865,11 @@ class CheckpointManager:
         return True
 
     # ----------------------------------------------------------------- helpers
+
+    async def _close_files(self) -> None:
+        """Make every append durable and close every chunk's open file; a later write opens it again."""
+        files = [file for chunk in self._chunks.values() if (file := chunk.take_file()) is not None]
+        await self._chunk_files.close(files)
 
     def _ensure_meta(self) -> None:
         """Record `records_per_chunk` beside the checkpoints, or check it against the recorded one."""

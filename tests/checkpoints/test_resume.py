@@ -133,7 +133,7 @@ async def test_a_corrupt_chunk_is_refused_before_anything_is_written_or_counted(
     with pytest.raises(CorruptFileError, match=r"chunk_00002.jsonl: line 2 is not valid JSON"):
         await cm.parse_existing_checkpoints(0, writer)
     assert (writer.writes, writer.closed) == ([], [])
-    assert (cm.last_chunk_index, dict(cm.per_chunk_counts), dict(cm._chunk_ids)) == (-1, {}, {})
+    assert (cm.last_chunk_index, dict(cm.per_chunk_counts), cm._chunks) == (-1, {}, {})
     assert os.path.exists(chunk_path(tmp_path, 0))
 
 
