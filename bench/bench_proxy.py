@@ -260,12 +260,15 @@ def cpu_seconds(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def inferproxy(*args: str, log: Path | None = None, entry: list[str] | None = None) -> Iterator[int]:
-    """A server process (`entry`: the command after the interpreter, `-m app.cli` by default); its log
-    (stderr) goes to `log` if given."""
+def inferproxy(
+    *args: str, log: Path | None = None, entry: list[str] | None = None, checkout: Path | None = None
+) -> Iterator[int]:
+    """A server process (`entry`: the command after the interpreter, `-m app.cli` by default; `checkout`:
+    another checkout of the repo whose `app` it runs); its log (stderr) goes to `log` if given."""
     stderr = open(log, "wb") if log is not None else None  # noqa: SIM115 (closed below, with the process)
     command = [sys.executable, *(entry or ["-m", "app.cli"]), *args]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
+    env = None if checkout is None else {**os.environ, "PYTHONPATH": str(checkout)}
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, cwd=checkout, env=env)
     try:
         yield proc.pid
     finally:
