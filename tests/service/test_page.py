@@ -13,30 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 import app
 from app.job.client import ProxyJob
 from app.service.app import create_server
 from app.tools import status
-from tests.browser import Browser, CannotInstall, Page, browser, chromium_path
+from tests.browser import Browser, Page
 from tests.jobs import proxy_finding_chunks_lost, publish_chunks, run_rank, settings, write_chunks
 from tests.servers import fake_upstream, serve_proxy
-
-
-@pytest.fixture(scope="session")
-def chromium() -> str:
-    try:
-        return chromium_path()
-    except CannotInstall as exc:
-        pytest.skip(str(exc))
-
-
-@pytest.fixture
-async def chrome(chromium: str, tmp_path: Path) -> AsyncIterator[Browser]:
-    async with browser(chromium, tmp_path) as started:
-        yield started
-
 
 ROWS = """[...document.querySelectorAll('#ranks tbody tr')].map(row => ({
     rank: Number(row.dataset.rank), done: row.querySelector('.done')?.textContent ?? row.cells[1].textContent,
