@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_proxy import ANSWER_SIZES, body, hit_script, inferproxy, miss_script, stored_by, wait_until_up, wrk
+from bench_proxy import ANSWER_SIZES, body, hit_script, inferproxy, miss_script, serve, stored_by, wait_until_up, wrk
 from ports import free_port
 
 HERE = Path(__file__).resolve().parent.parent
@@ -46,7 +46,7 @@ def main() -> None:
     if not (args.old / "app" / "cli.py").exists():
         raise SystemExit(f"{args.old} is not a checkout of inferproxy (no app/cli.py): git worktree add it first")
     checkouts = {"new": HERE, "old": args.old.resolve()}
-    payload, path = body(ANSWER_SIZES[0]), "/v1/chat/completions"
+    payload = body(ANSWER_SIZES[0])
     run = {"connections": args.connections, "duration": args.duration}
     data = Path(tempfile.mkdtemp(prefix="bench-checkouts-"))
     results: dict[str, list[dict[str, float]]] = {}
@@ -54,21 +54,11 @@ def main() -> None:
         with contextlib.ExitStack() as stack:
             proxies: dict[str, tuple[str, int, int]] = {}
             for name, checkout in checkouts.items():
-                up, px = free_port(), free_port()
+                up = free_port()
                 up_pid = stack.enter_context(inferproxy("fake-upstream", f"--port={up}"))
-                px_pid = stack.enter_context(
-                    inferproxy(
-                        "serve",
-                        f"--port={px}",
-                        f"--upstream=http://127.0.0.1:{up}",
-                        f"--checkpoints-dir={data}/{name}",
-                        "--log-level=warning",
-                        checkout=checkout,
-                    )
-                )
-                for port in (up, px):
-                    wait_until_up(f"http://127.0.0.1:{port}/v1/models")
-                proxies[name] = (f"http://127.0.0.1:{px}{path}", px_pid, up_pid)
+                wait_until_up(f"http://127.0.0.1:{up}/v1/models")
+                url, px_pid = serve(stack, up, data / name, "--log-level=warning", checkout=checkout)
+                proxies[name] = (url, px_pid, up_pid)
             stored = {}
             for name, (url, pid, _) in proxies.items():
                 stored[name] = stored_by(

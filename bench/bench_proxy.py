@@ -121,6 +121,29 @@ def get_json(url: str) -> dict[str, object]:
     return result
 
 
+def serve(
+    stack: contextlib.ExitStack,
+    upstream_port: int,
+    checkpoints: Path,
+    *flags: str,
+    log: Path | None = None,
+    entry: list[str] | None = None,
+    checkout: Path | None = None,
+) -> tuple[str, int]:
+    """`inferproxy serve` in front of the upstream on `upstream_port`, up, stopped with `stack`: the URL of
+    its `/v1/chat/completions` and its pid (`inferproxy` has `log`, `entry` and `checkout`)."""
+    port = free_port()
+    command = (
+        "serve",
+        f"--port={port}",
+        f"--upstream=http://127.0.0.1:{upstream_port}",
+        f"--checkpoints-dir={checkpoints}",
+    )
+    pid = stack.enter_context(inferproxy(*command, *flags, log=log, entry=entry, checkout=checkout))
+    wait_until_up(f"http://127.0.0.1:{port}/v1/models")
+    return f"http://127.0.0.1:{port}/v1/chat/completions", pid
+
+
 def measure_metrics_cost(
     results: dict[str, dict[str, float]],
     upstream_port: int,
@@ -137,19 +160,8 @@ def measure_metrics_cost(
     with contextlib.ExitStack() as stack:
         urls: dict[str, tuple[str, int]] = {}
         for name, flags in (("on", []), ("off", ["--no-metrics"])):
-            port = free_port()
-            pid = stack.enter_context(
-                inferproxy(
-                    "serve",
-                    f"--port={port}",
-                    f"--upstream=http://127.0.0.1:{upstream_port}",
-                    f"--checkpoints-dir={data}/metrics-{name}",
-                    *flags,
-                    log=data / f"metrics-{name}.log",  # a request line per miss, as a user's log file gets
-                )
-            )
-            wait_until_up(f"http://127.0.0.1:{port}/v1/models")
-            urls[name] = (f"http://127.0.0.1:{port}{path}", pid)
+            log = data / f"metrics-{name}.log"  # a request line per miss, as a user's log file gets
+            urls[name] = serve(stack, upstream_port, data / f"metrics-{name}", *flags, log=log)
         run = {"connections": connections, "duration": duration}
         stored = {}
         for name, (url, pid) in urls.items():
@@ -179,23 +191,11 @@ def measure_routes_cost(
 ) -> None:
     """Misses on `/v1/chat/completions` as a raw ASGI route and as a FastAPI route: two proxies in front of
     one upstream, their miss runs alternated three times (each a new set of documents)."""
-    payload, path = body(ANSWER_SIZES[0]), "/v1/chat/completions"
+    payload = body(ANSWER_SIZES[0])
     with contextlib.ExitStack() as stack:
         urls: dict[str, tuple[str, int]] = {}
         for name, entry in ROUTE_KINDS.items():
-            port = free_port()
-            pid = stack.enter_context(
-                inferproxy(
-                    "serve",
-                    f"--port={port}",
-                    f"--upstream=http://127.0.0.1:{upstream_port}",
-                    f"--checkpoints-dir={data}/routes-{name}",
-                    "--log-level=warning",
-                    entry=entry,
-                )
-            )
-            wait_until_up(f"http://127.0.0.1:{port}/v1/models")
-            urls[name] = (f"http://127.0.0.1:{port}{path}", pid)
+            urls[name] = serve(stack, upstream_port, data / f"routes-{name}", "--log-level=warning", entry=entry)
         run = {"connections": connections, "duration": duration}
         for round_ in range(3):
             for name, (url, pid) in urls.items():
