@@ -187,8 +187,11 @@ class ProxyJob:
                 return {"rank": self.rank, "chunk_index": chunk_index, "written": 0, "duplicates": count}
             raise
 
-    async def lookup(self, doc_id: str, rollout_idx: int, body: dict[str, Any]) -> dict[str, Any] | None:
+    async def lookup(
+        self, doc_id: str, rollout_idx: int, body: dict[str, Any], *, datatrove_hash: str | None = None
+    ) -> dict[str, Any] | None:
         """The answer the proxy has cached for this request, or None (send the request itself).
+        `datatrove_hash`: the request's `X-Datatrove-Payload-Hash`, which keys it instead of `body`.
 
         `{"status", "content_type", "body"}` (`"text"` instead of `"body"` for
         an answer that is not JSON), as `POST /lookup` gives it. Lookups made
@@ -202,7 +205,10 @@ class ProxyJob:
             return None
         try:
             # Encoded now: one payload JSON cannot hold must not spoil the batch it would go in.
-            key = orjson.dumps({"doc_id": doc_id, "rollout_idx": rollout_idx, "body": body})
+            item = {"doc_id": doc_id, "rollout_idx": rollout_idx, "body": body}
+            if datatrove_hash is not None:
+                item["datatrove_payload_hash"] = datatrove_hash
+            key = orjson.dumps(item)
         except TypeError:
             return None
         found: asyncio.Future[dict[str, Any] | None] = asyncio.get_running_loop().create_future()

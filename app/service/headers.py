@@ -12,6 +12,7 @@ from collections.abc import MutableMapping
 from typing import Any, NamedTuple
 
 from app.service.errors import BadRequest
+from app.store.hashing import is_payload_hash
 
 MAX_DOC_ID_BYTES = 1024
 MAX_RANK = 99_999
@@ -34,6 +35,8 @@ class RequestKey(NamedTuple):
     rank: int = 0
     no_cache: bool = False
     no_store: bool = False
+    #: `X-Datatrove-Payload-Hash`: the key's payload hash instead of the body's, and datatrove's form stored
+    datatrove_hash: str | None = None
 
 
 def parse_request_key(headers: list[tuple[bytes, bytes]]) -> RequestKey:
@@ -42,6 +45,7 @@ def parse_request_key(headers: list[tuple[bytes, bytes]]) -> RequestKey:
     rollout_idx: int | None = None
     chunk_index: int | None = None
     rank: int | None = None
+    datatrove_hash: str | None = None
     no_cache = no_store = False
     for name, value in headers:
         if not name.startswith((b"x-", b"cache-control")):
@@ -62,11 +66,15 @@ def parse_request_key(headers: list[tuple[bytes, bytes]]) -> RequestKey:
             if rank is not None:
                 raise twice("X-Rank")
             rank = parse_rank(value)
+        elif name == b"x-datatrove-payload-hash":
+            if datatrove_hash is not None:
+                raise twice("X-Datatrove-Payload-Hash")
+            datatrove_hash = parse_datatrove_hash(value)
         elif name == b"cache-control":
             directives = {d.strip().lower() for d in value.decode("latin-1").split(",")}
             no_cache = no_cache or "no-cache" in directives
             no_store = no_store or "no-store" in directives
-    return RequestKey(doc_id, rollout_idx or 0, chunk_index, rank or 0, no_cache, no_store)
+    return RequestKey(doc_id, rollout_idx or 0, chunk_index, rank or 0, no_cache, no_store, datatrove_hash)
 
 
 def single_header(headers: list[tuple[bytes, bytes]], name: bytes, param: str) -> bytes | None:
@@ -96,6 +104,17 @@ def parse_doc_id(value: bytes) -> str:
         raise BadRequest("X-Doc-Id must be UTF-8 text", param="X-Doc-Id") from None
     if _CONTROL.search(text):
         raise BadRequest(f"X-Doc-Id must not contain control characters, got {text!r}", param="X-Doc-Id")
+    return text
+
+
+def parse_datatrove_hash(value: bytes) -> str:
+    text = value.decode("latin-1").strip()
+    if not is_payload_hash(text):
+        raise BadRequest(
+            f"X-Datatrove-Payload-Hash must be 32 lowercase hex digits (datatrove's RequestCache.prepare_payload "
+            f"of the rollout's payload), got {text[:40]!r}",
+            param="X-Datatrove-Payload-Hash",
+        )
     return text
 
 

@@ -80,6 +80,11 @@ class LookupKey(Strict):
     doc_id: str = Field(min_length=1, description="as `X-Doc-Id`: 1-1024 bytes")
     rollout_idx: int = Field(0, ge=0, description="as `X-Rollout-Idx`")
     body: dict[str, Any] = Field(description="the request body the generation was, or will be, asked with")
+    datatrove_payload_hash: str | None = Field(
+        None,
+        pattern="^[0-9a-f]{32}$",
+        description="as `X-Datatrove-Payload-Hash`: the key's payload hash instead of the body's",
+    )
 
 
 class Lookups(RootModel[list[LookupKey]]):

@@ -4,6 +4,10 @@ Stored: a whole answer (a stream that reached `data: [DONE]`, a body not ended b
 close) to a request with `X-Doc-Id`, not `no-store`, whose status is 2xx or one of
 `cache_error_statuses`, and that is no error in disguise (a 2xx stream with an error event, a 2xx
 body that is an error envelope). Everything else is passed on and generated again when asked again.
+
+A request keyed by datatrove's payload hash (`X-Datatrove-Payload-Hash`) has its answer stored as
+datatrove's own runner stores one, so that either runner replays what the other cached from the one file
+(`datatrove_form`).
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ def store_if_kept(
     *,
     whole: bool,
     error_statuses: list[int],
+    chat: bool,
 ) -> None:
-    """Store `answer` in `cache` if the policy keeps it; say so when a 2xx is an error in disguise."""
+    """Store `answer` in `cache` if the policy keeps it; say so when a 2xx is an error in disguise.
+    `chat`: the request's path is `/v1/chat/completions` (else `/v1/completions`)."""
     disguised = error_in_disguise(answer) if whole and 200 <= answer.status < 300 else None
     if disguised is not None:
         logger.warning(
@@ -56,7 +62,45 @@ def store_if_kept(
         and cacheable_status(answer.status, error_statuses)
     ):
         chunk_index = NO_CHUNK if key.chunk_index is None else key.chunk_index
-        cache.store_response(chunk_index, key.doc_id, key.rollout_idx, digest, answer)
+        if key.datatrove_hash is None:
+            cache.store_response(chunk_index, key.doc_id, key.rollout_idx, digest, answer)
+            return
+        stored = datatrove_form(answer, chat=chat)
+        if stored is not None:
+            form, error_message = stored
+            cache.store_response(chunk_index, key.doc_id, key.rollout_idx, digest, form, error_message=error_message)
+
+
+def datatrove_form(answer: StoredResponse, *, chat: bool) -> tuple[StoredResponse, str | None] | None:
+    """`answer` as datatrove's `InferenceRunner` stores one in its `RequestCache`, with its error message; None
+    for an answer it does not store (it could not read it back).
+
+    A 200 completion becomes datatrove's result, `{"text", "finish_reason", "usage", "reasoning"}`, taken
+    from the body as its runner takes it; a 400 stays as it is, with the message datatrove gives a bad
+    request ("BadRequestError" in it is what its runner replays as one). The proxy replays either as stored.
+    """
+    if answer.status == 400 and not answer.streamed:
+        return answer, "Got BadRequestError from server: " + answer.body.decode("utf-8", "replace")
+    if answer.status != 200 or answer.streamed:
+        return None
+    try:
+        body = orjson.loads(answer.body)
+        choice = body["choices"][0]
+        if chat:
+            message = choice["message"]
+            text = message.get("content") or ""
+            reasoning = message.get("reasoning") or message.get("reasoning_content") or ""
+        else:
+            text, reasoning = choice["text"] or "", ""
+        result = {
+            "text": text,
+            "finish_reason": choice["finish_reason"],
+            "usage": body.get("usage", {}),
+            "reasoning": reasoning,
+        }
+    except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
+        return None  # not a completion datatrove's runner could parse either
+    return StoredResponse(200, orjson.dumps(result), "application/json"), None
 
 
 def error_in_disguise(answer: StoredResponse) -> str | None:

@@ -316,12 +316,22 @@ class RequestCache:
         return StoredResponse(status, result, content_type or "application/json", bool(streamed))
 
     def store_response(
-        self, chunk_index: int, doc_id: str, rollout_idx: int, payload_hash: str, response: StoredResponse
+        self,
+        chunk_index: int,
+        doc_id: str,
+        rollout_idx: int,
+        payload_hash: str,
+        response: StoredResponse,
+        *,
+        error_message: str | None = None,
     ) -> None:
-        """Queue an HTTP answer for the next commit (an error answer also fills `error_message`)."""
+        """Queue an HTTP answer for the next commit (an error answer also fills `error_message`: its body's
+        text, unless given)."""
         if self._reader is None:
             return
-        error = response.body.decode("utf-8", "replace") if response.status >= 400 else None
+        error = error_message
+        if error is None and response.status >= 400:
+            error = response.body.decode("utf-8", "replace")
         self._queue(
             _Row(
                 chunk_index,

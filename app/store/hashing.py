@@ -9,10 +9,13 @@ is found by inferproxy and the other way round.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
 import xxhash
+
+_HEX_DIGEST = re.compile(r"[0-9a-f]{32}")
 
 
 def canonical_json(payload: Any) -> bytes:
@@ -23,3 +26,8 @@ def canonical_json(payload: Any) -> bytes:
 def payload_hash(payload: Any) -> str:
     """xxh128 hex digest (32 lowercase hex characters) of `canonical_json(payload)`."""
     return xxhash.xxh128_hexdigest(canonical_json(payload))
+
+
+def is_payload_hash(text: str) -> bool:
+    """Whether `text` is what `payload_hash` gives: 32 lowercase hex digits."""
+    return _HEX_DIGEST.fullmatch(text) is not None

@@ -54,3 +54,12 @@ def test_bad_values_name_the_header_and_say_what_is_expected(headers: dict[str, 
 def test_a_doc_id_that_is_not_utf8_is_refused() -> None:
     with pytest.raises(BadRequest, match="UTF-8"):
         parse_request_key([(b"x-doc-id", b"\xff\xfe")])
+
+
+def test_datatroves_payload_hash_is_read_as_given() -> None:
+    digest = "0123456789abcdef" * 2
+    assert parse(x_doc_id="d", x_datatrove_payload_hash=digest).datatrove_hash == digest
+    assert parse(x_doc_id="d").datatrove_hash is None
+    with pytest.raises(BadRequest, match="32 lowercase hex digits") as caught:
+        parse(x_datatrove_payload_hash=digest.upper())
+    assert caught.value.param == "X-Datatrove-Payload-Hash"

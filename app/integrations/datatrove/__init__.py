@@ -16,7 +16,13 @@ stats) pointed at a running `inferproxy serve`::
 - every generation goes to the proxy with `X-Doc-Id`, `X-Rollout-Idx`,
   `X-Chunk-Index`, `X-Rank` (and `Authorization` when `config.api_key` is
   set) over kept-alive connections, so the proxy caches it: the runner keeps
-  no request cache of its own and writes no sqlite file;
+  no request cache of its own and writes no sqlite file. Each also carries
+  datatrove's own key for it (`X-Datatrove-Payload-Hash`: the rollout's
+  payload hashed before `model` and `default_generation_params` are merged
+  in), which the proxy keys and stores the answer by as datatrove's runner
+  does: a job switched from datatrove's runner to this one on the same
+  checkpoints dir (the proxy's `--checkpoints-dir`), or back, replays what
+  the other cached;
 - checkpoints are the proxy's (`ProxyCheckpointManager`: `GET /resume`,
   `POST /documents`, `POST /chunks/{i}/complete`), and so is `records_per_chunk`;
 - exactly one party writes the output: the proxy publishes each complete

@@ -24,6 +24,7 @@ from app.integrations.datatrove.checkpoints import UNREACHABLE, DocumentRefused,
 from app.job.client import ProxyJob
 from app.service.errors import BadRequest
 from app.service.headers import parse_doc_id
+from app.store.hashing import payload_hash
 
 #: Answers worth waiting for: the upstream is busy, restarting or briefly gone.
 RETRY_STATUSES = frozenset({429, 502, 503, 504, 409})  # 409 on /v1: the rank is still another proxy's
@@ -33,6 +34,8 @@ MAX_RETRY_AFTER_S = 60.0
 READ_AHEAD = 64
 #: datatrove's `request_timeout=None` means no timeout; the client needs a number.
 NO_TIMEOUT_S = 7 * 24 * 3600.0
+#: What datatrove's runner stores for a generation in its `RequestCache`.
+DATATROVE_RESULT = frozenset({"text", "finish_reason", "usage"})
 
 
 def retry_after_s(value: bytes | None) -> float | None:
@@ -52,13 +55,20 @@ def retry_after_s(value: bytes | None) -> float | None:
 class _DocumentRequests:
     """What datatrove's `_send_request` calls `make_request` on: the proxy, for one rollout of one document."""
 
-    def __init__(self, runner: ProxyInferenceRunner, key: tuple[str, int], headers: list[tuple[bytes, bytes]]) -> None:
+    def __init__(
+        self,
+        runner: ProxyInferenceRunner,
+        key: tuple[str, int],
+        headers: list[tuple[bytes, bytes]],
+        datatrove_hash: str | None,
+    ) -> None:
         self.runner = runner
         self.key = key
         self.headers = headers
+        self.datatrove_hash = datatrove_hash
 
     async def make_request(self, payload: dict[str, Any]) -> dict[str, Any]:
-        return await self.runner._generate(payload, self.key, self.headers)
+        return await self.runner._generate(payload, self.key, self.headers, self.datatrove_hash)
 
 
 class ProxyEndpoint:
@@ -77,7 +87,9 @@ class ProxyEndpoint:
     async def __aexit__(self, *exc_info: object) -> None:
         return None
 
-    def for_rollout(self, doc_id: str, rollout_idx: int, chunk_index: int) -> _DocumentRequests:
+    def for_rollout(
+        self, doc_id: str, rollout_idx: int, chunk_index: int, datatrove_hash: str | None = None
+    ) -> _DocumentRequests:
         try:
             # It goes into a header: a CR/LF in it would add headers of its own (another rank, another document).
             parse_doc_id(doc_id.encode())
@@ -85,16 +97,15 @@ class ProxyEndpoint:
             raise InferenceError(
                 None, f"Got BadRequestError: document id {doc_id[:80]!r} cannot be a cache key: {exc.message}"
             ) from None
-        return _DocumentRequests(
-            self.runner,
-            (doc_id, rollout_idx),
-            [
-                *self._common,
-                (b"x-doc-id", doc_id.encode()),
-                (b"x-rollout-idx", str(rollout_idx).encode()),
-                (b"x-chunk-index", str(chunk_index).encode()),
-            ],
-        )
+        headers = [
+            *self._common,
+            (b"x-doc-id", doc_id.encode()),
+            (b"x-rollout-idx", str(rollout_idx).encode()),
+            (b"x-chunk-index", str(chunk_index).encode()),
+        ]
+        if datatrove_hash is not None:
+            headers.append((b"x-datatrove-payload-hash", datatrove_hash.encode()))
+        return _DocumentRequests(self.runner, (doc_id, rollout_idx), headers, datatrove_hash)
 
 
 class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove is untyped
@@ -225,10 +236,13 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
         chunk_index: int,
         request_counters: list[int] | None = None,
     ) -> Any:
-        # No local cache: the proxy answers a request it has seen from its own.
+        # No local cache: the proxy answers a request it has seen from its own, keyed as datatrove's
+        # runner keys it (the payload before _send_request merges `model` and the default params in), so
+        # that a job switched from that runner, or back to it, on the same checkpoints dir reuses its answers.
         if request_counters is not None:
             request_counters[rollout_idx] += 1
-        return await self._send_request(server.for_rollout(doc_id, rollout_idx, chunk_index), payload, semaphore)
+        requests = server.for_rollout(doc_id, rollout_idx, chunk_index, datatrove_payload_hash(payload))
+        return await self._send_request(requests, payload, semaphore)
 
     async def _save_document(
         self, document: Any, output_writer_context: Any, rank: int, chunk_index: int, count_processed_stat: bool = True
@@ -244,20 +258,24 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
             self.stat_update("failed_documents", value=1, unit="document")
 
     async def _generate(
-        self, payload: dict[str, Any], key: tuple[str, int], headers: list[tuple[bytes, bytes]]
+        self,
+        payload: dict[str, Any],
+        key: tuple[str, int],
+        headers: list[tuple[bytes, bytes]],
+        datatrove_hash: str | None = None,
     ) -> dict[str, Any]:
         """One generation: the proxy's cached answer if it has one (looked up together with the other
         requests of the moment), else POSTed to the proxy, retrying what a busy or restarting server answers."""
         client, lookups = self._client, self._lookups
         if client is None or lookups is None:
             raise RuntimeError("ProxyInferenceRunner sends requests only inside run_async()")
-        cached = await lookups.lookup(key[0], key[1], payload)
+        cached = await lookups.lookup(key[0], key[1], payload, datatrove_hash=datatrove_hash)
         if cached is not None:
             status = cached["status"]
             if status == 200 and isinstance(cached.get("body"), dict):
                 self.stat_update("proxy_cache_hits", value=1, unit="request")
-                result: dict[str, Any] = cached["body"]
-                return result
+                replayed: dict[str, Any] = self._as_completion(cached["body"])
+                return replayed
             # anything else cached (a 400, a stream): asked for again, the proxy replays it byte for byte
         body = orjson.dumps(payload)
         problem = ""
@@ -273,7 +291,7 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
                 if answer.status == 200:
                     if answer.header(b"x-cache") in (b"HIT", b"COALESCED"):
                         self.stat_update("proxy_cache_hits", value=1, unit="request")
-                    result = orjson.loads(data)
+                    result: dict[str, Any] = self._as_completion(orjson.loads(data))
                     return result
                 if answer.status == 400:
                     raise InferenceError(None, f"Got BadRequestError from server: {text}", payload=payload)
@@ -300,6 +318,28 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
             f"the proxy at {self.proxy_url} still failed after {self.retries} retries ({problem}): the task fails so "
             f"that the executor runs it again; the answers it got so far are cached at the proxy"
         )
+
+    def _as_completion(self, answer: Any) -> Any:
+        """An answer as `_send_request` parses it: a completion as it is; a result in datatrove's form (what
+        datatrove's runner cached, or the proxy stored for a request keyed by datatrove's hash) as the
+        completion it was taken from, so that it parses back to the same `InferenceResult`."""
+        if not isinstance(answer, dict) or "choices" in answer or not answer.keys() >= DATATROVE_RESULT:
+            return answer
+        text, finish_reason = answer["text"], answer["finish_reason"]
+        if self.config.use_chat:
+            choice = {"message": {"content": text, "reasoning": answer.get("reasoning") or ""}}
+        else:
+            choice = {"text": text}
+        return {"choices": [{**choice, "finish_reason": finish_reason}], "usage": answer["usage"]}
+
+
+def datatrove_payload_hash(payload: dict[str, Any]) -> str | None:
+    """datatrove's `RequestCache.prepare_payload`, or None for a payload it cannot hash (the request then
+    fails as it would have)."""
+    try:
+        return payload_hash(payload)
+    except TypeError:
+        return None
 
 
 def with_inferproxy_checkpointing(runner: Any) -> Any:

@@ -9,6 +9,8 @@ about to send asks for all of them at once:
     POST /lookup          X-Rank: 3
     [{"doc_id": "d1", "rollout_idx": 0, "body": {...the request body...}}, ...]
 
+(`"datatrove_payload_hash"` in an item keys it as that header keys the request.)
+
     200 [{"status": 200, "content_type": "application/json", "body": {...}} | null, ...]
 
 Each answer is what `POST /v1/chat/completions` (or `/v1/completions`) with
@@ -29,6 +31,7 @@ from app.service.headers import rank_of
 from app.service.routes.proxy import request_digest
 from app.service.services import Services
 from app.store.cache import RequestCache, StoredResponse
+from app.store.hashing import is_payload_hash
 
 MAX_KEYS = 4096
 #: Stored body bytes one answer holds at most: past them, lookups answer null (and their requests hit).
@@ -89,6 +92,15 @@ def parse_keys(body: bytes) -> list[tuple[str, int, str]]:
             raise BadRequest(f"lookup {position}: rollout_idx must be an integer >= 0, got {rollout_idx!r}")
         if not isinstance(request, dict):
             raise BadRequest(f"lookup {position}: body must be the request's JSON object")
+        given = item.get("datatrove_payload_hash")
+        if given is not None:
+            if not isinstance(given, str) or not is_payload_hash(given):
+                raise BadRequest(
+                    f"lookup {position}: datatrove_payload_hash must be 32 lowercase hex digits, as the "
+                    f"X-Datatrove-Payload-Hash header, got {given!r:.60}"
+                )
+            keys.append((doc_id, rollout_idx, given))
+            continue
         try:
             keys.append((doc_id, rollout_idx, request_digest(request)))
         except BadRequest as exc:

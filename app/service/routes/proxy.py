@@ -76,7 +76,7 @@ def lookup(services: Services, headers: Headers, body: bytes) -> Lookup:
     and `cacheable` (the ASGI path). `BadRequest` for a bad header or body.
     """
     key = parse_request_key(headers)
-    digest = payload_digest(body)
+    digest = payload_digest(body, key.datatrove_hash)
     if key.doc_id is None or key.no_cache:
         return Lookup(key, body, digest, None, True)
     cache = services.caches.opened(key.rank)
@@ -96,7 +96,9 @@ def stored_answer(answer: StoredResponse, state: bytes, digest: str) -> Answer:
     return Answer(answer.status, headers, answer.body)
 
 
-def payload_digest(body: bytes) -> str:
+def payload_digest(body: bytes, given: str | None = None) -> str:
+    """The key's payload hash: the body's, or `given` (datatrove's, from `X-Datatrove-Payload-Hash`) for a
+    body that is a JSON object all the same."""
     check_json_cost(body)
     try:
         payload = orjson.loads(body)
@@ -104,7 +106,7 @@ def payload_digest(body: bytes) -> str:
         raise BadRequest(f"the request body must be a JSON object: {exc}") from None
     if not isinstance(payload, dict):
         raise BadRequest(f"the request body must be a JSON object, got a JSON {type(payload).__name__}")
-    return request_digest(payload)
+    return given if given is not None else request_digest(payload)
 
 
 def request_digest(payload: dict[str, Any]) -> str:
@@ -234,7 +236,15 @@ async def forward(
     except ProxyError as error:
         await send_error(send, error, ours)
         return None
-    store_if_kept(cache, key, digest, answer, whole=whole, error_statuses=services.settings.cache_error_statuses)
+    store_if_kept(
+        cache,
+        key,
+        digest,
+        answer,
+        whole=whole,
+        error_statuses=services.settings.cache_error_statuses,
+        chat=scope["path"] == "/v1/chat/completions",
+    )
     return answer if whole else None
 
 
