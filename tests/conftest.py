@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterator
 
@@ -36,6 +37,20 @@ def default_output(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest
     left chunks that the proxy would take for this rank's published ones."""
     if "INFERPROXY_OUTPUT" not in os.environ:
         monkeypatch.setenv("INFERPROXY_OUTPUT", str(tmp_path_factory.mktemp("default-output")))
+
+
+@pytest.fixture(autouse=True)
+def root_logging() -> Iterator[None]:
+    """The root logger as each test found it: a test that runs `inferproxy ...` in this process configures
+    logging on the `sys.stderr` of its moment (a pipe or a terminal another test closes), and a later test's
+    log lines would go there. Under pytest-xdist the tests a process runs before another are not always the
+    same, so a handler left behind made tests fail in one order and pass in another."""
+    handlers, level = logging.root.handlers[:], logging.root.level
+    try:
+        yield
+    finally:
+        logging.root.handlers[:] = handlers
+        logging.root.setLevel(level)
 
 
 @pytest.fixture
