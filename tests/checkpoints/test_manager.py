@@ -316,6 +316,25 @@ async def test_cleanup_of_a_chunk_behind_an_incomplete_one_keeps_the_rank_dir(
     assert os.path.exists(chunk_path(tmp_path, 0))
 
 
+async def test_a_published_chunk_declared_complete_again_is_not_published_twice(
+    tmp_path: Path, writer: RecordingWriter
+) -> None:
+    # Chunk 1 is published while chunk 0 is still open; a job that completes chunk 1 again (a retried
+    # POST /chunks/1/complete) must not have it published a second time, which would truncate its output.
+    cm = manager(tmp_path, 2)
+    await cm.write_document(document("0"), 0, 0, writer)
+    await cm.write_document(document("2"), 0, 1, writer)
+    await cm.cleanup_last_chunk(0, 1)
+    assert writer.closed == ["00000_chunk_1.jsonl"]
+    await cm.cleanup_last_chunk(0, 1)
+    assert writer.closed == ["00000_chunk_1.jsonl"]
+    assert cm.new_completed_chunks == {1}
+    await cm.write_document(document("1"), 0, 0, writer)
+    assert writer.closed == ["00000_chunk_1.jsonl", "00000_chunk_0.jsonl"]
+    assert cm.last_chunk_index == 1
+    assert writer.files == {"00000_chunk_0.jsonl": ["0", "1"], "00000_chunk_1.jsonl": ["2"]}
+
+
 async def test_without_a_checkpoints_dir_documents_only_go_to_the_output(writer: RecordingWriter) -> None:
     cm = CheckpointManager(None, records_per_chunk=2)
     for doc in documents(3):
