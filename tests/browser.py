@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import json
+
 import orjson
 from websockets.asyncio.client import ClientConnection, connect
 
@@ -28,6 +30,21 @@ __all__ = ["CannotInstall", "chromium_path"]
 
 #: Bounds every wait on the browser: far above what a page load or a 2 s poll takes.
 TIMEOUT_S = 30.0
+
+#: The live page's rank table, row by row (`Page.evaluate(ROWS)`).
+ROWS = """[...document.querySelectorAll('#ranks tbody tr')].map(row => ({
+    rank: Number(row.dataset.rank), done: row.querySelector('.done')?.textContent ?? row.cells[1].textContent,
+    eta: row.cells[3].textContent, chunks: row.cells[4].textContent}))"""
+
+
+def text_of(element_id: str) -> str:
+    """The expression of an element's text on a page."""
+    return f"document.getElementById({element_id!r}).textContent"
+
+
+async def wait_text(page: Page, element_id: str, expected: str) -> None:
+    """Until the element's text is `expected` (the page redraws every 2 s)."""
+    await page.wait_for(f"{text_of(element_id)} === {json.dumps(expected)}")
 
 
 def chromium_path() -> str:

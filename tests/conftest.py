@@ -6,6 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.browser import CannotInstall, chromium_path
 from tests.factories import RecordingWriter
 from tests.servers import HTTP_SERVER
 
@@ -51,6 +52,15 @@ def root_logging() -> Iterator[None]:
     finally:
         logging.root.handlers[:] = handlers
         logging.root.setLevel(level)
+
+
+@pytest.fixture(scope="session")
+def chromium() -> str:
+    """Headless Chromium's executable (installed with apt-get where missing), for the tests of the pages."""
+    try:
+        return chromium_path()
+    except CannotInstall as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.fixture

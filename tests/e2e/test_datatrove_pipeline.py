@@ -4,6 +4,7 @@ process group of its own, killed with SIGKILL part-way and run again."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gzip
 import json
@@ -19,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.browser import ROWS, browser, text_of, wait_text
 from tests.e2e.conftest import Proxy, Upstream, running_upstream, start_proxy
 from tests.servers import process, wait_for_http
 
@@ -164,8 +166,23 @@ def assert_exactly_once(output: Path) -> None:
     assert all(isinstance(r, str) and r for d in documents for r in d["metadata"]["rollout_results"])
 
 
+async def the_page_says_finished(chromium: str, url: str, workdir: Path) -> None:
+    """The live page, as the person watching the job sees it once it ended: every rank and the job finished."""
+    async with browser(chromium, workdir) as chrome:
+        page = await chrome.open(url + "/")
+        await wait_text(page, "job", "finished")
+        assert await page.evaluate(text_of("job-sub")) == "job finished: 4 of 4 ranks"
+        share = DOCUMENTS // 4
+        rows = await page.evaluate(ROWS)
+        assert [(r["rank"], r["done"], r["eta"]) for r in rows] == [
+            (rank, f"{share} / {share} · 100.0%", "finished") for rank in range(4)
+        ]
+        assert await page.evaluate(text_of("documents-done")) == f"{DOCUMENTS} / {DOCUMENTS}"
+        assert page.errors == []
+
+
 def test_local_executor_killed_part_way_and_rerun_publishes_every_document_once_paying_nothing_twice(
-    datatrove_proxy: Proxy, slow_upstream: Upstream, tmp_path: Path
+    datatrove_proxy: Proxy, slow_upstream: Upstream, tmp_path: Path, chromium: str
 ) -> None:
     make_input(tmp_path / "input")
     output = tmp_path / "output"
@@ -196,6 +213,7 @@ def test_local_executor_killed_part_way_and_rerun_publishes_every_document_once_
     assert [(r["rank"], r["finished"], r["total_documents"]) for r in stats["ranks"]] == [
         (rank, True, DOCUMENTS // 4) for rank in range(4)
     ]
+    asyncio.run(the_page_says_finished(chromium, datatrove_proxy.url, tmp_path / "chrome"))
 
 
 def test_ray_executor_on_a_local_cluster_publishes_every_document_once(

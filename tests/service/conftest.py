@@ -1,4 +1,4 @@
-"""Fixtures of the service's tests: headless Chromium for the pages the proxy serves (`/`, `/docs`)."""
+"""Fixtures of the service's tests: a headless Chromium page for the pages the proxy serves (`/`, `/docs`)."""
 
 from __future__ import annotations
 
@@ -7,15 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.browser import Browser, CannotInstall, browser, chromium_path
-
-
-@pytest.fixture(scope="session")
-def chromium() -> str:
-    try:
-        return chromium_path()
-    except CannotInstall as exc:
-        pytest.skip(str(exc))
+from tests.browser import Browser, browser
 
 
 @pytest.fixture

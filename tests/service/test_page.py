@@ -18,21 +18,9 @@ import app
 from app.job.client import ProxyJob
 from app.service.app import create_server
 from app.tools import status
-from tests.browser import Browser, Page
+from tests.browser import ROWS, Browser, Page, text_of, wait_text
 from tests.jobs import proxy_finding_chunks_lost, publish_chunks, run_rank, settings, write_chunks
 from tests.servers import fake_upstream, serve_proxy
-
-ROWS = """[...document.querySelectorAll('#ranks tbody tr')].map(row => ({
-    rank: Number(row.dataset.rank), done: row.querySelector('.done')?.textContent ?? row.cells[1].textContent,
-    eta: row.cells[3].textContent, chunks: row.cells[4].textContent}))"""
-
-
-def text_of(element_id: str) -> str:
-    return f"document.getElementById({element_id!r}).textContent"
-
-
-async def wait_text(page: Page, element_id: str, expected: str) -> None:
-    await page.wait_for(f"{text_of(element_id)} === {json.dumps(expected)}")
 
 
 async def test_the_page_shows_a_running_jobs_numbers_as_stats_does(
