@@ -11,6 +11,7 @@ import asyncio
 import base64
 import contextlib
 import itertools
+import json
 import os
 import signal
 import subprocess
@@ -18,8 +19,6 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
-
-import json
 
 import orjson
 from websockets.asyncio.client import ClientConnection, connect

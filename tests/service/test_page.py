@@ -18,7 +18,7 @@ import app
 from app.job.client import ProxyJob
 from app.service.app import create_server
 from app.tools import status
-from tests.browser import ROWS, Browser, Page, text_of, wait_text
+from tests.browser import ROWS, Browser, text_of, wait_text
 from tests.jobs import proxy_finding_chunks_lost, publish_chunks, run_rank, settings, write_chunks
 from tests.servers import fake_upstream, serve_proxy
 
