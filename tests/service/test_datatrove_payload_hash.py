@@ -5,6 +5,7 @@ checked against datatrove's `RequestCache` from PyPI on the same checkpoints dir
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ from datatrove.pipeline.inference.checkpointing import RequestCache as Datatrove
 from app.service.settings import Settings
 from app.store.hashing import payload_hash
 from app.tools.fake_upstream import FakeUpstream
+from tests.canned import canned_server
 from tests.factories import chat_request, completion_request, doc_headers
 from tests.servers import fake_upstream, proxy_client
 
@@ -161,3 +163,29 @@ async def test_the_header_given_twice_is_refused(env: Env) -> None:
     )
     assert (answer.status_code, answer.json()["error"]["param"]) == (400, "X-Datatrove-Payload-Hash")
     assert env.upstream.requests == 0
+
+
+def _completion_with(usage: bytes) -> bytes:
+    body = b'{"choices":[{"index":0,"message":{"role":"assistant","content":"x"},"finish_reason":"stop"}],"usage":'
+    body += usage + b"}"
+    return b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+
+
+async def test_a_completion_nested_deeper_than_datatroves_form_can_hold_is_passed_on_not_stored_without_a_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # orjson reads 1024 levels but writes only 254: datatrove's form of this answer cannot be written, as
+    # datatrove's own runner could not store it either. It was a TypeError after the answer was sent, a
+    # traceback in the log for each such request.
+    deep = b"[" * 300 + b"]" * 300
+    async with (
+        canned_server([_completion_with(deep)] * 2) as upstream,
+        proxy_client(Settings(upstream=[upstream.url], checkpoints_dir=tmp_path / "ckpt", upstream_retries=0)) as c,
+    ):
+        headers = doc_headers(**{"X-Datatrove-Payload-Hash": DATATROVE_HASH})
+        first = await c.post("/v1/chat/completions", json=chat_request(), headers=headers)
+        again = await c.post("/v1/chat/completions", json=chat_request(), headers=headers)
+    assert (first.status_code, first.headers["x-cache"]) == (200, "MISS")
+    assert first.json()["choices"][0]["message"]["content"] == "x"
+    assert (again.status_code, again.headers["x-cache"]) == (200, "MISS")  # not stored: generated again
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
