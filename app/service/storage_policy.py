@@ -98,9 +98,12 @@ def datatrove_form(answer: StoredResponse, *, chat: bool) -> tuple[StoredRespons
             "usage": body.get("usage", {}),
             "reasoning": reasoning,
         }
+        # orjson reads 1024 levels of nesting but writes only 254 (JSONEncodeError, a TypeError): a result
+        # nested deeper is one datatrove's runner could not store either
+        form = orjson.dumps(result)
     except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
-        return None  # not a completion datatrove's runner could parse either
-    return StoredResponse(200, orjson.dumps(result), "application/json"), None
+        return None  # not a completion datatrove's runner could parse, or store, either
+    return StoredResponse(200, form, "application/json"), None
 
 
 def error_in_disguise(answer: StoredResponse) -> str | None:

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -219,7 +220,15 @@ class RequestCache:
         rank_dir = os.path.join(self.base_dir, f"{rank:05d}")
         await asyncio.to_thread(make_dirs_durable, rank_dir)
         self.db_path = os.path.join(rank_dir, DB_FILENAME)
-        writer, reader, self._before = await asyncio.to_thread(_open, self.db_path)
+        try:
+            writer, reader, self._before = await asyncio.to_thread(_open, self.db_path)
+        except sqlite3.OperationalError as exc:
+            refused = await asyncio.to_thread(_unwritable, self.db_path)
+            if refused is None:
+                raise
+            # SQLite says only "unable to open database file" or "attempt to write a readonly database":
+            # the permission error it is, naming what to fix, for the caller to answer as one
+            raise PermissionError(errno.EACCES, f"{os.strerror(errno.EACCES)} (SQLite: {exc})", refused) from exc
         self._writer, self._reader = writer, reader
         self._lookup = reader.cursor()  # reused by every lookup: no cursor object per query
         self._writer_task = asyncio.create_task(self._writer_loop(), name=f"request-cache-writer-{rank}")
@@ -496,6 +505,18 @@ def _open(db_path: str) -> tuple[sqlite3.Connection, sqlite3.Connection, int]:
         writer.close()
         raise
     return writer, reader, largest
+
+
+def _unwritable(db_path: str) -> str | None:
+    """The first of the cache file's folder, the file and those SQLite keeps beside it that this process may
+    not write (another user's, or made read-only), or None."""
+    folder = os.path.dirname(db_path)
+    if not os.access(folder, os.W_OK | os.X_OK):
+        return folder
+    for suffix in SQLITE_SUFFIXES:
+        if os.path.exists(db_path + suffix) and not os.access(db_path + suffix, os.W_OK):
+            return db_path + suffix
+    return None
 
 
 def count_entries(db_path: str) -> int:

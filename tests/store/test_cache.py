@@ -3,9 +3,12 @@ from __future__ import annotations
 import asyncio
 import os
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from datatrove.pipeline.inference.checkpointing import RequestCache as DatatroveRequestCache
 
@@ -13,6 +16,7 @@ import app.store.cache
 from app.store.cache import MIGRATIONS, CacheWriteError, RequestCache, apply_migrations
 from app.store.durable import is_disk_full
 from app.store.hashing import payload_hash
+from tests.servers import free_port, wait_for_http
 
 PAYLOAD = {"messages": [{"role": "user", "content": "hello"}]}
 H = payload_hash(PAYLOAD)
@@ -352,3 +356,56 @@ async def test_drop_chunk_racing_close_is_harmless(tmp_path: Path) -> None:
     assert results == [None, None]
     await cache.drop_chunk(3)  # after close: nothing to do, nothing raised
     assert [r[1] for r in rows(tmp_path)] in ([], ["a"])  # whichever ran first
+
+
+@pytest.mark.parametrize("unwritable", ["rank dir", "cache file"])
+def test_a_rank_whose_cache_cannot_be_written_is_503_naming_it_without_a_traceback(
+    tmp_path: Path, unwritable: str
+) -> None:
+    # A rank dir (or its cache file) another user left, or made read-only, in a checkpoints dir the proxy may
+    # write: SQLite says only "unable to open database file" (or "attempt to write a readonly database"),
+    # which was a 500 with a traceback logged for every request of the rank. Mode 555 stops only a process
+    # without CAP_DAC_OVERRIDE: as root, the proxy runs without any capability.
+    without_capabilities = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
+    checkpoints = tmp_path / "ckpt"
+    rank_dir = checkpoints / "00000"
+    rank_dir.mkdir(parents=True)
+    refused = rank_dir
+    if unwritable == "cache file":
+        with sqlite3.connect(rank_dir / "replay.sqlite3") as conn:
+            apply_migrations(conn)
+        refused = rank_dir / "replay.sqlite3"
+    refused.chmod(0o444 if unwritable == "cache file" else 0o555)
+    port = free_port()
+    log = tmp_path / "serve.log"
+    try:
+        with log.open("wb") as out:
+            proxy = subprocess.Popen(
+                [
+                    *without_capabilities,
+                    *(sys.executable, "-m", "app.cli", "serve", "--upstream=http://127.0.0.1:9", f"--port={port}"),
+                    *(f"--checkpoints-dir={checkpoints}", f"--output={tmp_path / 'out'}"),
+                ],
+                stderr=out,
+            )
+        try:
+            wait_for_http(f"http://127.0.0.1:{port}/healthz")
+            answers = [
+                httpx.post(
+                    f"http://127.0.0.1:{port}/v1/chat/completions",
+                    json={"model": "m", "messages": []},
+                    headers={"X-Doc-Id": "d"},
+                ),
+                httpx.get(f"http://127.0.0.1:{port}/resume"),
+            ]
+        finally:
+            proxy.terminate()
+            proxy.wait(timeout=30)
+    finally:
+        refused.chmod(0o755 if unwritable == "rank dir" else 0o644)
+    for answer in answers:
+        assert answer.status_code == 503, answer.text
+        message = answer.json()["error"]["message"]
+        assert message.startswith("rank 0 cannot be opened: the checkpoints dir cannot be written (Permission denied")
+        assert f"{refused}), and nothing of this request was written; make {checkpoints} writable" in message
+    assert "Traceback" not in log.read_text()
