@@ -191,34 +191,28 @@ async def test_a_completion_nested_deeper_than_datatroves_form_can_hold_is_passe
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a row in datatrove's form is replayed as it is stored, also to a request without the header whose "
-    "body has the same hash (a rollout payload that already names the model, and no default params: the "
-    "header then equals the body's hash): a plain OpenAI client gets {text, finish_reason, usage} as its "
-    "chat completion. Needs the hit path to tell datatrove's form from an OpenAI body and answer the latter",
-)
-async def test_an_answer_stored_in_datatroves_form_is_replayed_as_a_completion_to_a_client_without_the_header(
-    env: Env,
-) -> None:
+async def test_a_client_without_the_header_never_gets_a_result_in_datatroves_form(env: Env) -> None:
+    # The rollout payload was the body already (it names the model, no default params): datatrove's key is
+    # the body's, and the row the header stored is datatrove's result, which no OpenAI client can read.
     body = chat_request()
-    same = payload_hash(body)  # the rollout payload was the body already: datatrove's key is the body's
+    same = payload_hash(body)
     first = await env.post(body, **{"X-Datatrove-Payload-Hash": same})
     assert first.headers["x-cache"] == "MISS"
+    generations = env.upstream.generations
     plain = await env.post(body)  # an OpenAI client on the same doc id, without the header
-    assert plain.headers["x-cache"] == "HIT"
-    assert plain.json()["choices"][0]["message"]["content"] == first.json()["choices"][0]["message"]["content"]
+    assert plain.headers["x-cache"] == "MISS"
+    assert plain.json()["object"] == "chat.completion"
+    assert env.upstream.generations == generations + 1
+    assert (await env.post(body)).headers["x-cache"] == "HIT"  # its own answer, stored as it came
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="under X-Datatrove-Payload-Hash the body is not in the key, so neither is `stream`: a streamed "
-    "request replays (or joins in flight) the non-streamed answer of the same key, JSON to an SSE client. "
-    "Needs a decision: refuse stream: true under the header (datatrove's runner never streams), or keep "
-    "`stream` in the key",
-)
-async def test_a_streamed_request_under_the_header_is_not_answered_with_a_non_streamed_answer(env: Env) -> None:
+async def test_a_streamed_request_under_the_header_is_refused_in_one_line(env: Env) -> None:
     headers = {"X-Datatrove-Payload-Hash": DATATROVE_HASH}
     assert (await env.post(chat_request(), **headers)).headers["x-cache"] == "MISS"
+    generations = env.upstream.generations
     streamed = await env.post(chat_request(stream=True), **headers)
-    assert streamed.headers["content-type"].startswith("text/event-stream")
+    assert streamed.status_code == 400
+    error = streamed.json()["error"]
+    assert error["param"] == "X-Datatrove-Payload-Hash"
+    assert "without `stream`, or without the header" in error["message"]
+    assert env.upstream.generations == generations

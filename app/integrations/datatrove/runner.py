@@ -24,6 +24,7 @@ from app.integrations.datatrove.checkpoints import UNREACHABLE, DocumentRefused,
 from app.job.client import ProxyJob
 from app.service.errors import BadRequest
 from app.service.headers import parse_doc_id
+from app.service.storage_policy import DATATROVE_RESULT
 from app.store.hashing import payload_hash
 
 #: Answers worth waiting for: the upstream is busy, restarting or briefly gone.
@@ -34,8 +35,6 @@ MAX_RETRY_AFTER_S = 60.0
 READ_AHEAD = 64
 #: datatrove's `request_timeout=None` means no timeout; the client needs a number.
 NO_TIMEOUT_S = 7 * 24 * 3600.0
-#: What datatrove's runner stores for a generation in its `RequestCache`.
-DATATROVE_RESULT = frozenset({"text", "finish_reason", "usage"})
 
 
 def retry_after_s(value: bytes | None) -> float | None:

@@ -33,7 +33,7 @@ from app.service.asgi import Headers, Receive, Scope, Send, check_json_cost, rea
 from app.service.errors import BadRequest, ProxyError
 from app.service.headers import RequestKey, parse_request_key
 from app.service.services import Services
-from app.service.storage_policy import is_whole, store_if_kept
+from app.service.storage_policy import in_datatrove_form, is_whole, store_if_kept
 from app.service.upstream import UpstreamResponse, response_headers
 from app.store.cache import RequestCache, StoredResponse
 from app.store.hashing import payload_hash
@@ -83,6 +83,10 @@ def lookup(services: Services, headers: Headers, body: bytes) -> Lookup:
     if cache is None:
         return Lookup(key, body, digest, None, False)  # not looked: the cache is not open
     hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
+    if hit is not None and key.datatrove_hash is None and in_datatrove_form(hit):
+        # datatrove's result, stored for a request keyed by its hash that equals this body's (a rollout
+        # payload naming the model, no default params): not an answer a plain OpenAI client can read
+        hit = None
     return Lookup(key, body, digest, hit, True, cache, cache.stores)
 
 
@@ -106,7 +110,15 @@ def payload_digest(body: bytes, given: str | None = None) -> str:
         raise BadRequest(f"the request body must be a JSON object: {exc}") from None
     if not isinstance(payload, dict):
         raise BadRequest(f"the request body must be a JSON object, got a JSON {type(payload).__name__}")
-    return given if given is not None else request_digest(payload)
+    if given is None:
+        return request_digest(payload)
+    if payload.get("stream"):
+        raise BadRequest(
+            "X-Datatrove-Payload-Hash keys a non-streamed answer, as datatrove's runner asks for: send the request "
+            "without `stream`, or without the header",
+            param="X-Datatrove-Payload-Hash",
+        )
+    return given
 
 
 def request_digest(payload: dict[str, Any]) -> str:
