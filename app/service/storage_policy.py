@@ -21,8 +21,6 @@ from app.store.cache import RequestCache, StoredResponse
 
 logger = logging.getLogger(__name__)
 
-#: The keys of a result in datatrove's form (its `InferenceResult`, as its runner caches it).
-DATATROVE_RESULT = frozenset({"text", "finish_reason", "usage"})
 NO_CHUNK = -1  # the chunk_index stored for requests without X-Chunk-Index: never dropped by a chunk
 
 
@@ -106,18 +104,6 @@ def datatrove_form(answer: StoredResponse, *, chat: bool) -> tuple[StoredRespons
     except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
         return None  # not a completion datatrove's runner could parse, or store, either
     return StoredResponse(200, form, "application/json"), None
-
-
-def in_datatrove_form(answer: StoredResponse) -> bool:
-    """Whether a stored answer is a result in datatrove's form (`datatrove_form`, or datatrove's runner's own
-    row) rather than an HTTP answer: one prefix compared on a hit, a parse only when it matches."""
-    if answer.status != 200 or answer.streamed or not answer.body.startswith(b'{"text"'):
-        return False
-    try:
-        result = orjson.loads(answer.body)
-    except orjson.JSONDecodeError:
-        return False
-    return isinstance(result, dict) and "choices" not in result and result.keys() >= DATATROVE_RESULT
 
 
 def error_in_disguise(answer: StoredResponse) -> str | None:

@@ -123,6 +123,10 @@ _IDS_PER_QUERY = 500  # under SQLite's limit on bound parameters
 SWEEP_COMPLETE_FROM = 4096
 
 
+#: The keys of a result in datatrove's form (its `InferenceResult`, as its runner caches it).
+DATATROVE_RESULT = frozenset({"text", "finish_reason", "usage"})
+
+
 class StoredResponse(NamedTuple):
     """An HTTP answer as the proxy replays it: status, body bytes and content type, unchanged.
 
@@ -133,6 +137,17 @@ class StoredResponse(NamedTuple):
     body: bytes
     content_type: str
     streamed: bool = False
+
+    def is_datatrove_result(self) -> bool:
+        """Whether it is a result in datatrove's form (as its runner caches one, or the proxy stores one for a
+        request keyed by datatrove's hash) rather than an HTTP answer: a prefix compared, a parse if it matches."""
+        if self.status != 200 or self.streamed or not self.body.startswith(b'{"text"'):
+            return False
+        try:
+            result = orjson.loads(self.body)
+        except orjson.JSONDecodeError:
+            return False
+        return isinstance(result, dict) and "choices" not in result and result.keys() >= DATATROVE_RESULT
 
 
 class CacheWriteError(RuntimeError):

@@ -24,7 +24,7 @@ from app.integrations.datatrove.checkpoints import UNREACHABLE, DocumentRefused,
 from app.job.client import ProxyJob
 from app.service.errors import BadRequest
 from app.service.headers import parse_doc_id
-from app.service.storage_policy import DATATROVE_RESULT
+from app.store.cache import DATATROVE_RESULT
 from app.store.hashing import payload_hash
 
 #: Answers worth waiting for: the upstream is busy, restarting or briefly gone.

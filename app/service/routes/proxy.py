@@ -33,7 +33,7 @@ from app.service.asgi import Headers, Receive, Scope, Send, check_json_cost, rea
 from app.service.errors import BadRequest, ProxyError
 from app.service.headers import RequestKey, parse_request_key
 from app.service.services import Services
-from app.service.storage_policy import in_datatrove_form, is_whole, store_if_kept
+from app.service.storage_policy import is_whole, store_if_kept
 from app.service.upstream import UpstreamResponse, response_headers
 from app.store.cache import RequestCache, StoredResponse
 from app.store.hashing import payload_hash
@@ -83,7 +83,7 @@ def lookup(services: Services, headers: Headers, body: bytes) -> Lookup:
     if cache is None:
         return Lookup(key, body, digest, None, False)  # not looked: the cache is not open
     hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
-    if hit is not None and key.datatrove_hash is None and in_datatrove_form(hit):
+    if hit is not None and key.datatrove_hash is None and hit.is_datatrove_result():
         # datatrove's result, stored for a request keyed by its hash that equals this body's (a rollout
         # payload naming the model, no default params): not an answer a plain OpenAI client can read
         hit = None
