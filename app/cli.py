@@ -26,7 +26,7 @@ from pydantic import ValidationError
 
 from app import __version__
 from app.ops import logs
-from app.service.settings import CONFIG_ENV, Settings, config_file_keys, config_file_path
+from app.service.settings import CONFIG_ENV, Settings, config_file_keys, config_file_path, unknown_setting
 from app.tools import demo, status
 
 
@@ -393,6 +393,11 @@ def describe_errors(exc: ValidationError, config_file: Path | None = None, flags
             where = f"{flag_name(name)} / {env_name}"
         else:
             where = name
+        if error["type"] == "extra_forbidden":  # a config file's key: every flag and variable is a setting
+            lines.append(
+                f"  {config_file}: {unknown_setting(name)}" if name in in_file else f"  {unknown_setting(name)}"
+            )
+            continue
         given = f" (got {error['input']!r})" if "input" in error and not isinstance(error["input"], dict) else ""
         if ", got " in error["msg"]:  # the validator's own message shows the value it refused
             given = ""

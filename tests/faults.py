@@ -18,11 +18,12 @@ class SimulatedCrash(BaseException):
 
 
 @contextlib.contextmanager
-def small_disk(where: Path, size: str = "1m") -> Iterator[Path]:
-    """A tmpfs of `size` mounted at `where` (created): a disk that really fills up. Needs root, as CI and
-    developers run here."""
+def small_disk(where: Path, size: str = "1m", *, read_only: bool = False) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `where` (created): a disk that really fills up, or with `read_only`
+    one mounted read-only (EROFS). Needs root, as CI and developers run here."""
     where.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], check=True)
+    options = f"size={size}" + (",ro" if read_only else "")
+    subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(where)], check=True)
     try:
         yield where
     finally:

@@ -11,6 +11,7 @@ written into an output URL never appear in a message: `redact_url` and
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import secrets
@@ -153,6 +154,11 @@ def check_folder(path: str, flag: str, *, room: bool = False) -> None:
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     except OSError as exc:
+        if exc.errno == errno.EROFS:  # no permission makes it writable: saying which would mislead
+            raise FolderError(
+                f"{flag} {path}: the filesystem is mounted read-only ({here}: {exc.strerror}): choose a folder "
+                f"on a writable filesystem, or remount it read-write"
+            ) from None
         raise FolderError(
             f"{flag} {path}: cannot create a file in {here} ({exc.strerror}): user {_user()} needs write and "
             f"execute permission on it (and a writable filesystem); fix that, or choose another folder"

@@ -8,6 +8,7 @@ the environment take JSON or commas: `INFERPROXY_UPSTREAM=http://a:8000,http://b
 from __future__ import annotations
 
 import contextvars
+import difflib
 import os
 import re
 import tomllib
@@ -56,6 +57,20 @@ def config_file_keys(path: Path | None) -> set[str]:
         return set(tomllib.loads(path.read_text()))
     except (OSError, ValueError):
         return set()
+
+
+def unknown_setting(key: str) -> str:
+    """What to say of a config file's key that is no setting: the one it is likely a misspelling of, else
+    where the settings are listed. A flag's or a variable's spelling of a setting is taken for it."""
+    names = list(Settings.model_fields)
+    spelt = key.strip().lower().replace("-", "_").removeprefix("inferproxy_")
+    close = [spelt] if spelt in names else difflib.get_close_matches(spelt, names, n=1)
+    if close:
+        return f"unknown setting {key!r} (did you mean {close[0]!r}?)"
+    return (
+        f"unknown setting {key!r}: the settings are listed in the README's Configuration table "
+        f"(and in configs/inferproxy.toml, with their defaults)"
+    )
 
 
 class Settings(BaseSettings):

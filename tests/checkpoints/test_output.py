@@ -116,6 +116,23 @@ def test_serve_refuses_a_checkpoints_dir_on_a_full_disk_in_one_line_and_leaves_n
         assert sorted(p.name for p in disk.iterdir()) == before
 
 
+@pytest.mark.parametrize("flag", ["--checkpoints-dir", "--output"])
+def test_serve_refuses_a_folder_on_a_read_only_filesystem_saying_so_not_blaming_permissions(
+    tmp_path: Path, flag: str
+) -> None:
+    with small_disk(tmp_path / "ro", read_only=True) as disk:
+        folders = {"--checkpoints-dir": tmp_path / "ckpt", "--output": tmp_path / "out"}
+        folders[flag] = disk / "x"
+        done = serve_once(folders["--checkpoints-dir"], folders["--output"])
+        assert done.returncode == 2, done.stderr
+        assert done.stderr == (
+            f"inferproxy serve: {flag} {disk / 'x'}: the filesystem is mounted read-only ({disk}: Read-only file "
+            f"system): choose a folder on a writable filesystem, or remount it read-write\n"
+        )
+        assert list(disk.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]  # neither the other folder nor a probe
+
+
 def test_a_folder_check_names_the_user_that_needs_the_permission() -> None:
     with pytest.raises(FolderError, match=r"^--x /sys/y: cannot create a file in /sys \(.*\): user \S+ \(uid \d+\)"):
         check_folder("/sys/y", "--x")

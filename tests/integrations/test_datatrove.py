@@ -311,6 +311,31 @@ async def test_a_rerun_after_the_last_documents_were_written_but_before_the_last
     assert env.upstream.generations == 0
 
 
+async def test_a_rerun_of_a_finished_rank_says_it_had_nothing_to_do_and_a_new_job_on_old_checkpoints_warns(
+    env: Env,
+) -> None:
+    """As run_job says it: the rank's last chunk is published (docs_to_skip, 8, is where resume points, a
+    multiple of records_per_chunk, not a count of documents), so a rerun is no cause for a warning."""
+    said: list[tuple[str, str]] = []
+    sink = logger.add(lambda m: said.append((m.record["level"].name, m.record["message"])), level="INFO")
+    try:
+        await env.runner().run_async(documents(6), rank=0)
+        said.clear()
+        await env.runner().run_async(documents(6), rank=0)
+        assert [s for s in said if "nothing" in s[1]] == [
+            ("INFO", "rank 0: all 6 documents were already done: nothing to do")
+        ]
+        said.clear()
+        await env.runner().run_async(documents(3, "new"), rank=0)  # a new job, its checkpoints dir the old one's
+        [(level, message)] = [s for s in said if "nothing" in s[1]]
+    finally:
+        logger.remove(sink)
+    assert level == "WARNING"
+    assert "says its first 8 documents are done, more than this input has (3)" in message
+    assert "start the proxy with a fresh --checkpoints-dir" in message
+    assert env.upstream.generations == 12
+
+
 async def test_records_per_chunk_given_and_not_the_proxys_is_refused_naming_both(env: Env) -> None:
     with pytest.raises(ValueError, match=r"records_per_chunk=100 was given.*chunks of 4 documents.*leave"):
         await env.runner(records_per_chunk=100).run_async(documents(1), rank=0)

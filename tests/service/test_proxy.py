@@ -12,7 +12,7 @@ import httpx
 import orjson
 import pytest
 
-from app.service.routes.proxy import StreamBrokeOff
+from app.service.routes.proxy import StreamBrokeOff, v1_hint
 from app.service.settings import Settings
 from app.service.storage_policy import error_in_disguise
 from app.store.cache import StoredResponse
@@ -617,6 +617,37 @@ async def test_every_route_not_the_proxys_is_forwarded_unchanged(env: Env) -> No
     assert missing.status_code == 404
     assert missing.json()["error"]["type"] == "NotFoundError"  # the upstream's own envelope
     assert "x-cache" not in health.headers
+
+
+async def test_an_openai_route_without_v1_is_forwarded_and_its_404_says_the_routes_are_under_v1(env: Env) -> None:
+    """An OpenAI client whose base_url lacks /v1: the upstream's 404, in its own envelope, saying where to go."""
+    root = str(env.client.base_url).rstrip("/")
+    for path in ("/chat/completions", "/completions", "/embeddings"):
+        missing = await env.client.post(path, json=chat_request(), headers=doc_headers())
+        assert missing.status_code == 404
+        error = missing.json()["error"]
+        assert error["message"] == (
+            f"Not Found: POST {path}: the OpenAI routes are under /v1 (a client's base_url ends in /v1: {root}/v1)"
+        )
+        assert (error["type"], error["code"]) == ("NotFoundError", 404)  # the upstream's own envelope
+        assert "x-cache" not in missing.headers
+    by_path = (await env.upstream_stats())["by_path"]
+    assert all(f"POST {path}" in by_path for path in ("/chat/completions", "/completions", "/embeddings"))
+    assert (await env.client.post("/nope")).json()["error"]["message"] == "Not Found: POST /nope"  # untouched
+
+
+def test_a_404_without_the_openai_envelope_to_a_route_without_v1_gets_the_proxys_saying_the_same() -> None:
+    """vLLM's unknown paths are FastAPI's `{"detail": "Not Found"}`: the hint comes in the proxy's envelope."""
+    scope = {"method": "POST", "path": "/chat/completions", "scheme": "http", "headers": [(b"host", b"h:8080")]}
+    assert orjson.loads(v1_hint(scope, b'{"detail":"Not Found"}')) == {
+        "error": {
+            "message": "Not Found: POST /chat/completions: the OpenAI routes are under /v1 "
+            "(a client's base_url ends in /v1: http://h:8080/v1)",
+            "type": "not_found_error",
+            "param": None,
+            "code": 404,
+        }
+    }
 
 
 async def test_a_miss_looks_in_the_cache_once_when_nothing_was_stored_since(

@@ -65,6 +65,22 @@ def test_an_unknown_key_in_the_file_is_refused(tmp_path: Path) -> None:
         Settings.load(config)
 
 
+def test_an_unknown_key_in_the_file_names_the_setting_it_is_likely_a_misspelling_of(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from app.cli import main
+
+    config = tmp_path / "bad.toml"
+    config.write_text('upstrem = "http://a"\napi-key = "k"\nzzzz = 1\n')
+    assert main(["serve", f"--config={config}"]) == 2
+    assert capsys.readouterr().err.splitlines()[1:] == [
+        f"  {config}: unknown setting 'upstrem' (did you mean 'upstream'?)",
+        f"  {config}: unknown setting 'api-key' (did you mean 'api_key'?)",
+        f"  {config}: unknown setting 'zzzz': the settings are listed in the README's Configuration table "
+        "(and in configs/inferproxy.toml, with their defaults)",
+    ]
+
+
 def test_a_missing_config_file_is_named() -> None:
     with pytest.raises(FileNotFoundError, match=r"nope\.toml does not exist"):
         Settings.load(Path("nope.toml"))

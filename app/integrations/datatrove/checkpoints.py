@@ -214,13 +214,17 @@ class ProxyCheckpointManager:
         self._raise_if_refused(rank)
         if self._position < 0 or self._completed:
             return
-        if self._written == 0 and self._docs_to_skip > self._position:
+        last = self._position // self.records_per_chunk if self.records_per_chunk else 0
+        documents = self._position + 1
+        if self.last_chunk_index > last:  # more chunks published than this input has: another job's
             logger.warning(
                 f"rank {rank}: the proxy at {self.proxy_url} says its first {self._docs_to_skip} documents are done, "
-                f"as many as this input has ({self._position + 1}) or more: nothing was processed. If this is a new "
+                f"more than this input has ({documents}): nothing was processed. If this is a new "
                 f"job, start the proxy with a fresh --checkpoints-dir"
             )
-        last = self._position // self.records_per_chunk if self.records_per_chunk else 0
+        elif self._written == 0 and self._docs_to_skip > self._position:
+            # Its last chunk published (docs_to_skip counts whole chunks: past the input's end): as run_job says it
+            logger.info(f"rank {rank}: all {documents} documents were already done: nothing to do")
         if last >= self.last_chunk_index:  # published already (a rerun of a finished rank): finished again
             await self.cleanup_last_chunk(rank, last)
 

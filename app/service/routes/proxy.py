@@ -30,7 +30,7 @@ import orjson
 from app.http.asgi import Answer, CutConnection
 from app.http.client import HTTPClientError
 from app.service.asgi import Headers, Receive, Scope, Send, check_json_cost, read_body, send_bytes, send_error
-from app.service.errors import BadRequest, ProxyError
+from app.service.errors import BadRequest, NotFound, ProxyError
 from app.service.headers import RequestKey, parse_request_key
 from app.service.services import Services
 from app.service.storage_policy import is_whole, store_if_kept
@@ -44,6 +44,9 @@ T = TypeVar("T")
 #: The scope key under which a forwarding handler leaves the replica that answered, for the request's log line.
 REPLICA = "inferproxy.replica"
 CACHEABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
+#: OpenAI's routes without their `/v1`: what a client whose base_url lacks it asks for. Forwarded as any
+#: path is (an upstream may serve them there), but the upstream's 404 to one says where they are.
+V1_LESS_PATHS = frozenset({"/chat/completions", "/completions", "/embeddings"})
 _PASSED_ON = frozenset({b"retry-after"})
 
 
@@ -353,6 +356,14 @@ async def _pass_on(services: Services, scope: Scope, send: Send, body: bytes) ->
     target = path.decode("latin-1") + (f"?{query.decode('latin-1')}" if query else "")
     async with pool.request(scope["method"], target, headers=pool.upstream_headers(scope["headers"]), body=body) as up:
         scope[REPLICA] = up.replica.url
+        if up.status == 404 and scope["path"] in V1_LESS_PATHS:
+            headers = [
+                (k, v) for k, v in response_headers(up.headers) if k not in (b"content-type", b"content-encoding")
+            ]
+            await send_bytes(
+                send, 404, [(b"content-type", b"application/json"), *headers], v1_hint(scope, await up.read())
+            )
+            return
         await send({"type": "http.response.start", "status": up.status, "headers": response_headers(up.headers)})
         size = 0
         try:
@@ -364,3 +375,22 @@ async def _pass_on(services: Services, scope: Scope, send: Send, body: bytes) ->
             logger.warning("the upstream's answer to %s broke off after %d bytes: %s", scope["path"], size, exc)
             raise StreamBrokeOff from exc
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+def v1_hint(scope: Scope, upstream_body: bytes) -> bytes:
+    """The upstream's 404 to an OpenAI route asked for without `/v1` (`V1_LESS_PATHS`), its message saying
+    where the route is: in the upstream's OpenAI error envelope when it sent one, else in the proxy's."""
+    host = next((value.decode("latin-1") for name, value in scope["headers"] if name == b"host"), "HOST:PORT")
+    root = f"{scope.get('scheme', 'http')}://{host}{scope.get('root_path', '')}/v1"
+    message = (
+        f"Not Found: {scope['method']} {scope['path']}: the OpenAI routes are under /v1 "
+        f"(a client's base_url ends in /v1: {root})"
+    )
+    try:
+        answer = orjson.loads(upstream_body)
+    except orjson.JSONDecodeError:
+        answer = None
+    error = answer.get("error") if isinstance(answer, dict) else None
+    if isinstance(error, dict) and isinstance(error.get("message"), str):
+        return orjson.dumps({**answer, "error": {**error, "message": message}})
+    return NotFound(message).body()
