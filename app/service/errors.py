@@ -17,7 +17,8 @@
     ├── UpstreamTimeout         504 upstream_timeout
     └── InsufficientStorage     507 insufficient_storage     (disk full: nothing was written)
 
-Answers from the upstream pass through verbatim; only errors the proxy
+Answers from the upstream pass through verbatim (but for its 404 to an OpenAI
+route asked for without `/v1`, whose message then says so); only errors the proxy
 itself produces use this envelope:
 `{"error": {"message", "type", "param", "code"}}`.
 """
