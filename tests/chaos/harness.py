@@ -276,13 +276,21 @@ def snapshot_s3(url: str, env: dict[str, str], into: Path) -> None:
 class Forwarder:
     """A stable front address (`url`) for the jobs: each new connection is piped to the backend port of
     the moment, which `switch` changes; connections already open go on to the one they were made to
-    (until it closes them, as a stopping proxy does after its answers)."""
+    (until it closes them, as a stopping proxy does after its answers).
+
+    Every connection it accepts or makes is closed, and its close awaited, however its pipe ends (the
+    backend closes or breaks it, or `close` cancels the pipe, even one that never ran): a socket left to
+    the garbage collector is a `ResourceWarning`, which the suite turns into an error of whichever test
+    happens to collect it (under pytest-xdist, often another one).
+    """
 
     def __init__(self, backend_port: int) -> None:
         self.backend_port = backend_port
         self.connections: Counter[int] = Counter()  # per backend port, for the scenario's report
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.Task[None]] = set()
+        #: Every connection, either side, until its socket is closed.
+        self._open: set[asyncio.StreamWriter] = set()
         self.port = 0
         self.url = ""
 
@@ -294,30 +302,37 @@ class Forwarder:
     def switch(self, backend_port: int) -> None:
         self.backend_port = backend_port
 
-    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
+    def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """`start_server`'s callback, not a coroutine: the pipe's task is then ours, known with its
+        connection from the start (for `close`), and its cancellation is not logged as an error (asyncio
+        3.11 asks a callback's cancelled task for its exception, which raises)."""
+        self._open.add(writer)
+        task = asyncio.get_running_loop().create_task(self._forward(reader, writer))
         self._pipes.add(task)
+        task.add_done_callback(self._pipes.discard)
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         port = self.backend_port
+        sides = [writer]
+        cut = True  # closed at once, unless the backend's side ended with end of file
         try:
             try:
                 backend_reader, backend_writer = await asyncio.open_connection("127.0.0.1", port)
             except OSError:  # the backend is down: the client sees its connection closed, as it would
-                writer.transport.abort()
                 return
+            self._open.add(backend_writer)
+            sides.append(backend_writer)
             self.connections[port] += 1
             to_backend = asyncio.create_task(self._pipe(reader, backend_writer))
-            # The backend is done with this connection (closed, or killed): so is the client's.
-            cut = await self._pipe(backend_reader, writer)
-            to_backend.cancel()
-            await asyncio.gather(to_backend, return_exceptions=True)
-            for side in (writer, backend_writer):
-                if cut:
-                    side.transport.abort()
-                else:
-                    side.close()
+            try:
+                # The backend is done with this connection (closed, or killed): so is the client's.
+                cut = await self._pipe(backend_reader, writer)
+            finally:
+                to_backend.cancel()
+                await asyncio.gather(to_backend, return_exceptions=True)
         finally:
-            self._pipes.discard(task)
+            for side in sides:  # a pipe cancelled in here leaves the rest to `close`
+                await self._shut(side, cut)
 
     @staticmethod
     async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> bool:
@@ -332,12 +347,26 @@ class Forwarder:
         except OSError:
             return True
 
+    async def _shut(self, writer: asyncio.StreamWriter, cut: bool) -> None:
+        """Close a connection (at once, dropping anything unsent, if `cut`) and wait until its socket is."""
+        if cut:
+            writer.transport.abort()
+        else:
+            writer.close()
+        with contextlib.suppress(OSError):  # the close of a connection that broke says how it broke
+            await writer.wait_closed()
+        self._open.discard(writer)
+
     async def close(self) -> None:
+        """Stop accepting, end every pipe, and return once every socket is closed."""
         if self._server is not None:
             self._server.close()
-        for task in list(self._pipes):
+        pipes = list(self._pipes)
+        for task in pipes:
             task.cancel()
-        await asyncio.gather(*self._pipes, return_exceptions=True)
+        await asyncio.gather(*pipes, return_exceptions=True)
+        for writer in list(self._open):  # of a pipe cancelled before it ran, or while it closed them
+            await self._shut(writer, cut=True)
         if self._server is not None:
             await self._server.wait_closed()
 
