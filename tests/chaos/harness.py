@@ -459,6 +459,8 @@ class RankJob:
 
     When the proxy dies under it, a job that `restarts` starts over from `/resume` (as a job killed with
     its proxy is restarted); the others ride through, each call retried (as the job client retries).
+
+    It starts a document only while `going` is set (`Run.jobs_held`).
     """
 
     url: str
@@ -466,6 +468,7 @@ class RankJob:
     rank: int
     restarts: bool
     refusals: Counter[int] = field(default_factory=Counter)
+    going: asyncio.Event = field(default_factory=lambda: set_event(asyncio.Event()))
 
     async def run(self) -> None:
         while True:
@@ -486,6 +489,7 @@ class RankJob:
                 async with asyncio.TaskGroup() as tasks:
                     for position, doc_id in enumerate(inputs):
                         if position >= resume.docs_to_skip and doc_id not in resume.processed_ids:
+                            await self.going.wait()
                             await slots.acquire()
                             tasks.create_task(self._document(client, job, position, doc_id, slots))
             finally:
@@ -570,6 +574,11 @@ class RankJob:
                 delay = min(delay * 2, 1.0)
 
 
+def set_event(event: asyncio.Event) -> asyncio.Event:
+    event.set()
+    return event
+
+
 async def resume_of(job: ProxyJob, ledger: Ledger, rank: int) -> Resume:
     """`GET /resume`, checked against what was acknowledged before it was asked."""
     sent = time.monotonic()
@@ -642,6 +651,18 @@ class Run:
             assert time.monotonic() < deadline, f"no {what} in {READY_S * 2} s:\n{self.proxy.log_tail()}"
             await asyncio.sleep(interval)
 
+    @contextlib.asynccontextmanager
+    async def jobs_held(self) -> AsyncIterator[None]:
+        """No job starts a document meanwhile (those under way go on): the scenario's set-up for its next
+        moment takes what time the machine needs, without the jobs running on towards their end."""
+        for job in self.jobs:
+            job.going.clear()
+        try:
+            yield
+        finally:
+            for job in self.jobs:
+                job.going.set()
+
     async def jobs_finished(self) -> None:
         assert self._jobs is not None
         await self._jobs
@@ -686,8 +707,13 @@ class Run:
         if kill_the_new_one:
             self.died(new.kill())
             await self.restart()
-        old.start()
-        await old.ready()
+        # Restarting the old one as the next one's successor is no part of the hand-over: the jobs wait for
+        # it. Left to run, they did some 200 documents per restart (a process starts slowly next to them),
+        # used up their input before the last hand-overs were due, and those found no publication to
+        # interrupt ("the jobs ended before a publication under way"), the sooner the more loaded the machine.
+        async with self.jobs_held():
+            old.start()
+            await old.ready()
         self.standby.append(old)
 
     async def restart(self) -> None:
