@@ -353,8 +353,9 @@ class Forwarder:
             writer.transport.abort()
         else:
             writer.close()
-        with contextlib.suppress(OSError):  # the close of a connection that broke says how it broke
-            await writer.wait_closed()
+        # Shielded: a pipe cancelled in `wait_closed` would cancel the connection's one close future with
+        # it, and `close`, waiting for that socket again, would get a CancelledError of its own.
+        await asyncio.shield(closed(writer))
         self._open.discard(writer)
 
     async def close(self) -> None:
@@ -369,6 +370,12 @@ class Forwarder:
             await self._shut(writer, cut=True)
         if self._server is not None:
             await self._server.wait_closed()
+
+
+async def closed(writer: asyncio.StreamWriter) -> None:
+    """Once the connection's socket is closed."""
+    with contextlib.suppress(OSError):  # the close of a connection that broke says how it broke
+        await writer.wait_closed()
 
 
 class ProxyDied(Exception):
