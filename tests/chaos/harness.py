@@ -622,6 +622,11 @@ class Run:
     _stop_watching: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _jobs: asyncio.Future[list[None]] | None = None
+    #: Every proxy of the run, for `close`: mid-`hand_over` one may be neither `proxy` nor a standby.
+    _proxies: list[ProxyProcess] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._proxies = [self.proxy, *self.standby]
 
     @property
     def url(self) -> str:
@@ -780,7 +785,7 @@ class Run:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        for proxy in (self.proxy, *self.standby):
+        for proxy in self._proxies:
             proxy.close()
         if self.front is not None:
             await self.front.close()

@@ -7,10 +7,12 @@ import contextlib
 import gc
 import logging
 import warnings
+from pathlib import Path
 
 import pytest
 
-from tests.chaos.harness import Forwarder
+from tests.chaos.harness import Forwarder, ProxyProcess, RankJob, UpstreamProcess, chaos_run
+from tests.chaos.invariants import Ledger
 
 
 async def test_a_forwarder_closed_under_open_connections_leaves_no_socket_and_logs_nothing(
@@ -87,3 +89,32 @@ async def test_a_forwarder_closed_while_its_pipes_shut_their_sockets_waits_for_t
         warnings.simplefilter("always")
         gc.collect()
     assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+@pytest.mark.chaos
+async def test_a_hand_over_that_fails_leaves_no_proxy_running(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The standby a hand-over took is neither the run's proxy nor a standby until the switch: when the
+    wait for a publication failed, that process was left running after the test (and its port taken)."""
+    monkeypatch.setattr(ProxyProcess, "slowed", lambda self: False)  # no publication is ever under way
+    upstream = UpstreamProcess(tmp_path)
+    upstream.start()
+    front = Forwarder(0)
+    proxies: list[ProxyProcess] = []
+    try:
+        await upstream.ready()
+        await front.start()
+        shared = {"checkpoints": tmp_path / "checkpoints", "output": tmp_path / "output"}
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+            proxies.append(ProxyProcess(tmp_path / name, [upstream.url], "--records-per-chunk=10", **shared))
+        ledger = Ledger({0: ["doc-0", "doc-1"]}, 10, replay_window_s=1.0)
+        jobs = [RankJob(front.url, ledger, 0, restarts=False)]
+        with pytest.raises(AssertionError, match="the jobs ended before a publication"):
+            async with chaos_run(proxies[0], ledger, jobs, standby=proxies[1:], front=front) as run:
+                await run.hand_over(1.0)
+        assert [proxy.url for proxy in proxies if proxy.running()] == []
+    finally:
+        for proxy in proxies:
+            proxy.close()
+        await front.close()
+        upstream.close()
