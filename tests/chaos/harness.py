@@ -276,13 +276,21 @@ def snapshot_s3(url: str, env: dict[str, str], into: Path) -> None:
 class Forwarder:
     """A stable front address (`url`) for the jobs: each new connection is piped to the backend port of
     the moment, which `switch` changes; connections already open go on to the one they were made to
-    (until it closes them, as a stopping proxy does after its answers)."""
+    (until it closes them, as a stopping proxy does after its answers).
+
+    Every connection it accepts or makes is closed, and its close awaited, however its pipe ends (the
+    backend closes or breaks it, or `close` cancels the pipe, even one that never ran): a socket left to
+    the garbage collector is a `ResourceWarning`, which the suite turns into an error of whichever test
+    happens to collect it (under pytest-xdist, often another one).
+    """
 
     def __init__(self, backend_port: int) -> None:
         self.backend_port = backend_port
         self.connections: Counter[int] = Counter()  # per backend port, for the scenario's report
         self._server: asyncio.Server | None = None
         self._pipes: set[asyncio.Task[None]] = set()
+        #: Every connection, either side, until its socket is closed.
+        self._open: set[asyncio.StreamWriter] = set()
         self.port = 0
         self.url = ""
 
@@ -294,30 +302,37 @@ class Forwarder:
     def switch(self, backend_port: int) -> None:
         self.backend_port = backend_port
 
-    async def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        assert task is not None
+    def _accepted(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """`start_server`'s callback, not a coroutine: the pipe's task is then ours, known with its
+        connection from the start (for `close`), and its cancellation is not logged as an error (asyncio
+        3.11 asks a callback's cancelled task for its exception, which raises)."""
+        self._open.add(writer)
+        task = asyncio.get_running_loop().create_task(self._forward(reader, writer))
         self._pipes.add(task)
+        task.add_done_callback(self._pipes.discard)
+
+    async def _forward(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         port = self.backend_port
+        sides = [writer]
+        cut = True  # closed at once, unless the backend's side ended with end of file
         try:
             try:
                 backend_reader, backend_writer = await asyncio.open_connection("127.0.0.1", port)
             except OSError:  # the backend is down: the client sees its connection closed, as it would
-                writer.transport.abort()
                 return
+            self._open.add(backend_writer)
+            sides.append(backend_writer)
             self.connections[port] += 1
             to_backend = asyncio.create_task(self._pipe(reader, backend_writer))
-            # The backend is done with this connection (closed, or killed): so is the client's.
-            cut = await self._pipe(backend_reader, writer)
-            to_backend.cancel()
-            await asyncio.gather(to_backend, return_exceptions=True)
-            for side in (writer, backend_writer):
-                if cut:
-                    side.transport.abort()
-                else:
-                    side.close()
+            try:
+                # The backend is done with this connection (closed, or killed): so is the client's.
+                cut = await self._pipe(backend_reader, writer)
+            finally:
+                to_backend.cancel()
+                await asyncio.gather(to_backend, return_exceptions=True)
         finally:
-            self._pipes.discard(task)
+            for side in sides:  # a pipe cancelled in here leaves the rest to `close`
+                await self._shut(side, cut)
 
     @staticmethod
     async def _pipe(source: asyncio.StreamReader, sink: asyncio.StreamWriter) -> bool:
@@ -332,14 +347,35 @@ class Forwarder:
         except OSError:
             return True
 
+    async def _shut(self, writer: asyncio.StreamWriter, cut: bool) -> None:
+        """Close a connection (at once, dropping anything unsent, if `cut`) and wait until its socket is."""
+        if cut:
+            writer.transport.abort()
+        else:
+            writer.close()
+        # Shielded: a pipe cancelled in `wait_closed` would cancel the connection's one close future with
+        # it, and `close`, waiting for that socket again, would get a CancelledError of its own.
+        await asyncio.shield(closed(writer))
+        self._open.discard(writer)
+
     async def close(self) -> None:
+        """Stop accepting, end every pipe, and return once every socket is closed."""
         if self._server is not None:
             self._server.close()
-        for task in list(self._pipes):
+        pipes = list(self._pipes)
+        for task in pipes:
             task.cancel()
-        await asyncio.gather(*self._pipes, return_exceptions=True)
+        await asyncio.gather(*pipes, return_exceptions=True)
+        for writer in list(self._open):  # of a pipe cancelled before it ran, or while it closed them
+            await self._shut(writer, cut=True)
         if self._server is not None:
             await self._server.wait_closed()
+
+
+async def closed(writer: asyncio.StreamWriter) -> None:
+    """Once the connection's socket is closed."""
+    with contextlib.suppress(OSError):  # the close of a connection that broke says how it broke
+        await writer.wait_closed()
 
 
 class ProxyDied(Exception):
@@ -430,6 +466,8 @@ class RankJob:
 
     When the proxy dies under it, a job that `restarts` starts over from `/resume` (as a job killed with
     its proxy is restarted); the others ride through, each call retried (as the job client retries).
+
+    It starts a document only while `going` is set (`Run.jobs_held`).
     """
 
     url: str
@@ -437,6 +475,7 @@ class RankJob:
     rank: int
     restarts: bool
     refusals: Counter[int] = field(default_factory=Counter)
+    going: asyncio.Event = field(default_factory=lambda: set_event(asyncio.Event()))
 
     async def run(self) -> None:
         while True:
@@ -457,6 +496,7 @@ class RankJob:
                 async with asyncio.TaskGroup() as tasks:
                     for position, doc_id in enumerate(inputs):
                         if position >= resume.docs_to_skip and doc_id not in resume.processed_ids:
+                            await self.going.wait()
                             await slots.acquire()
                             tasks.create_task(self._document(client, job, position, doc_id, slots))
             finally:
@@ -541,6 +581,11 @@ class RankJob:
                 delay = min(delay * 2, 1.0)
 
 
+def set_event(event: asyncio.Event) -> asyncio.Event:
+    event.set()
+    return event
+
+
 async def resume_of(job: ProxyJob, ledger: Ledger, rank: int) -> Resume:
     """`GET /resume`, checked against what was acknowledged before it was asked."""
     sent = time.monotonic()
@@ -577,6 +622,11 @@ class Run:
     _stop_watching: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
     _jobs: asyncio.Future[list[None]] | None = None
+    #: Every proxy of the run, for `close`: mid-`hand_over` one may be neither `proxy` nor a standby.
+    _proxies: list[ProxyProcess] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._proxies = [self.proxy, *self.standby]
 
     @property
     def url(self) -> str:
@@ -612,6 +662,18 @@ class Run:
             assert not self.jobs_done(), f"the jobs ended before {what}"
             assert time.monotonic() < deadline, f"no {what} in {READY_S * 2} s:\n{self.proxy.log_tail()}"
             await asyncio.sleep(interval)
+
+    @contextlib.asynccontextmanager
+    async def jobs_held(self) -> AsyncIterator[None]:
+        """No job starts a document meanwhile (those under way go on): the scenario's set-up for its next
+        moment takes what time the machine needs, without the jobs running on towards their end."""
+        for job in self.jobs:
+            job.going.clear()
+        try:
+            yield
+        finally:
+            for job in self.jobs:
+                job.going.set()
 
     async def jobs_finished(self) -> None:
         assert self._jobs is not None
@@ -657,8 +719,13 @@ class Run:
         if kill_the_new_one:
             self.died(new.kill())
             await self.restart()
-        old.start()
-        await old.ready()
+        # Restarting the old one as the next one's successor is no part of the hand-over: the jobs wait for
+        # it. Left to run, they did some 200 documents per restart (a process starts slowly next to them),
+        # used up their input before the last hand-overs were due, and those found no publication to
+        # interrupt ("the jobs ended before a publication under way"), the sooner the more loaded the machine.
+        async with self.jobs_held():
+            old.start()
+            await old.ready()
         self.standby.append(old)
 
     async def restart(self) -> None:
@@ -718,7 +785,7 @@ class Run:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        for proxy in (self.proxy, *self.standby):
+        for proxy in self._proxies:
             proxy.close()
         if self.front is not None:
             await self.front.close()

@@ -7,9 +7,10 @@ slowed (`faulty_serve`: each open under it sleeps) until a publication is under 
 SIGTERM, and the front sends new connections to the other proxy at once: it answers 409
 `rank_owned_error` (retried by the jobs, rollouts included) until the draining one gives each rank up,
 then takes the rank over from the disk. The stopped proxy must exit 0, and is restarted to be the next
-one's successor. On half the hand-overs (drawn) the new proxy is SIGKILLed as soon as the old one has
-exited, so that no proxy runs and what is on disk is checked at rest. The run ends in `Run.finish`:
-nothing acknowledged lost or published twice, no answer lost from the cache across a hand-over.
+one's successor (the jobs start no document meanwhile: `Run.jobs_held`). On half the hand-overs (drawn)
+the new proxy is SIGKILLed as soon as the old one has exited, so that no proxy runs and what is on disk
+is checked at rest. The run ends in `Run.finish`: nothing acknowledged lost or published twice, no
+answer lost from the cache across a hand-over.
 Short mode: 8 hand-overs; `--chaos-long`: 30.
 """
 
