@@ -95,7 +95,9 @@ async def proxy_client(settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-def wait_for_http(url: str, timeout: float = 20.0) -> None:
+def wait_for_http(url: str, timeout: float = 60.0) -> None:
+    """Until `url` answers (a readiness wait: its deadline is far above a start-up, which on a machine busy with
+    parallel tests and an object store's client to import took over 20 s)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
