@@ -69,14 +69,16 @@ def ranking(key: bytes, replicas: Sequence[R]) -> list[R]:
 def choose(key: bytes, replicas: Sequence[R], load_bound: float) -> tuple[R, R]:
     """The replica that takes a request keyed `key`, and the key's first choice (the same one unless it
     was over the bound: a spill-over)."""
-    ranked = ranking(key, replicas)
-    first = ranked[0]
-    if len(ranked) == 1:
+    scores = [xxh3_64_intdigest(key, replica.seed) for replica in replicas]
+    first = replicas[scores.index(max(scores))]
+    if len(replicas) == 1:
         return first, first
-    total = sum(replica.in_flight for replica in ranked)
+    total = sum(replica.in_flight for replica in replicas)
     # The tolerance: (1 + 0.1) * 10 is 11.000000000000002 in floats, whose ceiling is 12.
-    capacity = math.ceil((1.0 + load_bound) * (total + 1) / len(ranked) - 1e-9)
-    for replica in ranked:
+    capacity = math.ceil((1.0 + load_bound) * (total + 1) / len(replicas) - 1e-9)
+    if first.in_flight < capacity:
+        return first, first  # nearly always: the whole ranking is sorted only for a spill-over
+    for replica in ranking(key, replicas)[1:]:
         if replica.in_flight < capacity:
             return replica, first
     return first, first  # not reached: the capacities add up to more than `total`
