@@ -122,7 +122,8 @@ class Settings(BaseSettings):
     # 0.5: a replica holds at most half again its share of the requests in flight. Rollouts come in lumps
     # (a document's 4 at once), and at a few dozen documents in flight hashing alone often leaves a replica
     # a quarter over its share: at 0.25 a tenth of the documents had a rollout spilled at 64 in flight (2
-    # replicas, bench/README.md "Routing"), under 1% at 0.5. Far above it, a hot document or a slow
+    # replicas, bench/sim_load_bound.py), under 1% at 0.5; on real vLLM, whose requests end in bursts, 0.5
+    # still spills 13-18% (bench/README.md, bench_routing.py). Far above it, a hot document or a slow
     # replica piles up; with 2 replicas, 1 never binds.
     affinity_load_bound: float = Field(
         0.5,
