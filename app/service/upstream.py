@@ -5,8 +5,8 @@
   ranking unless that one is over the load bound, then to the key's next; a request without a key,
   and every request under "least-inflight", to the healthy replica with the fewest requests in
   flight (ties rotate). With one replica there is no choice to make, and nothing is hashed;
-- failover: a replica that fails a connection, or answers 502 or 503 (when there are others), is left
-  out until a `GET /v1/models` probe passes again; its request is retried at once on the next replica
+- failover: a replica that fails a connection, or answers 502 or 503 (while another is healthy), is
+  left out until a `GET /v1/models` probe passes again; its request is retried at once on the next replica
   (the key's next under "affinity"); with none healthy, every replica is still tried;
 - retries: connection errors and 429/502/503/504 answers are retried up to
   `retries` times with exponential backoff and jitter, the `Retry-After`
@@ -330,7 +330,7 @@ class UpstreamPool:
                         replica.latency.observe(time.monotonic() - sent_at)
                         if raw.status >= 500:
                             replica.errors += 1
-                        if raw.status in FAILED_STATUSES and len(self.replicas) > 1:
+                        if raw.status in FAILED_STATUSES and self._others_healthy(replica):
                             self._mark_failed(replica, f"it answered {raw.status}")
                         if raw.status not in RETRY_STATUSES or attempt >= self.retries:
                             yield UpstreamResponse(raw, replica, self.max_response_bytes)
@@ -428,12 +428,14 @@ class UpstreamPool:
         replica.healthy = False
         replica.failed_at = time.monotonic()
 
+    def _others_healthy(self, replica: Replica) -> bool:
+        """Whether a replica other than `replica` is healthy: somewhere else to send its requests."""
+        return any(other.healthy and other is not replica for other in self.replicas)
+
     def _retry_in(self, replica: Replica, wait: float) -> float:
         """How long to wait before the next attempt: nothing when it goes to another replica (this one is
         out, another is not), `wait` when it may come back here."""
-        if not replica.healthy and any(other.healthy for other in self.replicas):
-            return 0.0
-        return wait
+        return 0.0 if not replica.healthy and self._others_healthy(replica) else wait
 
     def _backoff(self, attempt: int) -> float:
         delay: float = min(self.backoff_s * 2.0**attempt, 30.0)

@@ -144,9 +144,20 @@ def serve(replicas: list[Replica], tmp_path: Path) -> Any:
     return routed
 
 
+async def test_each_rollout_goes_to_its_documents_replica_while_the_bound_does_not_bind(serve: Any) -> None:
+    async with serve("--affinity-load-bound=1") as routed:  # 2 replicas: (1 + 1) x the mean never binds
+        placed = await routed.run(everything(), concurrency=64)
+        upstreams = await routed.upstreams()
+    assert all(name == routed.home(doc_id) for (doc_id, _), name in placed.items())
+    served = Counter(placed.values())
+    assert all(0.3 * len(placed) <= served[name] <= 0.7 * len(placed) for name in ("r0", "r1")), served
+    for name in ("r0", "r1"):
+        assert (upstreams[name]["requests"], upstreams[name]["spilled"]) == (served[name], 0)
+
+
 async def test_a_documents_rollouts_meet_on_one_replica_and_the_documents_spread_over_both(serve: Any) -> None:
     async with serve() as routed:
-        placed = await routed.run(everything(), concurrency=64)
+        placed = await routed.run(everything(), concurrency=128)
         upstreams = await routed.upstreams()
     by_document: dict[str, set[str]] = defaultdict(set)
     for (doc_id, _), name in placed.items():
