@@ -298,6 +298,8 @@ class InferProxy(FastAPI):
                 max_response_bytes=settings.max_response_bytes,
                 max_inflight=settings.max_inflight_per_upstream,
                 max_queued=settings.max_queued_requests,
+                routing=settings.routing,
+                load_bound=settings.affinity_load_bound,
             )
             await pool.start()
             stack.push_async_callback(pool.close)

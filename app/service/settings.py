@@ -129,6 +129,24 @@ class Settings(BaseSettings):
         ge=0,
         description="requests in flight per upstream replica (0: no limit); more wait in a queue",
     )
+    routing: Literal["affinity", "least-inflight"] = Field(
+        "affinity",
+        description="how a replica is chosen: by X-Doc-Id (else the prompt's opening), so that a document's "
+        "rollouts meet in one replica's prefix cache; or the least busy one",
+    )
+    # 0.5: a replica holds at most half again its share of the requests in flight. Rollouts come in lumps
+    # (a document's 4 at once), and at a few dozen documents in flight hashing alone often leaves a replica
+    # a quarter over its share: at 0.25 a tenth of the documents had a rollout spilled at 64 in flight (2
+    # replicas, bench/sim_load_bound.py), under 1% at 0.5; on real vLLM, whose requests end in bursts, 0.5
+    # still spills 13-18% (bench/README.md, bench_routing.py). Far above it, a hot document or a slow
+    # replica piles up; with 2 replicas, 1 never binds.
+    affinity_load_bound: float = Field(
+        0.5,
+        gt=0,
+        le=100,
+        description="under affinity, a replica over (1 + this) x the mean requests in flight passes a "
+        "request on to the document's next replica",
+    )
     max_queued_requests: int = Field(
         4096,
         ge=0,

@@ -1,8 +1,13 @@
 """The upstream pool: one HTTP client to one or more replicas of the same model.
 
-- choice: the healthy replica with the fewest requests in flight (ties rotate);
-  a replica that fails a connection is skipped until a `GET /v1/models`
-  probe passes again; with none healthy, every replica is still tried;
+- choice (`routing`): under "affinity", a request with a key (its document, else its prompt's
+  leading bytes: `app.service.affinity`) goes to the key's first healthy replica in a rendezvous
+  ranking unless that one is over the load bound, then to the key's next; a request without a key,
+  and every request under "least-inflight", to the healthy replica with the fewest requests in
+  flight (ties rotate). With one replica there is no choice to make, and nothing is hashed;
+- failover: a replica that fails a connection, or answers 502 or 503 (while another is healthy), is
+  left out until a `GET /v1/models` probe passes again; its request is retried at once on the next replica
+  (the key's next under "affinity"); with none healthy, every replica is still tried;
 - retries: connection errors and 429/502/503/504 answers are retried up to
   `retries` times with exponential backoff and jitter, the `Retry-After`
   of a 429 or 503 honoured; a read timeout is not retried (the GPU may still
@@ -56,6 +61,7 @@ from app.http.client import (
     ResponseTooLarge,
 )
 from app.ops.metrics import LATENCY_BUCKETS, Histogram
+from app.service.affinity import choose, replica_seed
 from app.service.errors import UpstreamBusy, UpstreamTimeout, UpstreamUnreachable
 
 logger = logging.getLogger(__name__)
@@ -64,6 +70,10 @@ logger = logging.getLogger(__name__)
 #: upstream's counts) can tell them from the clients' requests.
 PROBE_USER_AGENT = b"inferproxy-health-probe"
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
+#: Answers that take a replica out until its probe passes (when there are others to go to): a gateway with
+#: nothing behind it, a server that is not serving. A 429 or 504 says "later", not "elsewhere".
+FAILED_STATUSES = frozenset({502, 503})
+ROUTINGS = ("affinity", "least-inflight")
 MAX_RETRY_AFTER_S = 60.0
 HOP_BY_HOP = frozenset(
     {
@@ -110,10 +120,14 @@ class Replica:
     in_flight: int = 0
     healthy: bool = True
     failed_at: float = 0.0
+    #: its place in every affinity ranking (`app.service.affinity.replica_seed` of `base`)
+    seed: int = 0
     #: attempts sent, attempts that failed (no answer, or a 5xx), attempts retried; time to each answer's head
     requests: int = 0
     errors: int = 0
     retries: int = 0
+    #: requests whose key ranks this replica first, sent to the key's next replica: this one was over the bound
+    spilled: int = 0
     latency: Histogram = field(default_factory=lambda: Histogram(LATENCY_BUCKETS))
 
     @classmethod
@@ -121,13 +135,13 @@ class Replica:
         """The replica at `root`; credentials in it become Basic auth unless `api_auth` is given."""
         parts = urlsplit(root)
         if "@" not in parts.netloc:
-            return cls(root, root, api_auth)
+            return cls(root, root, api_auth, seed=replica_seed(root))
         base = urlunsplit(parts._replace(netloc=parts.netloc.rsplit("@", 1)[1]))
         auth = api_auth
         if not auth:
             user, password = unquote(parts.username or ""), unquote(parts.password or "")
             auth = [(b"authorization", b"Basic " + base64.b64encode(f"{user}:{password}".encode()))]
-        return cls(redact_url(root), base, auth)
+        return cls(redact_url(root), base, auth, seed=replica_seed(base))
 
 
 class UpstreamResponse:
@@ -233,8 +247,12 @@ class UpstreamPool:
         max_response_bytes: int = MAX_RESPONSE_BYTES,
         max_inflight: int = 0,
         max_queued: int = 0,
+        routing: str = "affinity",
+        load_bound: float = 0.5,
         client: HTTPClient | None = None,
     ) -> None:
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing is one of {', '.join(ROUTINGS)}, got {routing!r}")
         self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
         self.replicas = [Replica.at(root, self._auth) for root in roots]
         self.slots = Slots(max_inflight * len(self.replicas), max_queued)
@@ -244,6 +262,10 @@ class UpstreamPool:
         self.read_timeout_s = read_timeout_s
         self.health_interval_s = health_interval_s
         self.max_response_bytes = max_response_bytes
+        self.routing = routing
+        self.load_bound = load_bound
+        #: Whether requests are keyed for affinity: the caller computes a key only then.
+        self.affine = routing == "affinity" and len(self.replicas) > 1
         self._client = client or HTTPClient(
             connect_timeout=connect_timeout_s, read_timeout=read_timeout_s, max_response_bytes=max_response_bytes
         )
@@ -261,12 +283,18 @@ class UpstreamPool:
             self._prober = None
         await self._client.close()
 
-    def pick(self) -> Replica:
+    def pick(self, key: bytes | None = None) -> Replica:
+        """The replica for one attempt: by `key` if given (and routing is "affinity"), else the least busy."""
         if len(self.replicas) == 1:
             return self.replicas[0]  # the common case, on every request: no choice to make
         healthy = [r for r in self.replicas if r.healthy] or sorted(self.replicas, key=lambda r: r.failed_at)[:1]
         if len(healthy) == 1:
             return healthy[0]
+        if key is not None and self.affine:
+            chosen, first = choose(key, healthy, self.load_bound)
+            if chosen is not first:
+                first.spilled += 1
+            return chosen
         self._rotation += 1
         start = self._rotation % len(healthy)
         rotated = healthy[start:] + healthy[:start]
@@ -282,15 +310,16 @@ class UpstreamPool:
 
     @contextlib.asynccontextmanager
     async def request(
-        self, method: str, path: str, *, headers: list[tuple[bytes, bytes]], body: bytes
+        self, method: str, path: str, *, headers: list[tuple[bytes, bytes]], body: bytes, key: bytes | None = None
     ) -> AsyncIterator[UpstreamResponse]:
         """Send with retries; yield the final answer; leaving the block releases its connection
-        (kept if the body was read to its end, closed otherwise) and its slot."""
+        (kept if the body was read to its end, closed otherwise) and its slot. `key` chooses the replica
+        under affinity routing (`app.service.affinity.request_key`)."""
         await self.slots.acquire()  # `UpstreamBusy` (429) when the queue for a slot is full
         try:
             attempt = 0
             while True:
-                replica = self.pick()
+                replica = self.pick(key)
                 replica.in_flight += 1
                 replica.requests += 1
                 raw: Response | None = None
@@ -301,10 +330,12 @@ class UpstreamPool:
                         replica.latency.observe(time.monotonic() - sent_at)
                         if raw.status >= 500:
                             replica.errors += 1
+                        if raw.status in FAILED_STATUSES and self._others_healthy(replica):
+                            self._mark_failed(replica, f"it answered {raw.status}")
                         if raw.status not in RETRY_STATUSES or attempt >= self.retries:
                             yield UpstreamResponse(raw, replica, self.max_response_bytes)
                             return
-                        retry_in = self._retry_after(raw) or self._backoff(attempt)
+                        retry_in = self._retry_in(replica, self._retry_after(raw) or self._backoff(attempt))
                         logger.info("upstream %s answered %d; retrying in %.2f s", replica.url, raw.status, retry_in)
                     # the retried answer is left unread: its connection is closed
                 except ReadTimeout as exc:
@@ -318,7 +349,7 @@ class UpstreamPool:
                     if raw is not None:
                         raise
                     replica.errors += 1
-                    self._mark_failed(replica, exc)
+                    self._mark_failed(replica, str(exc) or type(exc).__name__)
                     if attempt >= self.retries:
                         tries = f"after {attempt + 1} tries"
                         if isinstance(exc, ConnectTimeout):
@@ -326,7 +357,7 @@ class UpstreamPool:
                                 f"the upstream {replica.url} is not answering {tries}: {exc}"
                             ) from exc
                         raise UpstreamUnreachable(f"the upstream {replica.url} is unreachable {tries}: {exc}") from exc
-                    retry_in = self._backoff(attempt)
+                    retry_in = self._retry_in(replica, self._backoff(attempt))
                 except InvalidResponse as exc:
                     if raw is not None:
                         raise
@@ -391,11 +422,20 @@ class UpstreamPool:
             await asyncio.sleep(self.health_interval_s)
             await asyncio.gather(*(self.probe(r) for r in self.replicas if not r.healthy))
 
-    def _mark_failed(self, replica: Replica, exc: BaseException) -> None:
+    def _mark_failed(self, replica: Replica, why: str) -> None:
         if replica.healthy:
-            logger.warning("upstream %s failed a connection (%s); skipping it until it answers", replica.url, exc)
+            logger.warning("upstream %s failed (%s); skipping it until it answers GET /v1/models", replica.url, why)
         replica.healthy = False
         replica.failed_at = time.monotonic()
+
+    def _others_healthy(self, replica: Replica) -> bool:
+        """Whether a replica other than `replica` is healthy: somewhere else to send its requests."""
+        return any(other.healthy and other is not replica for other in self.replicas)
+
+    def _retry_in(self, replica: Replica, wait: float) -> float:
+        """How long to wait before the next attempt: nothing when it goes to another replica (this one is
+        out, another is not), `wait` when it may come back here."""
+        return 0.0 if not replica.healthy and self._others_healthy(replica) else wait
 
     def _backoff(self, attempt: int) -> float:
         delay: float = min(self.backoff_s * 2.0**attempt, 30.0)

@@ -209,6 +209,7 @@ _UPSTREAM = {
     "healthy": bool,
     **dict.fromkeys(("in_flight", "requests", "errors", "retries"), NUMBER),
     **dict.fromkeys(("latency_p50_s", "latency_p99_s"), NUMBER_OR_NULL),
+    "spilled": Added(NUMBER),  # proxies before affinity routing have none
 }
 _RANK = {
     "rank": int,
@@ -320,13 +321,14 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
         "",
     ]
     upstreams = _table(
-        ["upstream", "health", "in flight", "requests", "errors", "retries", "p50", "p99"],
+        ["upstream", "health", "in flight", "requests", "spilled", "errors", "retries", "p50", "p99"],
         [
             [
                 printable(u["url"]),
                 "healthy" if u["healthy"] else "DOWN",
                 count(u["in_flight"]),
                 count(u["requests"]),
+                count(u.get("spilled", 0)),
                 count(u["errors"]),
                 count(u["retries"]),
                 latency(u["latency_p50_s"]),

@@ -280,7 +280,11 @@ async def test_an_unreachable_upstream_gives_502_with_the_envelope(tmp_path: Pat
 
 async def test_a_failed_replica_is_skipped_for_the_healthy_one(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    async with fake_upstream() as (url, upstream), proxy_client(settings(tmp_path, [dead, url])) as client:
+    # Least in flight: under affinity one prompt is keyed to one replica (tests/e2e/test_routing.py)
+    async with (
+        fake_upstream() as (url, upstream),
+        proxy_client(settings(tmp_path, [dead, url], routing="least-inflight")) as client,
+    ):
         answers = [await client.post("/v1/completions", json=completion_request()) for _ in range(6)]
         assert [a.status_code for a in answers] == [200] * 6
         assert upstream.generations == 6

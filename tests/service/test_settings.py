@@ -50,6 +50,8 @@ def test_lists_come_from_json_or_commas_and_upstreams_are_normalised(monkeypatch
         ("cache_error_statuses", [500], "cache_error_statuses may hold 4xx"),
         ("port", 70000, "less than or equal to 65535"),
         ("fsync", "sometimes", "'always' or 'never'"),
+        ("routing", "random", "'affinity' or 'least-inflight'"),
+        ("affinity_load_bound", 0, "greater than 0"),
         ("checkpoints_dir", "s3://bucket/checkpoints", "the checkpoints dir is a local path"),
     ],
 )

@@ -122,6 +122,7 @@ def snapshot(
         "rates": rates,
         "in_flight": len(services.flights),
         "queued": len(services.pool.slots.waiters),
+        "routing": services.pool.routing,
         "upstreams": [
             {
                 "url": r.url,
@@ -130,6 +131,7 @@ def snapshot(
                 "requests": r.requests,
                 "errors": r.errors,
                 "retries": r.retries,
+                "spilled": r.spilled,
                 "latency_p50_s": r.latency.quantile(0.5),
                 "latency_p99_s": r.latency.quantile(0.99),
             }
@@ -277,6 +279,12 @@ class _Collector(Collector):
             "inferproxy_upstream_errors", "attempts with no answer, or a 5xx", labels=["replica"]
         )
         upstream_retries = CounterMetricFamily("inferproxy_upstream_retries", "attempts retried", labels=["replica"])
+        in_flight = GaugeMetricFamily("inferproxy_upstream_in_flight", "attempts in flight", labels=["replica"])
+        spilled = CounterMetricFamily(
+            "inferproxy_upstream_spilled",
+            "requests this replica was first choice for, passed on over the load bound",
+            labels=["replica"],
+        )
         healthy = GaugeMetricFamily("inferproxy_upstream_healthy", "1 if the replica answers", labels=["replica"])
         latency = HistogramMetricFamily(
             "inferproxy_upstream_latency_seconds", "from sending to the answer's head", labels=["replica"]
@@ -285,9 +293,11 @@ class _Collector(Collector):
             upstream_requests.add_metric([replica.url], replica.requests)
             upstream_errors.add_metric([replica.url], replica.errors)
             upstream_retries.add_metric([replica.url], replica.retries)
+            in_flight.add_metric([replica.url], replica.in_flight)
+            spilled.add_metric([replica.url], replica.spilled)
             healthy.add_metric([replica.url], 1.0 if replica.healthy else 0.0)
             latency.add_metric([replica.url], list(replica.latency.cumulative()), replica.latency.total)
-        yield from (upstream_requests, upstream_errors, upstream_retries, healthy, latency)
+        yield from (upstream_requests, upstream_errors, upstream_retries, in_flight, spilled, healthy, latency)
 
         per_rank = {
             "cache_hits": ("inferproxy_cache_hits", "answers replayed from the cache", "hits"),

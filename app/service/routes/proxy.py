@@ -29,6 +29,7 @@ import orjson
 
 from app.http.asgi import Answer, CutConnection
 from app.http.client import HTTPClientError
+from app.service.affinity import request_key
 from app.service.asgi import Headers, Receive, Scope, Send, check_json_cost, read_body, send_bytes, send_error
 from app.service.errors import BadRequest, NotFound, ProxyError
 from app.service.headers import RequestKey, parse_request_key
@@ -224,9 +225,10 @@ async def forward(
     """
     pool = services.pool
     ours: Headers = [(b"x-cache", state), (b"x-payload-hash", digest.encode())]
+    route = request_key(key.doc_id, scope["path"], body) if pool.affine else None
     try:
         async with pool.request(
-            "POST", scope["path"], headers=pool.upstream_headers(scope["headers"]), body=body
+            "POST", scope["path"], headers=pool.upstream_headers(scope["headers"]), body=body, key=route
         ) as upstream:
             scope[REPLICA] = upstream.replica.url
             if key.doc_id is not None:  # generated upstream (not refused, not queued past the limit)
