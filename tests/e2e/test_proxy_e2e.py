@@ -127,7 +127,7 @@ def test_a_500_is_not_cached(proxy: Proxy, upstream: Upstream) -> None:
 
 def test_eight_concurrent_identical_requests_cost_one_generation(upstream: Upstream, tmp_path: Path) -> None:
     port = free_port()
-    with process("fake-upstream", f"--port={port}", "--latency-ms=500") as _:
+    with process("fake-upstream", f"--port={port}", "--latency-ms=2000") as _:
         slow_url = f"http://127.0.0.1:{port}"
         wait_for_http(slow_url + "/v1/models")
         args, proxy_port = start_proxy(slow_url, tmp_path)
@@ -137,7 +137,11 @@ def test_eight_concurrent_identical_requests_cost_one_generation(upstream: Upstr
             c = client(proxy)
             with concurrent.futures.ThreadPoolExecutor(8) as pool:
                 results = list(pool.map(lambda _: chat(c), range(8)))
-            assert sorted(state for state, _ in results) == ["COALESCED"] * 7 + ["MISS"]
+            # One generation; the others joined it (COALESCED), or, sent once it was stored on a machine busy
+            # with parallel tests, were answered from the cache (HIT): none paid again
+            states = sorted(state for state, _ in results)
+            assert states.count("MISS") == 1 and "COALESCED" in states, states
+            assert set(states) <= {"MISS", "COALESCED", "HIT"}, states
             assert len({text for _, text in results}) == 1
             assert httpx.get(slow_url + "/_fake/stats").json()["generations"] == 1
 
