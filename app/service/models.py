@@ -121,6 +121,7 @@ class UpstreamView(Strict):
     requests: int
     errors: int
     retries: int
+    spilled: int = Field(description="requests of its documents the load bound sent to their next replica")
     latency_p50_s: float | None
     latency_p99_s: float | None
 
@@ -178,6 +179,7 @@ class Stats(Strict):
     in_flight: int
     queued: int
     upstreams: list[UpstreamView]
+    routing: Literal["affinity", "least-inflight"] = Field(description="how requests are spread over the upstreams")
     fsync: Fsync
     owned_ranks: list[int]
     job: Job
