@@ -25,7 +25,6 @@ import argparse
 import asyncio
 import contextlib
 import hashlib
-import os
 import random
 import subprocess
 import sys
@@ -44,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 from ports import free_port  # noqa: E402
 
 from tests.vllm import tiny_model  # noqa: E402
-from tests.vllm.server import ENVIRONMENT, MODEL, START_TIMEOUT_S, VLLM  # noqa: E402
+from tests.vllm.server import MODEL, VLLM  # noqa: E402
 
 MAX_MODEL_LEN = 512
 QUERIES, HITS = "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total"
@@ -54,30 +53,8 @@ WORDS = tiny_model.TEXT.split()
 class Replica(VLLM):
     """tests/vllm's vLLM with the context this benchmark fills, prefix caching asked for explicitly."""
 
-    def start(self) -> None:
-        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", f"--model={self.model_dir}"]
-        args += [f"--served-model-name={MODEL}", "--host=127.0.0.1", f"--port={self.port}", "--dtype=float32"]
-        args += [f"--max-model-len={MAX_MODEL_LEN}", "--enable-prefix-caching", "--enforce-eager"]
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                args,
-                env={**os.environ, **ENVIRONMENT},
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
-            if self.healthy():
-                self.yield_to_the_api_server()
-                self.warm_up()
-                return
-            time.sleep(0.5)
-        self.kill()
-        raise RuntimeError(f"vLLM did not answer /health within {START_TIMEOUT_S:g} s:\n{self.log_tail()}")
+    def __init__(self, model_dir: Path, port: int, log: Path) -> None:
+        super().__init__(model_dir, port, log, (f"--max-model-len={MAX_MODEL_LEN}", "--enable-prefix-caching"))
 
     def counters(self) -> tuple[float, float]:
         text = httpx.get(self.url + "/metrics", timeout=10).text

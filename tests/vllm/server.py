@@ -42,8 +42,9 @@ class VLLM:
     hence the module. `--enforce-eager`: no torch.compile, which halves the start on CPU.
     """
 
-    def __init__(self, model_dir: Path, port: int, log: Path) -> None:
+    def __init__(self, model_dir: Path, port: int, log: Path, extra_args: tuple[str, ...] = ()) -> None:
         self.model_dir = model_dir
+        self.extra_args = extra_args  # more of the API server's flags (bench_routing.py's context, prefix caching)
         self.url = f"http://127.0.0.1:{port}"
         self.port = port
         self.log = log
@@ -54,7 +55,7 @@ class VLLM:
         args += [f"--served-model-name={MODEL}", "--host=127.0.0.1", f"--port={self.port}", "--dtype=float32"]
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                [*args, "--enforce-eager"],
+                [*args, "--enforce-eager", *self.extra_args],
                 env={**os.environ, **ENVIRONMENT},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
