@@ -15,6 +15,24 @@ from tests.chaos.harness import Forwarder, ProxyProcess, RankJob, UpstreamProces
 from tests.chaos.invariants import Ledger
 
 
+async def close_all(writers: list[asyncio.StreamWriter], backend: asyncio.Server) -> None:
+    """The test's own connections and backend, closed, so that any socket left is the forwarder's."""
+    for writer in writers:
+        writer.close()
+        with contextlib.suppress(OSError):
+            await writer.wait_closed()
+    backend.close()
+    await backend.wait_closed()
+
+
+def unclosed_sockets() -> list[str]:
+    """The ResourceWarnings of what the garbage collector finds unclosed now."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        gc.collect()
+    return [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+
+
 async def test_a_forwarder_closed_under_open_connections_leaves_no_socket_and_logs_nothing(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
@@ -42,16 +60,8 @@ async def test_a_forwarder_closed_under_open_connections_leaves_no_socket_and_lo
             clients.append((await asyncio.open_connection("127.0.0.1", front.port))[1])
         await front.close()
     finally:
-        for writer in [*clients, *held]:
-            writer.close()
-            with contextlib.suppress(OSError):
-                await writer.wait_closed()
-        backend.close()
-        await backend.wait_closed()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        gc.collect()
-    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+        await close_all([*clients, *held], backend)
+    assert unclosed_sockets() == []
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 
@@ -80,15 +90,8 @@ async def test_a_forwarder_closed_while_its_pipes_shut_their_sockets_waits_for_t
         await front.close()
         assert await reader.read() == b""
     finally:
-        client.close()
-        with contextlib.suppress(OSError):
-            await client.wait_closed()
-        backend.close()
-        await backend.wait_closed()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        gc.collect()
-    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+        await close_all([client], backend)
+    assert unclosed_sockets() == []
 
 
 @pytest.mark.chaos

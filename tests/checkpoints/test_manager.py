@@ -320,7 +320,7 @@ async def test_a_published_chunk_declared_complete_again_is_not_published_twice(
     tmp_path: Path, writer: RecordingWriter
 ) -> None:
     # Chunk 1 is published while chunk 0 is still open; a job that completes chunk 1 again (a retried
-    # POST /chunks/1/complete) must not have it published a second time, which would truncate its output.
+    # POST /chunks/1/complete) leaves it published once, its output whole, when chunk 0 completes after.
     cm = manager(tmp_path, 2)
     await cm.write_document(document("0"), 0, 0, writer)
     await cm.write_document(document("2"), 0, 1, writer)
