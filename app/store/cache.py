@@ -316,8 +316,14 @@ class RequestCache:
             error_message = error_message.encode("utf-8", "replace").decode("utf-8")
         self._queue(_Row(chunk_index, doc_id, rollout_idx, payload_hash, None, error_message, None, None, 0))
 
-    def get_response(self, doc_id: str, rollout_idx: int, payload_hash: str) -> StoredResponse | None:
-        """The proxy's lookup: the stored HTTP answer for the key, or None. Synchronous: one point query."""
+    def get_response(
+        self, doc_id: str, rollout_idx: int, payload_hash: str, *, datatrove_results: bool = True
+    ) -> StoredResponse | None:
+        """The proxy's lookup: the stored HTTP answer for the key, or None. Synchronous: one point query.
+
+        Without `datatrove_results` (a request keyed by its body's hash, not datatrove's), a result in
+        datatrove's form is None too: stored for a request keyed by datatrove's hash that equals this body's
+        (a rollout payload naming the model, no default params), it is no answer a plain OpenAI client reads."""
         if self._reader is None or doc_id in self._complete or not self._replays(doc_id):
             return None
         key = (doc_id, rollout_idx, payload_hash)
@@ -337,7 +343,10 @@ class RequestCache:
             return None  # an error datatrove stored as text: not an HTTP answer to replay
         if status is None:  # a result datatrove stored: its JSON, as a 200
             status, content_type = 200, "application/json"
-        return StoredResponse(status, result, content_type or "application/json", bool(streamed))
+        answer = StoredResponse(status, result, content_type or "application/json", bool(streamed))
+        if not datatrove_results and answer.is_datatrove_result():
+            return None
+        return answer
 
     def store_response(
         self,

@@ -198,6 +198,10 @@ async def test_a_client_without_the_header_never_gets_a_result_in_datatroves_for
     same = payload_hash(body)
     first = await env.post(body, **{"X-Datatrove-Payload-Hash": same})
     assert first.headers["x-cache"] == "MISS"
+    item = {"doc_id": "doc-1", "body": body}
+    looked_up = await env.client.post("/lookup", json=[item, {**item, "datatrove_payload_hash": same}])
+    assert looked_up.json()[0] is None  # what the request without the header would get: no hit
+    assert looked_up.json()[1]["body"]["text"] == first.json()["choices"][0]["message"]["content"]
     generations = env.upstream.generations
     plain = await env.post(body)  # an OpenAI client on the same doc id, without the header
     assert plain.headers["x-cache"] == "MISS"

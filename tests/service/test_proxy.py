@@ -665,9 +665,11 @@ async def test_a_miss_looks_in_the_cache_once_when_nothing_was_stored_since(
     looks: list[str] = []
     real = RequestCache.get_response
 
-    def counting(self: RequestCache, doc_id: str, rollout_idx: int, payload_hash: str) -> StoredResponse | None:
+    def counting(
+        self: RequestCache, doc_id: str, rollout_idx: int, payload_hash: str, **kwargs: bool
+    ) -> StoredResponse | None:
         looks.append(doc_id)
-        return real(self, doc_id, rollout_idx, payload_hash)
+        return real(self, doc_id, rollout_idx, payload_hash, **kwargs)
 
     monkeypatch.setattr(RequestCache, "get_response", counting)
     assert (await env.chat(**doc_headers("new"))).headers["x-cache"] == "MISS"

@@ -53,13 +53,14 @@ async def lookups(services: Services, scope: Scope, receive: Receive) -> bytes:
     return b"[" + b",".join(rendered(answer) for answer in answers) + b"]"
 
 
-def looked_up(cache: RequestCache, keys: list[tuple[str, int, str]]) -> list[StoredResponse | None]:
+def looked_up(cache: RequestCache, keys: list[tuple[str, int, str, bool]]) -> list[StoredResponse | None]:
     """The stored answers, up to `MAX_ANSWER_BYTES` of bodies in all: null for the rest, whose requests are
     sent (and hit). Without the bound, 4096 lookups of one big answer in a small request are gigabytes."""
     answers: list[StoredResponse | None] = []
     spent = 0
-    for doc_id, rollout_idx, digest in keys:
-        answer = cache.get_response(doc_id, rollout_idx, digest) if spent <= MAX_ANSWER_BYTES else None
+    for doc_id, rollout_idx, digest, datatrove_keyed in keys:
+        found = spent <= MAX_ANSWER_BYTES
+        answer = cache.get_response(doc_id, rollout_idx, digest, datatrove_results=datatrove_keyed) if found else None
         if answer is not None:
             spent += len(answer.body)
             if spent > MAX_ANSWER_BYTES:
@@ -68,8 +69,9 @@ def looked_up(cache: RequestCache, keys: list[tuple[str, int, str]]) -> list[Sto
     return answers
 
 
-def parse_keys(body: bytes) -> list[tuple[str, int, str]]:
-    """`(doc_id, rollout_idx, payload_hash)` of each item, validated as the request headers would be."""
+def parse_keys(body: bytes) -> list[tuple[str, int, str, bool]]:
+    """`(doc_id, rollout_idx, payload_hash, keyed by datatrove's hash)` of each item, validated as the request
+    headers would be."""
     check_json_cost(body)
     try:
         items = orjson.loads(body)
@@ -99,10 +101,10 @@ def parse_keys(body: bytes) -> list[tuple[str, int, str]]:
                     f"lookup {position}: datatrove_payload_hash must be 32 lowercase hex digits, as the "
                     f"X-Datatrove-Payload-Hash header, got {given!r:.60}"
                 )
-            keys.append((doc_id, rollout_idx, given))
+            keys.append((doc_id, rollout_idx, given, True))
             continue
         try:
-            keys.append((doc_id, rollout_idx, request_digest(request)))
+            keys.append((doc_id, rollout_idx, request_digest(request), False))
         except BadRequest as exc:
             raise BadRequest(f"lookup {position}: {exc.message}") from None
     return keys

@@ -86,11 +86,7 @@ def lookup(services: Services, headers: Headers, body: bytes) -> Lookup:
     cache = services.caches.opened(key.rank)
     if cache is None:
         return Lookup(key, body, digest, None, False)  # not looked: the cache is not open
-    hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
-    if hit is not None and key.datatrove_hash is None and hit.is_datatrove_result():
-        # datatrove's result, stored for a request keyed by its hash that equals this body's (a rollout
-        # payload naming the model, no default params): not an answer a plain OpenAI client can read
-        hit = None
+    hit = cache.get_response(key.doc_id, key.rollout_idx, digest, datatrove_results=key.datatrove_hash is not None)
     return Lookup(key, body, digest, hit, True, cache, cache.stores)
 
 
@@ -167,7 +163,9 @@ async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive
                 # and stored since. Look again now, with nothing awaited between this look and
                 # leading, or the key is generated twice; unless nothing at all was stored since.
                 if cache.stores != looked_at:
-                    hit = cache.get_response(key.doc_id, key.rollout_idx, digest)
+                    hit = cache.get_response(
+                        key.doc_id, key.rollout_idx, digest, datatrove_results=key.datatrove_hash is not None
+                    )
                 break
             shared = await flight.answer()
             if shared is not None:
