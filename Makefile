@@ -28,7 +28,7 @@ format: $(STAMP)
 # start once): most tests wait on real processes, so more workers than the 2 cores here pay; 0 runs them all in this one process.
 TEST_WORKERS ?= 4
 test: $(STAMP)
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --cov=app --cov-report=term:skip-covered --cov-fail-under=80
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 --cov=app --cov-report=term:skip-covered --cov-fail-under=80
 
 demo: $(STAMP)
 	$(BIN)/inferproxy demo
@@ -73,4 +73,4 @@ test-vllm: $(VLLM_STAMP)
 # The chaos suite's long run (tests/chaos with the benchmark machine's counts: >= 20 kills, longer loads);
 # `make test` runs its short one. A failure prints its seed: CHAOS_SEED=N repeats it.
 chaos: $(STAMP)
-	$(BIN)/pytest tests/chaos --chaos-long $(if $(CHAOS_SEED),--chaos-seed $(CHAOS_SEED))
+	$(BIN)/pytest tests/chaos --chaos-long --timeout=0 $(if $(CHAOS_SEED),--chaos-seed $(CHAOS_SEED))
