@@ -26,9 +26,10 @@ format: $(STAMP)
 # Coverage of app/ in the test processes (the e2e tests' subprocesses are not counted): ~86% now.
 # TEST_WORKERS pytest-xdist processes, a test module each at a time (--dist loadfile: a module's fixtures
 # start once): most tests wait on real processes, so more workers than the 2 cores here pay; 0 runs them all in this one process.
+# A worker that dies ends the run, naming its test (restarting one under --dist loadfile can hang: pytest-xdist#784).
 TEST_WORKERS ?= 4
 test: $(STAMP)
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --durations=15 --cov=app --cov-report=term:skip-covered --cov-fail-under=80
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --durations=15 --cov=app --cov-report=term:skip-covered --cov-fail-under=80
 
 demo: $(STAMP)
 	$(BIN)/inferproxy demo
