@@ -61,6 +61,7 @@ from app.service.services import CheckpointRegistry, RankActivity, Services
 from app.service.settings import Settings
 from app.service.upstream import UpstreamPool
 from app.store.durable import make_dirs_durable
+from app.store.files import FileStore
 from app.store.layout import CheckpointsLayout
 from app.store.ownership import RankOwnership
 
@@ -308,11 +309,14 @@ class InferProxy(FastAPI):
             caches = checkpoints.caches
             stack.push_async_callback(caches.close)  # after the managers, which write through them
             stack.push_async_callback(checkpoints.close)
+            files = FileStore(layout.files_dir, fsync=settings.fsync == "always")
+            await asyncio.to_thread(files.open)
             services = Services(
                 settings=settings,
                 pool=pool,
                 caches=caches,
                 checkpoints=checkpoints,
+                files=files,
                 activity=activity,
                 metrics=Metrics(enabled=settings.metrics, max_tracked_ranks=settings.max_tracked_ranks),
             )

@@ -36,6 +36,7 @@ from app.service.settings import Settings
 from app.service.upstream import UpstreamPool
 from app.store.cache import CacheWriteError, RequestCache
 from app.store.durable import atomic_write_bytes, is_disk_full, refusal_reason
+from app.store.files import FileStore
 from app.store.layout import CheckpointsLayout
 from app.store.ownership import RankOwnedError, RankOwnership
 
@@ -582,6 +583,8 @@ class Services:
     pool: UpstreamPool
     caches: CacheRegistry
     checkpoints: CheckpointRegistry
+    #: the Batch API's files (`<checkpoints_dir>/files`)
+    files: FileStore
     activity: RankActivity = field(default_factory=RankActivity)
     flights: Flights = field(default_factory=Flights)
     metrics: Metrics = field(default_factory=Metrics)

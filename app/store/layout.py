@@ -6,9 +6,11 @@
     <root>/last_chunk/<rank:05d>.txt         a rank's last_chunk_index
     <root>/owners/<rank:05d>.lock            which proxy owns the rank (flock'ed; never deleted)
     <root>/empty_chunks/<rank:05d>.txt       chunks published as no file (every document removed)
+    <root>/files/                            the Batch API's files (`app.store.files`)
+    <root>/batches/                          the Batch API's batches, their state and answers
 
-The first four are datatrove's layout, file for file; `owners/` and
-`empty_chunks/` are inferproxy's own and datatrove ignores them. A published chunk's name comes
+The first four are datatrove's layout, file for file; `owners/`,
+`empty_chunks/`, `files/` and `batches/` are inferproxy's own and datatrove ignores them. A published chunk's name comes
 from the output filename template, `${rank}` (zero-padded to five digits,
 as datatrove's writers pad it) and `${chunk_index}`.
 """
@@ -110,6 +112,14 @@ class CheckpointsLayout:
     @property
     def meta_file(self) -> str:
         return os.path.join(self.root, META_FILENAME)
+
+    @property
+    def files_dir(self) -> str:
+        return os.path.join(self.root, "files")
+
+    @property
+    def batches_dir(self) -> str:
+        return os.path.join(self.root, "batches")
 
     def known_ranks(self) -> list[int]:
         """Ranks with anything in the checkpoints dir: a rank folder (or anything named as one), a last_chunk

@@ -1,0 +1,161 @@
+"""Files kept for the Batch API (`/v1/files`): uploads, and the output and error files batches write.
+
+    <root>/<file_id>            the bytes, as uploaded or written
+    <root>/<file_id>.json       what OpenAI's `FileObject` says of it (filename, purpose, bytes, created_at)
+
+A file exists once its `.json` does: the bytes are written under a temporary name, fsynced and renamed
+first, then the metadata is written atomically, so that a crash at any point leaves the file whole or
+absent (a temporary file or bytes without metadata are swept at the next start). Deleting removes the
+metadata first, so a file is never listed without its bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import orjson
+
+from app.store.durable import atomic_write_bytes, fsync_dir, make_dirs_durable, read_regular
+
+#: What a file id looks like: OpenAI's prefix, then 24 hex digits. Anything else is no file of ours.
+FILE_ID_PREFIX = "file-"
+_ID_HEX = 24
+_META = ".json"
+_PART = ".part"
+
+
+def new_file_id() -> str:
+    return FILE_ID_PREFIX + secrets.token_hex(_ID_HEX // 2)
+
+
+def is_file_id(value: str) -> bool:
+    hexes = value[len(FILE_ID_PREFIX) :]
+    return value.startswith(FILE_ID_PREFIX) and len(hexes) == _ID_HEX and all(c in "0123456789abcdef" for c in hexes)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredFile:
+    """A file's metadata: the fields of OpenAI's `FileObject` it has."""
+
+    id: str
+    filename: str
+    purpose: str
+    bytes: int
+    created_at: int
+
+
+def _half_written(root: Path, name: str) -> bool:
+    """An upload or output cut short, bytes whose metadata was never written, or an atomic write's
+    temporary file."""
+    if name.endswith(_PART) or (name.startswith(".") and name.endswith(".tmp")):
+        return True
+    return is_file_id(name) and not (root / (name + _META)).exists()
+
+
+class FileTooLarge(ValueError):
+    """An upload past the store's limit: nothing of it is kept."""
+
+
+class FileWriter:
+    """A file being written (an upload as it arrives, a batch's output): `write`, then the store's `commit`."""
+
+    def __init__(self, store: FileStore, filename: str, purpose: str, limit: int | None) -> None:
+        self.id = new_file_id()
+        self.filename = filename
+        self.purpose = purpose
+        self.limit = limit
+        self.size = 0
+        self.part = store.root / (self.id + _PART)
+        self._file: BinaryIO = self.part.open("xb")
+
+    def write(self, data: bytes) -> None:
+        self.size += len(data)
+        if self.limit is not None and self.size > self.limit:
+            raise FileTooLarge(f"the file exceeds {self.limit} bytes (max_file_bytes)")
+        self._file.write(data)
+
+    def finish(self, fsync: bool) -> None:
+        self._file.flush()
+        if fsync:
+            os.fsync(self._file.fileno())
+        self._file.close()
+
+    def abandon(self) -> None:
+        with contextlib.suppress(OSError):
+            self._file.close()
+        with contextlib.suppress(OSError):
+            self.part.unlink()
+
+
+class FileStore:
+    """The files under one folder (`<checkpoints_dir>/files`). Synchronous: callers run it in a thread
+    where a write may be long (an upload's pieces are small and written as they come)."""
+
+    def __init__(self, root: str | Path, *, fsync: bool = True) -> None:
+        self.root = Path(root)
+        self.fsync = fsync
+
+    def open(self) -> None:
+        """Create the folder; sweep what a crash left half-written (bytes without metadata)."""
+        make_dirs_durable(str(self.root))
+        for path in self.root.iterdir():
+            if _half_written(self.root, path.name):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+
+    @contextlib.contextmanager
+    def writing(self, filename: str, purpose: str, *, limit: int | None = None) -> Iterator[FileWriter]:
+        """A new file: written inside the block, kept (durably, with its metadata) when it ends, removed if
+        it raises. Its `StoredFile` is then `store.get(writer.id)`."""
+        writer = FileWriter(self, filename, purpose, limit)
+        try:
+            yield writer
+            writer.finish(self.fsync)
+            os.replace(writer.part, self.root / writer.id)
+            if self.fsync:
+                fsync_dir(str(self.root))
+            meta = StoredFile(writer.id, filename, purpose, writer.size, int(time.time()))
+            atomic_write_bytes(str(self.root / (writer.id + _META)), orjson.dumps(asdict(meta)))
+        except BaseException:
+            writer.abandon()
+            with contextlib.suppress(OSError):
+                (self.root / writer.id).unlink()
+            raise
+
+    def get(self, file_id: str) -> StoredFile | None:
+        if not is_file_id(file_id):
+            return None
+        try:
+            meta = orjson.loads(read_regular(str(self.root / (file_id + _META))))
+        except (FileNotFoundError, orjson.JSONDecodeError):
+            return None
+        return StoredFile(**meta)
+
+    def path(self, file_id: str) -> Path:
+        """Where the bytes of a file `get` found are."""
+        return self.root / file_id
+
+    def list(self) -> list[StoredFile]:
+        """Every file, newest first."""
+        found = [self.get(path.name[: -len(_META)]) for path in self.root.glob(f"{FILE_ID_PREFIX}*{_META}")]
+        return sorted((f for f in found if f is not None), key=lambda f: (f.created_at, f.id), reverse=True)
+
+    def delete(self, file_id: str) -> StoredFile | None:
+        """Remove a file; the one removed, or None if there was none."""
+        found = self.get(file_id)
+        if found is None:
+            return None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.root / (file_id + _META))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.root / file_id)
+        if self.fsync:
+            fsync_dir(str(self.root))
+        return found
