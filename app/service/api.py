@@ -35,9 +35,10 @@ from pydantic import BaseModel
 
 from app.service import models
 from app.service.asgi import ClientGone, Receive, Scope, error_headers
+from app.service.batches import models as batch_models
 from app.service.errors import ProxyError, failure
 from app.service.headers import rank_of
-from app.service.routes import checkpoints, lookup, ops
+from app.service.routes import batches, checkpoints, lookup, ops
 from app.service.routes.proxy import cacheable, forward_uncached
 from app.service.routing import OTHER, RawRoute
 from app.service.services import Services
@@ -129,6 +130,7 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 _STATUS = {
     400: "a header or the body is malformed; nothing was written",
     401: "the `Authorization` header is missing or wrong (`--api-key` is set)",
+    404: "no such batch or file",
     409: "the chunk is complete already, the rank is owned by another proxy, or chunks left the output",
     413: "the body exceeds `max_body_bytes`, or holds too many JSON values",
     503: "the output (or every open rank) is busy or failing: retry after `Retry-After`",
@@ -157,7 +159,7 @@ def described(*parameters: dict[str, Any], body: type[BaseModel] | None = None) 
 
 
 #: The request models `described` names: `InferProxy.openapi` adds their schemas.
-REQUEST_MODELS: list[type[BaseModel]] = [models.Documents, models.Lookups]
+REQUEST_MODELS: list[type[BaseModel]] = [models.Documents, models.Lookups, batch_models.BatchCreate]
 
 
 def services_of(request: Request) -> Services:
@@ -291,6 +293,64 @@ async def metrics(request: Request) -> Response:
 )
 async def page() -> Response:
     return Response(ops.page(), media_type="text/html; charset=utf-8", headers={"cache-control": "no-cache"})
+
+
+# -- batches (OpenAI's Batch API, docs/contract.md §7) ------------------------------------
+
+BATCH_ID = {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+@route(
+    "POST",
+    "/v1/batches",
+    summary="Create a batch",
+    description="Runs every line of an uploaded input file through the cache and the upstream, resumed after "
+    "any crash; answered at once, `validating`.",
+    response_model=batch_models.Batch,
+    responses=errors(400, 413),
+    openapi_extra=described(body=batch_models.BatchCreate),
+)
+async def create_batch(request: Request) -> Response:
+    services = services_of(request)
+    return json_answer(orjson.dumps(await batches.create(services, request.scope, request.receive)))
+
+
+@route(
+    "GET",
+    "/v1/batches",
+    summary="List batches",
+    description="Newest first; `after` (a batch id) and `limit` (1-100, default 20) page through them.",
+    response_model=batch_models.BatchList,
+    responses=errors(400),
+)
+async def list_batches(request: Request, after: str | None = None, limit: int = 20) -> Response:
+    return json_answer(orjson.dumps(batches.listing(services_of(request), after, limit)))
+
+
+@route(
+    "GET",
+    "/v1/batches/{batch_id:str}",
+    summary="A batch",
+    response_model=batch_models.Batch,
+    responses=errors(404),
+    openapi_extra=described(BATCH_ID),
+)
+async def get_batch(request: Request) -> Response:
+    return json_answer(orjson.dumps(batches.get(services_of(request), request.path_params["batch_id"])))
+
+
+@route(
+    "POST",
+    "/v1/batches/{batch_id:str}/cancel",
+    summary="Cancel a batch",
+    description="`cancelling` at once: no new line is sent; `cancelled` once the lines in flight are answered, "
+    "with every line finished before in its output file.",
+    response_model=batch_models.Batch,
+    responses=errors(404),
+    openapi_extra=described(BATCH_ID),
+)
+async def cancel_batch(request: Request) -> Response:
+    return json_answer(orjson.dumps(await batches.cancel(services_of(request), request.path_params["batch_id"])))
 
 
 # -- the docs -----------------------------------------------------------------------------

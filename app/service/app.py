@@ -44,6 +44,7 @@ from app.ops.memory import release_free_memory
 from app.ops.metrics import SAMPLE_EVERY_S, Metrics
 from app.service import api
 from app.service.asgi import ClientGone, Headers, Message, Receive, Scope, Send, send_error
+from app.service.batches.engine import BatchEngine
 from app.service.errors import (
     BadRequest,
     MethodNotAllowed,
@@ -320,6 +321,10 @@ class InferProxy(FastAPI):
                 activity=activity,
                 metrics=Metrics(enabled=settings.metrics, max_tracked_ranks=settings.max_tracked_ranks),
             )
+            batches = BatchEngine(settings, pool, services.flights, files, layout.batches_dir)
+            await batches.start()
+            stack.push_async_callback(batches.close)  # before the pool closes: its lines stop first
+            services.batches = batches
             ticker = asyncio.create_task(every_few_seconds(services), name="every-few-seconds")
             stack.push_async_callback(cancel, ticker)
             if settings.rank_idle_s > 0:

@@ -42,7 +42,9 @@ class Pattern(NamedTuple):
     head: str
     tail: str
     name: str
-    anything: bool  # `{name:path}`: any text, slashes included; `{name}`: ASCII digits
+    #: `{name:path}` ("path"): any text, slashes included; `{name:str}` ("str"): one segment, no slash;
+    #: `{name}` ("digits"): ASCII digits
+    kind: str
 
     @classmethod
     def of(cls, path: str) -> Pattern | None:
@@ -50,15 +52,18 @@ class Pattern(NamedTuple):
             return None
         head, rest = path.split("{", 1)
         name, tail = rest.split("}", 1)
-        return cls(head, tail, name.removesuffix(":path"), name.endswith(":path"))
+        name, _, kind = name.partition(":")
+        return cls(head, tail, name, kind or "digits")
 
     def match(self, path: str) -> dict[str, str] | None:
         """The parameter if `path` matches, else None."""
-        head, tail, name, anything = self
+        head, tail, name, kind = self
         if not path.startswith(head) or not path.endswith(tail) or len(path) < len(head) + len(tail):
             return None
         value = path[len(head) : len(path) - len(tail)]
-        if not anything and not (value.isascii() and value.isdigit()):
+        if kind == "digits" and not (value.isascii() and value.isdigit()):
+            return None
+        if kind == "str" and (not value or "/" in value):
             return None
         return {name: value}
 
@@ -134,13 +139,19 @@ class Index:
     route by `framework` (the FastAPI app), for its methods; each needs the key unless in `open_paths`."""
 
     def __init__(self, routes: Iterable[BaseRoute], framework: Handler, open_paths: Collection[str]) -> None:
-        self.entries = []
+        self.entries: list[Entry] = []
+        framework_paths: dict[str, Entry] = {}
         for route in routes:
             if isinstance(route, RawRoute):
                 entry = Entry(route.path, route.handlers, route.auth, route.error_headers, route.label)
             elif isinstance(route, Route):  # FastAPI's own (`/openapi.json`) and every `APIRoute`
                 handlers = dict.fromkeys(route.methods or (), framework)
+                same_path = framework_paths.get(route.path)
+                if same_path is not None:  # one path, a route per method (`GET` and `POST /v1/batches`)
+                    handlers = {**same_path.handlers, **handlers}
+                    self.entries.remove(same_path)
                 entry = Entry(route.path, handlers, route.path not in open_paths, [], route.path)
+                framework_paths[route.path] = entry
             else:
                 raise TypeError(f"{route!r}: the index serves routes and raw routes, not mounts")
             self.entries.append(entry)

@@ -22,6 +22,7 @@ from app.checkpoints.output import redact_url, scrub
 from app.checkpoints.publish import ChunkPublisher, in_daemon_thread, shortened
 from app.checkpoints.resume import check_records_per_chunk, docs_to_skip, read_last_chunk
 from app.ops.metrics import Metrics
+from app.service.batches.engine import BatchEngine
 from app.service.coalescing import Flights
 from app.service.errors import (
     InsufficientStorage,
@@ -583,8 +584,9 @@ class Services:
     pool: UpstreamPool
     caches: CacheRegistry
     checkpoints: CheckpointRegistry
-    #: the Batch API's files (`<checkpoints_dir>/files`)
+    #: the Batch API's files (`<checkpoints_dir>/files`) and batches (set by the lifespan once started)
     files: FileStore
+    batches: BatchEngine | None = None
     activity: RankActivity = field(default_factory=RankActivity)
     flights: Flights = field(default_factory=Flights)
     metrics: Metrics = field(default_factory=Metrics)

@@ -97,6 +97,13 @@ class Settings(BaseSettings):
     )
     upstream_retries: int = Field(3, ge=0, le=20, description="retries on connection errors and 429/502/503/504")
     retry_backoff_s: float = Field(0.5, gt=0, description="first retry delay; doubles each retry, with jitter")
+    batch_retries: int = Field(
+        8,
+        ge=0,
+        le=50,
+        description="a batch line's tries after upstream_retries, on 429, 5xx, timeouts and lost connections "
+        "(backoff from retry_backoff_s, doubling, at most 30 s) before it goes to the error file",
+    )
     connect_timeout_s: float = Field(10.0, gt=0, description="upstream connect timeout")
     read_timeout_s: float = Field(900.0, gt=0, description="upstream silence allowed mid-answer (long generations)")
     max_body_bytes: int = Field(32 * MiB, gt=0, description="larger request bodies get 413")

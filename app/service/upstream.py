@@ -189,19 +189,27 @@ class UpstreamResponse:
 
 class Slots:
     """At most `capacity` holders at once (0: no limit); up to `queue` more wait, first come first served;
-    past that, `acquire` refuses at once. A released slot passes straight to the first waiter."""
+    past that, `acquire` refuses at once. A released slot passes straight to the first waiter.
+
+    Background holders (a batch's lines) wait in a queue of their own, never counted against `queue` and
+    never refused: a slot goes to one of them only when no live request waits, so a batch never makes a
+    live client wait in a queue it filled, nor refuses it a place there."""
 
     def __init__(self, capacity: int, queue: int) -> None:
         self.capacity = capacity
         self.queue = queue
         self.held = 0
         self.waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self.background: collections.deque[asyncio.Future[None]] = collections.deque()
 
-    async def acquire(self) -> None:
+    async def acquire(self, *, background: bool = False) -> None:
         if self.capacity == 0:
             return
-        if self.held < self.capacity and not self.waiters:
+        if self.held < self.capacity and not self.waiters and not (background and self.background):
             self.held += 1
+            return
+        if background:
+            await self._wait(self.background)
             return
         if len(self.waiters) >= self.queue:
             raise UpstreamBusy(
@@ -209,8 +217,11 @@ class Slots:
                 f"{len(self.waiters)} waiting (max_queued_requests); retry after the Retry-After seconds",
                 headers=[(b"retry-after", b"1")],
             )
+        await self._wait(self.waiters)
+
+    async def _wait(self, queue: collections.deque[asyncio.Future[None]]) -> None:
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.waiters.append(waiter)
+        queue.append(waiter)
         try:
             await waiter
         except asyncio.CancelledError:
@@ -219,17 +230,18 @@ class Slots:
             else:
                 # `release` may have dropped it already, as a waiter that was done (cancelled)
                 with contextlib.suppress(ValueError):
-                    self.waiters.remove(waiter)
+                    queue.remove(waiter)
             raise
 
     def release(self) -> None:
         if self.capacity == 0:
             return
-        while self.waiters:
-            waiter = self.waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # the slot changes hands: `held` stays
-                return
+        for queue in (self.waiters, self.background):  # live requests first
+            while queue:
+                waiter = queue.popleft()
+                if not waiter.done():
+                    waiter.set_result(None)  # the slot changes hands: `held` stays
+                    return
         self.held -= 1
 
 
@@ -310,12 +322,21 @@ class UpstreamPool:
 
     @contextlib.asynccontextmanager
     async def request(
-        self, method: str, path: str, *, headers: list[tuple[bytes, bytes]], body: bytes, key: bytes | None = None
+        self,
+        method: str,
+        path: str,
+        *,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        key: bytes | None = None,
+        background: bool = False,
     ) -> AsyncIterator[UpstreamResponse]:
         """Send with retries; yield the final answer; leaving the block releases its connection
         (kept if the body was read to its end, closed otherwise) and its slot. `key` chooses the replica
-        under affinity routing (`app.service.affinity.request_key`)."""
-        await self.slots.acquire()  # `UpstreamBusy` (429) when the queue for a slot is full
+        under affinity routing (`app.service.affinity.request_key`); `background`: a batch's line, which
+        waits for a slot behind every live request (`Slots`)."""
+        # `UpstreamBusy` (429) when the queue for a slot is full (never for a background request)
+        await self.slots.acquire(background=background)
         try:
             attempt = 0
             while True:

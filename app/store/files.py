@@ -66,8 +66,10 @@ class FileTooLarge(ValueError):
 class FileWriter:
     """A file being written (an upload as it arrives, a batch's output): `write`, then the store's `commit`."""
 
-    def __init__(self, store: FileStore, filename: str, purpose: str, limit: int | None) -> None:
-        self.id = new_file_id()
+    def __init__(
+        self, store: FileStore, filename: str, purpose: str, limit: int | None, file_id: str | None = None
+    ) -> None:
+        self.id = file_id or new_file_id()
         self.filename = filename
         self.purpose = purpose
         self.limit = limit
@@ -111,10 +113,13 @@ class FileStore:
                     path.unlink()
 
     @contextlib.contextmanager
-    def writing(self, filename: str, purpose: str, *, limit: int | None = None) -> Iterator[FileWriter]:
+    def writing(
+        self, filename: str, purpose: str, *, limit: int | None = None, file_id: str | None = None
+    ) -> Iterator[FileWriter]:
         """A new file: written inside the block, kept (durably, with its metadata) when it ends, removed if
-        it raises. Its `StoredFile` is then `store.get(writer.id)`."""
-        writer = FileWriter(self, filename, purpose, limit)
+        it raises. Its `StoredFile` is then `store.get(writer.id)`. `file_id`: the id to write it under (one
+        reserved beforehand, so that a write cut short by a crash is done again under the same id)."""
+        writer = FileWriter(self, filename, purpose, limit, file_id)
         try:
             yield writer
             writer.finish(self.fsync)

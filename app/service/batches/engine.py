@@ -1,0 +1,704 @@
+"""The Batch API's engine: batches run inside `serve`, through the upstream pool, resumed after any crash.
+
+A batch goes `validating` -> `in_progress` -> `finalizing` -> `completed` (or `failed` at validation,
+`cancelling` -> `cancelled`, `expired`), each change saved in its `batch.json` before it shows
+(`app.store.batches`). Its lines are read from the input file as they are needed, never held whole:
+
+- each line's answer is looked up in the answers' cache (every batch's answers, keyed by the line's
+  `custom_id`, its endpoint and its body's hash), else joins an identical line in flight (`Flights`),
+  else is sent upstream as a background request (`UpstreamPool.request(background=True)`: behind every
+  live request, never in the queue live clients are refused from);
+- a 429, a 5xx, a timeout or a lost connection is tried again with backoff, `batch_retries` times, and
+  only then is the line failed; a 4xx is the line's answer (it goes to the error file);
+- a line is done once its result is fsynced in `results.jsonl`: after a crash, the done lines are read
+  back from it, and only what was in flight is sent again (its answer, if it came and was stored, is
+  then a hit).
+
+The lines of all running batches share `max_inflight_per_upstream` x replicas slots in turn (`FairShare`),
+so that a large batch does not starve a small one. A batch is run by the proxy that holds its
+`owner.lock`; a proxy sharing the checkpoints dir takes over the batches of one that died.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import re
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from app.service.affinity import request_key
+from app.service.batches.validation import check_input
+from app.service.coalescing import Flights
+from app.service.errors import ProxyError
+from app.service.settings import Settings
+from app.service.storage_policy import cacheable_status, error_in_disguise
+from app.service.upstream import UpstreamPool, response_headers
+from app.store.batches import (
+    ACTIVE,
+    ANSWERS,
+    BatchDir,
+    BatchRecord,
+    Result,
+    is_batch_id,
+    new_batch_id,
+)
+from app.store.cache import RequestCache, StoredResponse
+from app.store.durable import GroupSync, make_dirs_durable
+from app.store.files import FileStore, new_file_id
+from app.store.hashing import payload_hash
+
+logger = logging.getLogger(__name__)
+
+#: The endpoints a batch may name; a line's answers are keyed by its endpoint's place here (as the rollout).
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+#: The rank under which batch lines fly in `Flights`: no rank of a job's (those are >= 0).
+BATCH_RANK = -1
+_WINDOW = re.compile(r"^(\d{1,6})h$")
+#: How often a running batch's counts are saved to its batch.json (for other proxies, and `status`).
+SAVE_EVERY_S = 2.0
+#: How often the batches folder is looked through for batches no proxy runs (their owner died).
+ADOPT_EVERY_S = 5.0
+_RETRIED = frozenset({408, 409, 429, 500, 502, 503, 504})
+
+
+def window_seconds(window: str) -> int | None:
+    """`completion_window` in seconds: `24h` or longer, in hours; None if it is not one."""
+    match = _WINDOW.match(window)
+    if match is None or int(match.group(1)) < 24:
+        return None
+    return int(match.group(1)) * 3600
+
+
+class FairShare:
+    """`capacity` slots shared by the running batches in turn: a slot released goes to the next batch in
+    the rotation that waits for one, so each running batch gets its share whatever its size."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.held = 0
+        self._waiting: collections.OrderedDict[str, collections.deque[asyncio.Future[None]]] = collections.OrderedDict()
+
+    async def acquire(self, batch_id: str) -> None:
+        if self.held < self.capacity and not self._waiting:
+            self.held += 1
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiting.setdefault(batch_id, collections.deque()).append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()
+            else:
+                queue = self._waiting.get(batch_id)
+                if queue is not None:
+                    with contextlib.suppress(ValueError):
+                        queue.remove(waiter)
+                    if not queue:
+                        del self._waiting[batch_id]
+            raise
+
+    def release(self) -> None:
+        while self._waiting:
+            batch_id, queue = next(iter(self._waiting.items()))
+            waiter = queue.popleft()
+            del self._waiting[batch_id]
+            if queue:
+                self._waiting[batch_id] = queue  # to the end of the rotation
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self.held -= 1
+
+
+class Lines:
+    """A set of line numbers, one bit each: a million lines in 125 KB."""
+
+    def __init__(self) -> None:
+        self.bits = bytearray()
+
+    def __contains__(self, line: int) -> bool:
+        byte = line >> 3
+        return byte < len(self.bits) and bool(self.bits[byte] & (1 << (line & 7)))
+
+    def add(self, line: int) -> None:
+        byte = line >> 3
+        if byte >= len(self.bits):
+            self.bits.extend(bytes(max(byte + 1 - len(self.bits), len(self.bits) // 2)))
+        self.bits[byte] |= 1 << (line & 7)
+
+
+class Running:
+    """A batch this proxy runs: its record, which lines are done, and its tasks."""
+
+    def __init__(self, folder: BatchDir, record: BatchRecord) -> None:
+        self.dir = folder
+        self.record = record
+        self.done = Lines()
+        self.task: asyncio.Task[None] | None = None
+        self.in_flight: set[asyncio.Task[None]] = set()
+        self.stopping = asyncio.Event()
+        self.saved_counts = (-1, -1)
+        self.hits = 0
+        self.started_at = time.monotonic()
+        self.completed_at_start = 0
+
+    def is_done(self, line: int) -> bool:
+        return line in self.done
+
+    def mark_done(self, line: int) -> None:
+        self.done.add(line)
+
+
+class BatchNotFound(LookupError):
+    pass
+
+
+class BatchEngine:
+    """Every batch under `<checkpoints_dir>/batches`: created, run, cancelled, listed, resumed at start."""
+
+    def __init__(self, settings: Settings, pool: UpstreamPool, flights: Flights, files: FileStore, root: str) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.flights = flights
+        self.files = files
+        self.root = Path(root)
+        per_replica = settings.max_inflight_per_upstream or 256
+        self.share = FairShare(per_replica * len(pool.replicas))
+        self.answers = RequestCache(
+            str(self.root / ANSWERS), flush_interval_ms=settings.flush_interval_ms, replay_same_run=True
+        )
+        self.running: dict[str, Running] = {}
+        self.syncs = GroupSync()
+        self.fsync = settings.fsync == "always"
+        self._adopter: asyncio.Task[None] | None = None
+        self._closing = False
+
+    # -- life -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        await asyncio.to_thread(make_dirs_durable, str(self.root))
+        await self.answers.initialize(0)
+        await self.adopt()
+        self._adopter = asyncio.create_task(self._adopt_forever(), name="batches-adopt")
+
+    async def close(self) -> None:
+        """Stop every batch (SIGTERM, shutdown): no new line is sent; the lines in flight get a few
+        seconds, then are cancelled (they run again at the next start); every result is durable."""
+        self._closing = True
+        if self._adopter is not None:
+            self._adopter.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._adopter
+        running = list(self.running.values())
+        for batch in running:
+            batch.stopping.set()
+        tasks = [b.task for b in running if b.task is not None]
+        if tasks:
+            _, pending = await asyncio.wait(tasks, timeout=min(5.0, self.settings.shutdown_grace_s))
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        for batch in running:
+            with contextlib.suppress(Exception):
+                await asyncio.to_thread(batch.dir.save, batch.record)
+            batch.dir.release()
+        self.running.clear()
+        await self.answers.close()
+
+    async def adopt(self) -> None:
+        """Run every active batch no proxy runs: this one's after a restart, a dead proxy's."""
+        for folder in await asyncio.to_thread(self._folders):
+            if folder.id in self.running or self._closing:
+                continue
+            try:
+                record = await asyncio.to_thread(folder.load)
+            except (OSError, ValueError):
+                continue  # being created, or not a batch's
+            if record.status in ACTIVE and await asyncio.to_thread(folder.claim):
+                record = await asyncio.to_thread(folder.load)  # as its last owner left it
+                if record.status in ACTIVE:
+                    logger.info("batch %s: carrying on (%s)", record.id, record.status)
+                    self._run(folder, record)
+                else:
+                    folder.release()
+
+    async def _adopt_forever(self) -> None:
+        while True:
+            await asyncio.sleep(ADOPT_EVERY_S)
+            try:
+                await self.adopt()
+            except Exception:
+                logger.exception("looking for batches to carry on failed")
+
+    def _folders(self) -> list[BatchDir]:
+        if not self.root.is_dir():
+            return []
+        return [BatchDir(p) for p in self.root.iterdir() if is_batch_id(p.name) and p.is_dir()]
+
+    # -- the routes' operations ---------------------------------------------------------------
+
+    async def create(
+        self, input_file_id: str, endpoint: str, completion_window: str, metadata: dict[str, str] | None
+    ) -> BatchRecord:
+        window = window_seconds(completion_window)
+        assert window is not None, "checked by the route"
+        now = int(time.time())
+        record = BatchRecord(
+            id=new_batch_id(),
+            endpoint=endpoint,
+            input_file_id=input_file_id,
+            completion_window=completion_window,
+            created_at=now,
+            expires_at=now + window,
+            serial=secrets.randbits(62),
+            metadata=metadata,
+        )
+        folder = BatchDir(self.root / record.id)
+        await asyncio.to_thread(folder.create, record)
+        if not await asyncio.to_thread(folder.claim):
+            raise RuntimeError(f"batch {record.id} was claimed by another process as it was created")
+        self._run(folder, record)
+        return record
+
+    def get(self, batch_id: str) -> BatchRecord:
+        running = self.running.get(batch_id)
+        if running is not None:
+            return running.record
+        if not is_batch_id(batch_id):
+            raise BatchNotFound(batch_id)
+        try:
+            return BatchDir(self.root / batch_id).load()
+        except (OSError, ValueError):
+            raise BatchNotFound(batch_id) from None
+
+    def all(self) -> list[BatchRecord]:
+        """Every batch, newest first."""
+        found = []
+        for folder in self._folders():
+            try:
+                found.append(self.running[folder.id].record if folder.id in self.running else folder.load())
+            except (OSError, ValueError):
+                continue
+        return sorted(found, key=lambda r: (r.created_at, r.id), reverse=True)
+
+    async def cancel(self, batch_id: str) -> BatchRecord:
+        """`cancelling` at once (no new line is sent), `cancelled` once the lines in flight are done and the
+        files are written. A batch another proxy runs is cancelled by it, when it sees the record."""
+        record = self.get(batch_id)
+        if record.status not in ("validating", "in_progress"):
+            return record
+        running = self.running.get(batch_id)
+        record.status, record.cancelling_at, record.ending = "cancelling", int(time.time()), "cancelled"
+        if running is None:  # not ours to run: the owner sees it at its next save
+            folder = BatchDir(self.root / batch_id)
+            await asyncio.to_thread(folder.save, record)
+            return record
+        await asyncio.to_thread(running.dir.save, record)
+        running.stopping.set()
+        return record
+
+    async def file_deleted(self, file_id: str) -> None:
+        """A batch's output file deleted: the answers of that batch are forgotten (a later batch with the
+        same lines generates them again)."""
+        for record in self.all():
+            if record.output_file_id == file_id:
+                await self.answers.drop_chunk(record.serial)
+
+    # -- running a batch ----------------------------------------------------------------------
+
+    def _run(self, folder: BatchDir, record: BatchRecord) -> None:
+        batch = Running(folder, record)
+        self.running[record.id] = batch
+        batch.task = asyncio.create_task(self._drive(batch), name=f"batch-{record.id}")
+
+    async def _drive(self, batch: Running) -> None:
+        record = batch.record
+        try:
+            while True:
+                try:
+                    await self._step(batch)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    if self._closing:
+                        raise
+                    logger.exception("batch %s: %s failed; trying again in 10 s", record.id, record.status)
+                    await asyncio.sleep(10)
+                    continue
+                if record.status not in ACTIVE or self._closing:
+                    break
+                if record.status == "in_progress" and batch.stopping.is_set() and record.ending is None:
+                    break
+        finally:
+            if not self._closing:
+                self.running.pop(record.id, None)
+                batch.dir.release()
+
+    async def _step(self, batch: Running) -> None:
+        record = batch.record
+        if record.status == "validating":
+            await self._validate(batch)
+        elif record.status == "in_progress":
+            await self._execute(batch)
+        elif record.status in ("finalizing", "cancelling"):
+            await self._finalize(batch)
+
+    async def _validate(self, batch: Running) -> None:
+        record = batch.record
+        stored = self.files.get(record.input_file_id)
+        now = int(time.time())
+        if stored is None:
+            gone = "the input file was deleted before the batch ran: upload it again and create a new batch"
+            record.errors = [{"code": "missing_input_file", "line": None, "param": "input_file_id", "message": gone}]
+            record.status, record.failed_at = "failed", now
+        else:
+            checked = await asyncio.to_thread(check_input, self.files.path(stored.id), record.endpoint)
+            if checked.bad or not checked.lines:
+                record.errors = checked.errors or [
+                    {"code": "empty_file", "line": None, "param": None, "message": "the input file has no lines"}
+                ]
+                record.status, record.failed_at = "failed", int(time.time())
+                logger.info("batch %s failed validation: %d bad lines", record.id, checked.bad)
+            else:
+                record.total = checked.lines
+                record.status, record.in_progress_at = "in_progress", int(time.time())
+        if record.ending == "cancelled":  # cancelled while it was being checked
+            record.status = "cancelling" if record.status == "in_progress" else record.status
+        await asyncio.to_thread(batch.dir.save, record)
+
+    async def _load_results(self, batch: Running) -> None:
+        """The lines done so far, from results.jsonl (the counts are its: a crash cannot set them back)."""
+        record = batch.record
+
+        def read() -> tuple[int, int, dict[str, int]]:
+            batch.dir.close_results()  # reopened at the next append, past a torn tail cut off here
+            batch.done = Lines()
+            completed = failed = 0
+            usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
+            for result in batch.dir.results():
+                if batch.is_done(result.line):
+                    continue
+                batch.mark_done(result.line)
+                if result.ok:
+                    completed += 1
+                else:
+                    failed += 1
+                _add_usage(usage, result.out)
+            return completed, failed, usage
+
+        record.completed, record.failed, record.usage = await asyncio.to_thread(read)
+        batch.completed_at_start = record.completed + record.failed
+
+    async def _execute(self, batch: Running) -> None:
+        record = batch.record
+        await self._load_results(batch)
+        saver = asyncio.create_task(self._save_progress(batch))
+        try:
+            await self._dispatch(batch)
+        finally:
+            # every line sent is recorded (or given up) before the batch goes on, or tries again
+            try:
+                await asyncio.gather(*batch.in_flight, return_exceptions=True)
+            except asyncio.CancelledError:  # shutdown: the lines in flight run again at the next start
+                for task in batch.in_flight:
+                    task.cancel()
+                await asyncio.gather(*batch.in_flight, return_exceptions=True)
+                raise
+            finally:
+                saver.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await saver
+        if self._closing:
+            return
+        fresh = await asyncio.to_thread(batch.dir.load)
+        if fresh.status == "cancelling" and record.status == "in_progress":  # cancelled through another proxy
+            record.status, record.cancelling_at, record.ending = "cancelling", fresh.cancelling_at, "cancelled"
+        if record.status == "cancelling":
+            return
+        now = int(time.time())
+        if record.completed + record.failed >= record.total:
+            record.status, record.finalizing_at, record.ending = "finalizing", now, "completed"
+        elif now >= record.expires_at:
+            record.status, record.finalizing_at, record.ending = "finalizing", now, "expired"
+        else:
+            if not batch.stopping.is_set():  # lines that could not be recorded (a full disk): again, later
+                await asyncio.sleep(5)
+            return  # or stopped (shutdown): carries on at the next start
+        await asyncio.to_thread(batch.dir.save, record)
+
+    async def _dispatch(self, batch: Running) -> None:
+        record = batch.record
+        path = self.files.path(record.input_file_id)
+        with path.open("rb") as f:
+            for number, raw in enumerate(f, 1):
+                if batch.stopping.is_set() or time.time() >= record.expires_at:
+                    return
+                if batch.is_done(number) or not raw.strip():
+                    continue
+                await self.share.acquire(record.id)
+                if batch.stopping.is_set():
+                    self.share.release()
+                    return
+                task = asyncio.create_task(self._line(batch, number, raw))
+                batch.in_flight.add(task)
+                task.add_done_callback(lambda t: self._line_done(batch, t))
+
+    def _line_done(self, batch: Running, task: asyncio.Task[None]) -> None:
+        batch.in_flight.discard(task)
+        self.share.release()
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("batch %s: a line failed to be recorded", batch.record.id, exc_info=task.exception())
+
+    async def _save_progress(self, batch: Running) -> None:
+        record = batch.record
+        while True:
+            await asyncio.sleep(SAVE_EVERY_S)
+            counts = (record.completed, record.failed)
+            try:
+                fresh = await asyncio.to_thread(batch.dir.load)
+                if fresh.status == "cancelling" and record.status == "in_progress":
+                    batch.stopping.set()  # cancelled through another proxy sharing the dir
+                if counts != batch.saved_counts:
+                    await asyncio.to_thread(batch.dir.save, record)
+                    batch.saved_counts = counts
+            except OSError as exc:
+                logger.warning("batch %s: its progress could not be saved (%s)", record.id, exc)
+
+    async def _line(self, batch: Running, number: int, raw: bytes) -> None:
+        record = batch.record
+        line = orjson.loads(raw)
+        custom_id: str = line["custom_id"]
+        body = orjson.dumps(line["body"])
+        rollout = ENDPOINTS.index(record.endpoint)
+        digest = payload_hash(line["body"])
+        answer = self.answers.get_response(custom_id, rollout, digest, datatrove_results=False)
+        result: Result | None
+        if answer is not None:
+            batch.hits += 1
+            # kept under this batch too: deleting the older batch's output does not forget it
+            self.answers.store_response(record.serial, custom_id, rollout, digest, answer)
+            result = _result(number, custom_id, answer, {})
+        else:
+            result = await self._generated(batch, number, custom_id, rollout, digest, body)
+        if result is None:
+            return  # stopped before an answer: the line runs again
+        file = batch.dir.append([result])
+        if self.fsync:
+            await self.syncs.sync(file)
+        batch.mark_done(number)
+        if result.ok:
+            record.completed += 1
+        else:
+            record.failed += 1
+        _add_usage(record.usage, result.out)
+
+    async def _generated(
+        self, batch: Running, number: int, custom_id: str, rollout: int, digest: str, body: bytes
+    ) -> Result | None:
+        record = batch.record
+        key = (BATCH_RANK, custom_id, rollout, digest)
+        while (flight := self.flights.get(key)) is not None:
+            shared = await flight.answer()
+            if shared is not None:
+                return _result(number, custom_id, shared, {})
+        with self.flights.lead(key, joinable=True) as flight:
+            outcome = await self._send(record.endpoint, custom_id, body, batch)
+            if outcome is None:
+                return None
+            if isinstance(outcome, str):
+                return _failed(number, custom_id, "upstream_error", outcome)
+            answer, headers = outcome
+            kept = cacheable_status(answer.status, self.settings.cache_error_statuses)
+            if kept and error_in_disguise(answer) is None:
+                self.answers.store_response(record.serial, custom_id, rollout, digest, answer)
+                flight.land(answer)
+            return _result(number, custom_id, answer, headers)
+
+    async def _send(
+        self, endpoint: str, custom_id: str, body: bytes, batch: Running
+    ) -> tuple[StoredResponse, dict[bytes, bytes]] | str | None:
+        """The upstream's answer to one line; a string saying why there is none after every retry; None if
+        the batch stopped meanwhile."""
+        pool = self.pool
+        headers = [(b"content-type", b"application/json"), (b"accept-encoding", b"identity")]
+        route = request_key(custom_id, endpoint, body) if pool.affine else None
+        why = ""
+        for attempt in range(self.settings.batch_retries + 1):
+            if attempt:
+                delay = min(30.0, self.settings.retry_backoff_s * 2**attempt)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(batch.stopping.wait(), delay)
+                if batch.stopping.is_set():
+                    return None  # cancelled or stopping: not sent again now
+            try:
+                async with pool.request("POST", endpoint, headers=headers, body=body, key=route, background=True) as up:
+                    data = await up.read()
+                    status, content_type = up.status, up.content_type
+                    got = dict(response_headers(up.headers))
+            except ProxyError as exc:
+                why = exc.message
+                continue
+            if status in _RETRIED:
+                why = f"the upstream answered {status}: {data[:200].decode('utf-8', 'replace')}"
+                continue
+            return StoredResponse(status, data, content_type), got
+        return f"{why} (after {self.settings.batch_retries + 1} tries)"
+
+    async def _finalize(self, batch: Running) -> None:
+        """Write the output and error files from results.jsonl (under ids reserved first, so that a crash
+        here writes them again under the same ids), then the batch's final status."""
+        record = batch.record
+        if record.ending is None:
+            record.ending = "cancelled" if record.status == "cancelling" else "completed"
+        if record.output_file_id is None and record.error_file_id is None:
+            record.output_file_id, record.error_file_id = new_file_id(), new_file_id()
+            await asyncio.to_thread(batch.dir.save, record)
+        await self._load_results(batch)  # the done lines (for the expired ones' errors) and the counts
+        has = await asyncio.to_thread(self._write_files, batch)
+        now = int(time.time())
+        record.output_file_id = record.output_file_id if has[0] else None
+        record.error_file_id = record.error_file_id if has[1] else None
+        record.status = record.ending
+        if record.ending == "completed":
+            record.completed_at = now
+        elif record.ending == "expired":
+            record.expired_at = now
+        else:
+            record.cancelled_at = now
+        await asyncio.to_thread(batch.dir.save, record)
+        logger.info(
+            "batch %s %s: %d completed, %d failed of %d",
+            record.id,
+            record.status,
+            record.completed,
+            record.failed,
+            record.total,
+        )
+
+    def _write_files(self, batch: Running) -> tuple[bool, bool]:
+        record = batch.record
+        assert record.output_file_id is not None
+        assert record.error_file_id is not None
+        expired = self._expired_lines(batch) if record.ending == "expired" else iter(())
+        wrote = [False, False]
+        for index, (file_id, ok) in enumerate(((record.output_file_id, True), (record.error_file_id, False))):
+            if self.files.get(file_id) is not None:
+                wrote[index] = True
+                continue
+            lines = _once(batch.dir.results(), ok)
+            first = next(lines, None)
+            if first is None and ok:
+                continue
+            if not ok and first is None:
+                first = next(expired, None)
+                if first is None:
+                    continue
+            name = f"{record.id}_{'output' if ok else 'error'}.jsonl"
+            with self.files.writing(name, "batch_output", file_id=file_id) as out:
+                out.write(orjson.dumps(first) + b"\n")
+                for item in lines:
+                    out.write(orjson.dumps(item) + b"\n")
+                if not ok:
+                    for item in expired:
+                        out.write(orjson.dumps(item) + b"\n")
+            wrote[index] = True
+        return wrote[0], wrote[1]
+
+    def _expired_lines(self, batch: Running) -> Iterator[dict[str, Any]]:
+        with self.files.path(batch.record.input_file_id).open("rb") as f:
+            for number, raw in enumerate(f, 1):
+                if raw.strip() and not batch.is_done(number):
+                    custom_id = orjson.loads(raw)["custom_id"]
+                    message = "This request could not be executed before the completion window expired."
+                    yield _failed(number, custom_id, "batch_expired", message).out
+
+    # -- progress ---------------------------------------------------------------------------
+
+    def progress(self) -> list[dict[str, Any]]:
+        """The running batches, for /stats: counts, rate since this proxy took them, ETA."""
+        out = []
+        for batch in self.running.values():
+            record = batch.record
+            done = record.completed + record.failed
+            elapsed = time.monotonic() - batch.started_at
+            rate = (done - batch.completed_at_start) / elapsed if elapsed > 0 else 0.0
+            left = max(record.total - done, 0)
+            out.append(
+                {
+                    "id": record.id,
+                    "status": record.status,
+                    "total": record.total,
+                    "completed": record.completed,
+                    "failed": record.failed,
+                    "in_flight": len(batch.in_flight),
+                    "hits": batch.hits,
+                    "lines_per_s": round(rate, 2),
+                    "eta_s": round(left / rate) if rate > 0 and left else None,
+                }
+            )
+        return out
+
+
+def _once(results: Iterator[Result], ok: bool) -> Iterator[dict[str, Any]]:
+    """The output (or error) lines of results, each input line's first result only."""
+    seen = Lines()
+    for result in results:
+        if result.line not in seen:
+            seen.add(result.line)
+            if result.ok == ok:
+                yield result.out
+
+
+def _request_id(answer: StoredResponse, headers: dict[bytes, bytes]) -> str:
+    given = headers.get(b"x-request-id")
+    if given:
+        return given.decode("latin-1")
+    return "req_" + secrets.token_hex(12)
+
+
+def _result(number: int, custom_id: str, answer: StoredResponse, headers: dict[bytes, bytes]) -> Result:
+    try:
+        body: Any = orjson.loads(answer.body)
+    except orjson.JSONDecodeError:
+        body = answer.body.decode("utf-8", "replace")
+    out = {
+        "id": "batch_req_" + secrets.token_hex(12),
+        "custom_id": custom_id,
+        "response": {"status_code": answer.status, "request_id": _request_id(answer, headers), "body": body},
+        "error": None,
+    }
+    return Result(number, 200 <= answer.status < 300, out)
+
+
+def _failed(number: int, custom_id: str, code: str, message: str) -> Result:
+    out = {
+        "id": "batch_req_" + secrets.token_hex(12),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
+    return Result(number, False, out)
+
+
+def _add_usage(usage: dict[str, int], out: dict[str, Any]) -> None:
+    response = out.get("response")
+    body = response.get("body") if isinstance(response, dict) else None
+    counted = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(counted, dict):
+        return
+    prompt = counted.get("prompt_tokens")
+    completion = counted.get("completion_tokens")
+    if isinstance(prompt, int):
+        usage["input_tokens"] = usage.get("input_tokens", 0) + prompt
+    if isinstance(completion, int):
+        usage["output_tokens"] = usage.get("output_tokens", 0) + completion
+    usage["total_tokens"] = usage.get("input_tokens", 0) + usage.get("output_tokens", 0)

@@ -1,0 +1,111 @@
+"""A batch's input file checked before anything of it runs (contract §7): every line a JSON object with a
+`custom_id` unique in the file, `method` POST, `url` the batch's endpoint, and a `body` object that does
+not ask for a stream. Read line by line, never whole; duplicates found through 8-byte hashes of the ids."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+import xxhash
+
+#: The errors a failed batch names (OpenAI's `errors.data`), the first ones of the file.
+MAX_ERRORS = 100
+
+
+@dataclass
+class Checked:
+    """What the check found: the lines to run, and the errors of the first bad lines."""
+
+    lines: int = 0
+    bad: int = 0
+    errors: list[dict[str, Any]] = field(default_factory=list)
+
+    def error(self, line: int, code: str, message: str, param: str | None = None) -> None:
+        self.bad += 1
+        self.errors.append({"code": code, "line": line, "message": message, "param": param})
+        if len(self.errors) >= 2 * MAX_ERRORS:  # the first lines' kept, wherever a pass found them
+            self.errors.sort(key=lambda e: e["line"])
+            del self.errors[MAX_ERRORS:]
+
+
+def line_problem(record: Any, endpoint: str) -> tuple[str, str, str | None] | None:
+    """What is wrong with one parsed line: (code, message, param), or None."""
+    if not isinstance(record, dict):
+        return "invalid_json_line", f"the line must be a JSON object, got a JSON {type(record).__name__}", None
+    custom_id = record.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return "missing_custom_id", "the line needs a `custom_id`, a non-empty string", "custom_id"
+    if record.get("method") != "POST":
+        return "invalid_method", f'`method` must be "POST", got {record.get("method")!r}', "method"
+    if record.get("url") != endpoint:
+        return (
+            "mismatched_url",
+            f"`url` must be the batch's endpoint {endpoint!r}, got {record.get('url')!r}",
+            "url",
+        )
+    body = record.get("body")
+    if not isinstance(body, dict):
+        return "invalid_body", "`body` must be a JSON object (the request as sent to the endpoint)", "body"
+    if body.get("stream") not in (None, False):
+        return "stream_not_supported", "`body.stream` must be false or absent: a batch's answers are whole", "body"
+    return None
+
+
+def check_input(path: Path, endpoint: str) -> Checked:
+    """Check every line of the file at `path` (blank lines are skipped, but counted in line numbers)."""
+    checked = Checked()
+    seen: set[int] = set()
+    maybe_twice: set[int] = set()
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                record = orjson.loads(raw)
+            except orjson.JSONDecodeError as exc:
+                checked.error(number, "invalid_json_line", f"the line is not valid JSON: {exc}")
+                continue
+            problem = line_problem(record, endpoint)
+            if problem is not None:
+                checked.error(number, *problem)
+                continue
+            checked.lines += 1
+            digest = xxhash.xxh3_64_intdigest(record["custom_id"].encode())
+            if digest in seen:
+                maybe_twice.add(digest)
+            seen.add(digest)
+    if maybe_twice:
+        _name_duplicates(path, maybe_twice, checked)
+    checked.errors.sort(key=lambda e: e["line"])
+    del checked.errors[MAX_ERRORS:]
+    return checked
+
+
+def _name_duplicates(path: Path, digests: set[int], checked: Checked) -> None:
+    """A second pass over the lines whose ids' hashes met twice: the ids that really repeat, each at every
+    line after its first."""
+    first: dict[str, int] = {}
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            try:
+                record = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                continue
+            custom_id = record.get("custom_id") if isinstance(record, dict) else None
+            if not isinstance(custom_id, str) or xxhash.xxh3_64_intdigest(custom_id.encode()) not in digests:
+                continue
+            if custom_id in first:
+                checked.error(
+                    number,
+                    "duplicate_custom_id",
+                    f"`custom_id` {custom_id!r} is used on line {first[custom_id]} already: each line needs its own",
+                    "custom_id",
+                )
+                checked.lines -= 1
+            else:
+                first[custom_id] = number

@@ -1,0 +1,143 @@
+"""`/v1/batches`: OpenAI's Batch API on the proxy's own engine (`app.service.batches.engine`, contract §7).
+
+Every answer is an OpenAI `Batch` object, or a list of them; a bad request is a one-line 400 that names the
+field and says what to put there, and creates nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from app.service.asgi import Receive, Scope, check_json_cost, read_body
+from app.service.batches.engine import ENDPOINTS, BatchEngine, BatchNotFound, window_seconds
+from app.service.errors import BadRequest, NotFound
+from app.service.services import Services
+from app.store.batches import BatchRecord
+
+MAX_METADATA = 16
+#: OpenAI's usage details, which the upstream's answers do not break down for a batch
+NO_TOKEN_DETAILS = {"input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+LIST_LIMIT = 100
+
+
+def engine_of(services: Services) -> BatchEngine:
+    assert services.batches is not None, "the lifespan starts the batch engine"
+    return services.batches
+
+
+def batch_object(record: BatchRecord) -> dict[str, Any]:
+    """`record` as OpenAI's `Batch`."""
+    return {
+        "id": record.id,
+        "object": "batch",
+        "endpoint": record.endpoint,
+        "errors": {"object": "list", "data": record.errors} if record.errors else None,
+        "input_file_id": record.input_file_id,
+        "completion_window": record.completion_window,
+        "status": record.status,
+        "output_file_id": record.output_file_id if record.status not in ("finalizing", "cancelling") else None,
+        "error_file_id": record.error_file_id if record.status not in ("finalizing", "cancelling") else None,
+        "created_at": record.created_at,
+        "in_progress_at": record.in_progress_at,
+        "expires_at": record.expires_at,
+        "finalizing_at": record.finalizing_at,
+        "completed_at": record.completed_at,
+        "failed_at": record.failed_at,
+        "expired_at": record.expired_at,
+        "cancelling_at": record.cancelling_at,
+        "cancelled_at": record.cancelled_at,
+        "request_counts": {"total": record.total, "completed": record.completed, "failed": record.failed},
+        "metadata": record.metadata,
+        "usage": {
+            **record.usage,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0},
+        },
+    }
+
+
+async def create(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
+    body = await read_body(scope, receive, services.settings.max_body_bytes)
+    check_json_cost(body)
+    try:
+        asked = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body must be a JSON object: {exc}") from None
+    if not isinstance(asked, dict):
+        raise BadRequest(f"the request body must be a JSON object, got a JSON {type(asked).__name__}")
+    input_file_id = asked.get("input_file_id")
+    if not isinstance(input_file_id, str) or not input_file_id:
+        raise BadRequest("`input_file_id` is required: the id of a file uploaded to /v1/files", param="input_file_id")
+    stored = services.files.get(input_file_id)
+    if stored is None:
+        raise BadRequest(
+            f"no file {input_file_id!r}: upload the input with POST /v1/files (purpose=batch) first",
+            param="input_file_id",
+        )
+    if stored.purpose != "batch":
+        raise BadRequest(
+            f"file {input_file_id!r} has purpose {stored.purpose!r}: a batch's input is uploaded with purpose=batch",
+            param="input_file_id",
+        )
+    endpoint = asked.get("endpoint")
+    if endpoint not in ENDPOINTS:
+        raise BadRequest(f"`endpoint` must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
+    window = asked.get("completion_window", "24h")
+    if not isinstance(window, str) or window_seconds(window) is None:
+        raise BadRequest(
+            f"`completion_window` must be 24h or longer, in hours ('24h', '72h'), got {window!r}",
+            param="completion_window",
+        )
+    metadata = check_metadata(asked.get("metadata"))
+    record = await engine_of(services).create(input_file_id, endpoint, window, metadata)
+    return batch_object(record)
+
+
+def check_metadata(metadata: Any) -> dict[str, str] | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict):
+        raise BadRequest("`metadata` must be an object of strings, or null", param="metadata")
+    if len(metadata) > MAX_METADATA:
+        raise BadRequest(f"`metadata` holds at most {MAX_METADATA} pairs, got {len(metadata)}", param="metadata")
+    for key, value in metadata.items():
+        if not isinstance(value, str) or len(key) > 64 or len(value) > 512:
+            raise BadRequest(
+                f"`metadata` keys are strings of up to 64 characters and values strings of up to 512: {key[:70]!r}",
+                param="metadata",
+            )
+    return metadata
+
+
+def get(services: Services, batch_id: str) -> dict[str, Any]:
+    try:
+        return batch_object(engine_of(services).get(batch_id))
+    except BatchNotFound:
+        raise NotFound(f"No batch found with id {batch_id!r}", param="batch_id") from None
+
+
+def listing(services: Services, after: str | None, limit: int) -> dict[str, Any]:
+    if not 1 <= limit <= LIST_LIMIT:
+        raise BadRequest(f"`limit` must be between 1 and {LIST_LIMIT}, got {limit}", param="limit")
+    records = engine_of(services).all()
+    if after is not None:
+        ids = [r.id for r in records]
+        if after not in ids:
+            raise BadRequest(f"`after` must be the id of a listed batch, got {after!r}", param="after")
+        records = records[ids.index(after) + 1 :]
+    page = records[:limit]
+    return {
+        "object": "list",
+        "data": [batch_object(r) for r in page],
+        "first_id": page[0].id if page else None,
+        "last_id": page[-1].id if page else None,
+        "has_more": len(records) > limit,
+    }
+
+
+async def cancel(services: Services, batch_id: str) -> dict[str, Any]:
+    try:
+        return batch_object(await engine_of(services).cancel(batch_id))
+    except BatchNotFound:
+        raise NotFound(f"No batch found with id {batch_id!r}", param="batch_id") from None

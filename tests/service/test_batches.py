@@ -1,0 +1,240 @@
+"""The Batch API (`/v1/batches`, contract §7) in-process: a real proxy on a loopback port in front of the
+fake upstream, its input files in the proxy's file store as an upload leaves them."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from app.service.settings import Settings
+from app.store.files import FileStore
+from tests.servers import fake_upstream, serve_proxy
+
+CHAT = "/v1/chat/completions"
+
+
+def chat_line(custom_id: str, text: str, **body: Any) -> dict[str, Any]:
+    request = {"model": "fake-model", "messages": [{"role": "user", "content": text}], **body}
+    return {"custom_id": custom_id, "method": "POST", "url": CHAT, "body": request}
+
+
+def put_file(checkpoints: Path, lines: list[Any], *, raw: bytes | None = None) -> str:
+    """An input file in the proxy's store, as `POST /v1/files` leaves one."""
+    store = FileStore(checkpoints / "files")
+    store.open()
+    data = raw if raw is not None else b"".join(orjson.dumps(line) + b"\n" for line in lines)
+    with store.writing("input.jsonl", "batch") as out:
+        out.write(data)
+    return out.id
+
+
+def read_file(checkpoints: Path, file_id: str | None) -> list[dict[str, Any]]:
+    if file_id is None:
+        return []
+    data = (checkpoints / "files" / file_id).read_bytes()
+    return [orjson.loads(line) for line in data.splitlines()]
+
+
+async def until(client: httpx.AsyncClient, batch_id: str, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while True:
+        batch: dict[str, Any] = (await client.get(f"/v1/batches/{batch_id}")).json()
+        if done(batch):
+            return batch
+        assert time.monotonic() < deadline, batch
+        await asyncio.sleep(0.05)
+
+
+def final(batch: dict[str, Any]) -> bool:
+    return batch["status"] in ("completed", "failed", "expired", "cancelled")
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return Settings(
+        checkpoints_dir=tmp_path / "checkpoints",
+        output=str(tmp_path / "output"),
+        retry_backoff_s=0.01,
+        upstream_retries=0,
+        batch_retries=2,
+    )
+
+
+@pytest.fixture
+async def upstream() -> AsyncIterator[tuple[str, Any]]:
+    async with fake_upstream() as started:
+        yield started
+
+
+async def proxy(settings: Settings, upstream_url: str) -> AsyncIterator[httpx.AsyncClient]:
+    async with (
+        serve_proxy(settings.model_copy(update={"upstream": [upstream_url]})) as url,
+        httpx.AsyncClient(base_url=url, timeout=30) as client,
+    ):
+        yield client
+
+
+async def test_a_batch_answers_every_line_once_in_openais_format(settings: Settings, upstream: Any) -> None:
+    url, fake = upstream
+    lines = [chat_line(f"req-{i}", f"question {i}") for i in range(50)]
+    lines.append(chat_line("too-long", "x", fake_upstream={"status": 400}))
+    file_id = put_file(settings.checkpoints_dir, lines)
+    async for client in proxy(settings, url):
+        created = await client.post(
+            "/v1/batches",
+            json={"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h", "metadata": {"k": "v"}},
+        )
+        assert created.status_code == 200, created.text
+        assert created.json()["status"] in ("validating", "in_progress")
+        batch = await until(client, created.json()["id"], final)
+        assert batch["status"] == "completed", batch
+        assert batch["request_counts"] == {"total": 51, "completed": 50, "failed": 1}
+        assert batch["metadata"] == {"k": "v"}
+        for stamp in ("created_at", "in_progress_at", "finalizing_at", "completed_at", "expires_at"):
+            assert isinstance(batch[stamp], int), stamp
+        assert batch["usage"]["total_tokens"] > 0
+        output = read_file(settings.checkpoints_dir, batch["output_file_id"])
+        errors = read_file(settings.checkpoints_dir, batch["error_file_id"])
+        assert sorted(o["custom_id"] for o in output) == sorted(f"req-{i}" for i in range(50))
+        for line in output:
+            assert line["id"].startswith("batch_req_")
+            assert line["error"] is None
+            assert line["response"]["status_code"] == 200
+            assert line["response"]["body"]["object"] == "chat.completion"
+        assert [e["custom_id"] for e in errors] == ["too-long"]
+        assert errors[0]["response"]["status_code"] == 400
+        assert fake.generations == 50
+        listed = (await client.get("/v1/batches")).json()
+        assert [b["id"] for b in listed["data"]] == [batch["id"]]
+
+
+async def test_a_resubmitted_file_is_answered_from_the_first_batch_and_pays_nothing(
+    settings: Settings, upstream: Any
+) -> None:
+    url, fake = upstream
+    file_id = put_file(settings.checkpoints_dir, [chat_line(f"r{i}", f"q{i}") for i in range(20)])
+    async for client in proxy(settings, url):
+        body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
+        first = await until(client, (await client.post("/v1/batches", json=body)).json()["id"], final)
+        second = await until(client, (await client.post("/v1/batches", json=body)).json()["id"], final)
+        assert fake.generations == 20
+        assert second["request_counts"]["completed"] == 20
+        bodies = {
+            o["custom_id"]: o["response"]["body"] for o in read_file(settings.checkpoints_dir, first["output_file_id"])
+        }
+        again = {
+            o["custom_id"]: o["response"]["body"] for o in read_file(settings.checkpoints_dir, second["output_file_id"])
+        }
+        assert again == bodies
+
+
+@pytest.mark.parametrize(
+    ("line", "code"),
+    [
+        (b"not json", "invalid_json_line"),
+        (orjson.dumps({"method": "POST", "url": CHAT, "body": {}}), "missing_custom_id"),
+        (orjson.dumps({"custom_id": "a", "method": "GET", "url": CHAT, "body": {}}), "invalid_method"),
+        (orjson.dumps({"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {}}), "mismatched_url"),
+        (orjson.dumps({"custom_id": "a", "method": "POST", "url": CHAT, "body": []}), "invalid_body"),
+        (orjson.dumps(chat_line("a", "x", stream=True)), "stream_not_supported"),
+        (orjson.dumps(chat_line("ok-0", "again")), "duplicate_custom_id"),
+    ],
+)
+async def test_a_bad_line_fails_the_batch_naming_it_and_sends_nothing(
+    settings: Settings, upstream: Any, line: bytes, code: str
+) -> None:
+    url, fake = upstream
+    good = b"".join(orjson.dumps(chat_line(f"ok-{i}", f"q{i}")) + b"\n" for i in range(3))
+    file_id = put_file(settings.checkpoints_dir, [], raw=good + line + b"\n")
+    async for client in proxy(settings, url):
+        created = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})
+        batch = await until(client, created.json()["id"], final)
+        assert batch["status"] == "failed"
+        assert isinstance(batch["failed_at"], int)
+        [error] = batch["errors"]["data"]
+        assert error["line"] == 4
+        assert error["code"] == code
+        assert error["message"]
+        assert fake.requests == 0 or fake.generations == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "param"),
+    [
+        ({"input_file_id": "file-000000000000000000000000"}, "input_file_id"),
+        ({"input_file_id": None}, "input_file_id"),
+        ({"endpoint": "/v1/responses"}, "endpoint"),
+        ({"completion_window": "1h"}, "completion_window"),
+        ({"completion_window": "tomorrow"}, "completion_window"),
+        ({"metadata": {"k": 1}}, "metadata"),
+    ],
+)
+async def test_a_bad_create_request_is_a_400_naming_the_field_and_creates_nothing(
+    settings: Settings, upstream: Any, change: dict[str, Any], param: str
+) -> None:
+    url, _ = upstream
+    file_id = put_file(settings.checkpoints_dir, [chat_line("a", "q")])
+    async for client in proxy(settings, url):
+        body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h", **change}
+        answer = await client.post("/v1/batches", json=body)
+        assert answer.status_code == 400
+        assert answer.json()["error"]["param"] == param
+        assert (await client.get("/v1/batches")).json()["data"] == []
+
+
+async def test_unknown_batch_ids_are_404_in_openais_envelope(settings: Settings, upstream: Any) -> None:
+    async for client in proxy(settings, upstream[0]):
+        for answer in (
+            await client.get("/v1/batches/batch_nope"),
+            await client.post("/v1/batches/batch_000000000000000000000000/cancel"),
+        ):
+            assert answer.status_code == 404
+            assert "No batch found" in answer.json()["error"]["message"]
+
+
+async def test_cancel_sends_no_new_line_and_keeps_every_finished_one(settings: Settings, tmp_path: Path) -> None:
+    async with fake_upstream(latency_ms=200) as (url, fake):
+        file_id = put_file(settings.checkpoints_dir, [chat_line(f"c{i}", f"q{i}") for i in range(400)])
+        slow = settings.model_copy(update={"max_inflight_per_upstream": 4})
+        async for client in proxy(slow, url):
+            created = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()
+            await until(client, created["id"], lambda b: b["request_counts"]["completed"] >= 8)
+            cancelling = (await client.post(f"/v1/batches/{created['id']}/cancel")).json()
+            assert cancelling["status"] in ("cancelling", "cancelled")
+            sent = fake.requests
+            batch = await until(client, created["id"], final)
+            assert batch["status"] == "cancelled"
+            assert isinstance(batch["cancelled_at"], int)
+            assert fake.requests <= sent + 0, "a line was sent after the cancel"
+            output = read_file(settings.checkpoints_dir, batch["output_file_id"])
+            assert len(output) == batch["request_counts"]["completed"] >= 8
+            assert len({o["custom_id"] for o in output}) == len(output)
+            await asyncio.sleep(0.5)
+            assert fake.requests == sent
+
+
+async def test_a_restart_carries_on_without_paying_for_the_lines_done(settings: Settings) -> None:
+    async with fake_upstream(latency_ms=50) as (url, fake):
+        file_id = put_file(settings.checkpoints_dir, [chat_line(f"k{i}", f"q{i}") for i in range(200)])
+        slow = settings.model_copy(update={"max_inflight_per_upstream": 8})
+        async for client in proxy(slow, url):
+            batch_id = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()[
+                "id"
+            ]
+            stopped = await until(client, batch_id, lambda b: b["request_counts"]["completed"] >= 40)
+        done_before = stopped["request_counts"]["completed"]
+        async for client in proxy(slow, url):
+            batch = await until(client, batch_id, final)
+        assert batch["status"] == "completed"
+        assert batch["request_counts"]["completed"] == 200
+        output = read_file(settings.checkpoints_dir, batch["output_file_id"])
+        assert sorted(o["custom_id"] for o in output) == sorted(f"k{i}" for i in range(200))
+        # only the lines in flight at the stop (at most max_inflight) were generated twice
+        assert 200 <= fake.generations <= 200 + 8, (fake.generations, done_before)
