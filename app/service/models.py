@@ -166,6 +166,19 @@ class Job(Strict):
     finished: bool
 
 
+class BatchView(Strict):
+    id: str
+    status: str
+    total: int
+    completed: int
+    failed: int
+    in_flight: int
+    usage: dict[str, int] = Field(description="`input_tokens`, `output_tokens`, `total_tokens` of its answers")
+    hits: int = Field(description="lines answered from the answers' cache since it started here")
+    lines_per_s: float = Field(description="lines done per second since it started here")
+    eta_s: float | None = Field(description="at that rate, the seconds left")
+
+
 class Stats(Strict):
     """Everything `/metrics`, the page and `inferproxy status` show (docs/contract.md, "Operations")."""
 
@@ -186,3 +199,4 @@ class Stats(Strict):
     ranks: list[RankView]
     forgotten: dict[str, int] = Field(description="the counts of ranks no longer shown one by one")
     history: list[dict[str, float]] = Field(description="the totals sampled every few seconds, `t` their time")
+    batches: list[BatchView] = Field(description="the batches this proxy runs now (`/v1/batches` has them all)")

@@ -229,6 +229,13 @@ async def test_a_restart_carries_on_without_paying_for_the_lines_done(settings: 
                 "id"
             ]
             stopped = await until(client, batch_id, lambda b: b["request_counts"]["completed"] >= 40)
+            [running] = (await client.get("/stats")).json()["batches"]
+            assert running["id"] == batch_id
+            assert running["total"] == 200
+            assert 40 <= running["completed"] < 200
+            assert running["in_flight"] <= 8
+            metrics = (await client.get("/metrics")).text
+            assert f'inferproxy_batch_lines{{batch="{batch_id}",state="completed"}}' in metrics
         done_before = stopped["request_counts"]["completed"]
         async for client in proxy(slow, url):
             batch = await until(client, batch_id, final)

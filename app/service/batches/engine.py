@@ -466,7 +466,10 @@ class BatchEngine:
             try:
                 fresh = await asyncio.to_thread(batch.dir.load)
                 if fresh.status == "cancelling" and record.status == "in_progress":
-                    batch.stopping.set()  # cancelled through another proxy sharing the dir
+                    # cancelled through another proxy sharing the dir: kept, not saved over
+                    record.status, record.cancelling_at, record.ending = "cancelling", fresh.cancelling_at, "cancelled"
+                    batch.stopping.set()
+                    counts = (-2, -2)
                 if counts != batch.saved_counts:
                     await asyncio.to_thread(batch.dir.save, record)
                     batch.saved_counts = counts
@@ -640,6 +643,7 @@ class BatchEngine:
                     "completed": record.completed,
                     "failed": record.failed,
                     "in_flight": len(batch.in_flight),
+                    "usage": dict(record.usage),
                     "hits": batch.hits,
                     "lines_per_s": round(rate, 2),
                     "eta_s": round(left / rate) if rate > 0 and left else None,

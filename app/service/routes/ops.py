@@ -137,6 +137,7 @@ def snapshot(
             }
             for r in services.pool.replicas
         ],
+        "batches": services.batches.progress() if services.batches is not None else [],
         "fsync": {"count": FSYNC_SECONDS.count, "p99_s": FSYNC_SECONDS.quantile(0.99)},
         "owned_ranks": owned,
         "job": metrics.job(),
@@ -254,6 +255,28 @@ def _count_entries(path: str) -> int | None:
 # -- Prometheus -------------------------------------------------------------------------
 
 
+def batch_metrics(batches: list[dict[str, Any]]) -> Iterator[Metric]:
+    """`inferproxy_batch_*`: each running batch's lines by state, its tokens and its rate."""
+    lines = GaugeMetricFamily("inferproxy_batch_lines", "a running batch's lines, by state", labels=["batch", "state"])
+    tokens = GaugeMetricFamily("inferproxy_batch_tokens", "tokens its answers used, by kind", labels=["batch", "kind"])
+    rate = GaugeMetricFamily(
+        "inferproxy_batch_lines_per_second", "lines done per second since it started here", labels=["batch"]
+    )
+    for batch in batches:
+        done = batch["completed"] + batch["failed"]
+        for state, count in (
+            ("completed", batch["completed"]),
+            ("failed", batch["failed"]),
+            ("in_flight", batch["in_flight"]),
+            ("pending", max(batch["total"] - done - batch["in_flight"], 0)),
+        ):
+            lines.add_metric([batch["id"], state], count)
+        for kind in ("input_tokens", "output_tokens"):
+            tokens.add_metric([batch["id"], kind.removesuffix("_tokens")], batch["usage"][kind])
+        rate.add_metric([batch["id"]], batch["lines_per_s"])
+    yield from (lines, tokens, rate)
+
+
 class _Collector(Collector):
     """The snapshot as metric families, built on each scrape."""
 
@@ -289,6 +312,7 @@ class _Collector(Collector):
         latency = HistogramMetricFamily(
             "inferproxy_upstream_latency_seconds", "from sending to the answer's head", labels=["replica"]
         )
+        yield from batch_metrics(self.view["batches"])
         for replica in self.services.pool.replicas:
             upstream_requests.add_metric([replica.url], replica.requests)
             upstream_errors.add_metric([replica.url], replica.errors)
