@@ -224,6 +224,12 @@ _RANK = {
     "finished": Added(bool),
     "finished_at": NUMBER_OR_NULL,
 }
+_BATCH = {
+    "id": str,
+    "status": str,
+    **dict.fromkeys(("total", "completed", "failed", "in_flight", "lines_per_s"), NUMBER),
+    "eta_s": NUMBER_OR_NULL,
+}
 STATS_SHAPE: dict[str, Any] = {
     "version": str,
     **dict.fromkeys(("now", "uptime_s", "in_flight"), NUMBER),
@@ -233,6 +239,7 @@ STATS_SHAPE: dict[str, Any] = {
     "ranks": [_RANK],
     "forgotten": {"ranks": NUMBER_OR_NULL},  # proxies before `max_tracked_ranks` have none
     "job": Added({"ranks_declared": NUMBER_OR_NULL, "ranks_finished": NUMBER, "finished": bool}),
+    "batches": Added([_BATCH]),  # proxies before the Batch API have none
 }
 
 
@@ -360,7 +367,26 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
         if len(table) > room:
             hidden = len(table) - room
             table = [*table[:room], f"… {hidden} more ranks (--sort progress: least done first; --once: all)"]
-    return [*head, *table, *(["", *notes] if notes else []), "", *upstreams]
+    batches = _batch_table(stats.get("batches") or [])
+    return [*head, *table, *(["", *notes] if notes else []), *(["", *batches] if batches else []), "", *upstreams]
+
+
+def _batch_table(batches: list[dict[str, Any]]) -> list[str]:
+    """The batches this proxy runs: done, failed, rate, ETA."""
+    rows = [
+        [
+            printable(b["id"]),
+            printable(b["status"]),
+            f"{count(b['completed'] + b['failed'])} / {count(b['total'])}"
+            + (f" ({percent((b['completed'] + b['failed']) / b['total'])})" if b["total"] else ""),
+            count(b["failed"]),
+            count(b["in_flight"]),
+            rate(b["lines_per_s"]),
+            duration(b["eta_s"]),
+        ]
+        for b in batches
+    ]
+    return _table(["batch", "status", "done", "failed", "in flight", "lines/s", "ETA"], rows, left=2) if rows else []
 
 
 def _output_cell(r: Rank) -> str:

@@ -448,3 +448,41 @@ async def test_the_two_charts_share_one_time_axis_though_the_ratio_has_no_point_
         assert starts[0] == starts[1], starts
         assert starts[0].startswith("20"), starts  # from the first sample, 20 minutes back
         assert page.errors == []
+
+
+async def test_the_batches_a_proxy_runs_are_a_table_as_inferproxy_status_shows_them(
+    chrome: Browser, tmp_path: Path
+) -> None:
+    async with (
+        fake_upstream() as (url, _),
+        serve_proxy(settings(tmp_path, url)) as proxy,
+        httpx.AsyncClient(base_url=proxy) as client,
+    ):
+        stats = (await client.get("/stats")).json()
+    assert stats["batches"] == []
+    async with canned_stats(stats) as served:
+        page = await chrome.open(served + "/")
+        await page.wait_for("document.getElementById('replicas-summary').textContent !== ''")
+        assert await page.evaluate("document.getElementById('batches-section').hidden")
+        hostile = "<img src=x onerror=\"document.title='PWNED'\">"
+        stats["batches"] = [
+            {
+                "id": hostile,
+                "status": "in_progress",
+                "total": 2000,
+                "completed": 480,
+                "failed": 20,
+                "in_flight": 16,
+                "usage": {"input_tokens": 1, "output_tokens": 2, "total_tokens": 3},
+                "hits": 7,
+                "lines_per_s": 12.5,
+                "eta_s": 120.0,
+            }
+        ]
+        await page.wait_for("!document.getElementById('batches-section').hidden")
+        cells = await page.evaluate("[...document.querySelector('#batches tbody tr').cells].map(c => c.textContent)")
+        assert cells == [hostile, "in_progress", "500 / 2k · 25.0%", "20", "16", "7", status.rate(12.5), "2m 00s"]
+        assert await page.evaluate(text_of("batches-summary")) == "1 running here · 2k lines"
+        assert await page.evaluate("document.querySelectorAll('#batches img').length") == 0
+        assert await page.evaluate("document.title") == "inferproxy"
+        assert page.errors == []

@@ -630,3 +630,26 @@ async def test_once_says_why_a_ranks_chunks_wait_and_which_are_lost_from_the_out
             "rank 3: chunks [0, 2] are missing from the output: GET /resume refuses the rank (see the proxy's log)"
             in out.splitlines()
         )
+
+
+def test_the_batches_the_proxy_runs_are_a_table_of_their_own_and_an_older_proxy_has_none() -> None:
+    batch = {
+        "id": "batch_0123",
+        "status": "in_progress",
+        "total": 2000,
+        "completed": 480,
+        "failed": 20,
+        "in_flight": 16,
+        "usage": {"input_tokens": 10, "output_tokens": 20, "total_tokens": 30},
+        "hits": 0,
+        "lines_per_s": 12.5,
+        "eta_s": 120.0,
+    }
+    lines = status.render(status.decode(orjson.dumps({**STATS, "batches": [batch]}), "u"), "u")
+    header = next(line for line in lines if line.lstrip().startswith("batch "))
+    assert header.split() == ["batch", "status", "done", "failed", "in", "flight", "lines/s", "ETA"]
+    row = next(line for line in lines if "batch_0123" in line)
+    assert row.split() == ["batch_0123", "in_progress", "500", "/", "2k", "(25.0%)", "20", "16", "12.5", "2m", "00s"]
+    assert not any("lines/s" in line for line in status.render(status.decode(orjson.dumps(STATS), "u"), "u"))
+    with pytest.raises(status.StatusError, match=r"batches\[0\].total"):
+        status.decode(orjson.dumps({**STATS, "batches": [{**batch, "total": -1}]}), "u")
