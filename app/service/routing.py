@@ -8,7 +8,8 @@ directly, as FastAPI's machinery costs ~80 µs of CPU per request (bench/README.
 than the rest of a cache miss's own work in the proxy.
 
 Patterns (`Entry.path`, Starlette's syntax): one `{name}` part, ASCII digits only
-(`/chunks/{i}/complete`: `/chunks/x/complete` is no route), or `{name:path}`, any text, slashes
+(`/chunks/{i}/complete`: `/chunks/x/complete` is no route), `{name:str}`, one non-empty segment
+(`/v1/files/{file_id:str}`: the route says which are its own), or `{name:path}`, any text, slashes
 included (`/{path:path}`). The part lands in `scope["path_params"]`.
 """
 
@@ -42,7 +43,7 @@ class Pattern(NamedTuple):
     head: str
     tail: str
     name: str
-    anything: bool  # `{name:path}`: any text, slashes included; `{name}`: ASCII digits
+    kind: str  # "path": any text, slashes included; "str": one segment; "": ASCII digits
 
     @classmethod
     def of(cls, path: str) -> Pattern | None:
@@ -50,15 +51,18 @@ class Pattern(NamedTuple):
             return None
         head, rest = path.split("{", 1)
         name, tail = rest.split("}", 1)
-        return cls(head, tail, name.removesuffix(":path"), name.endswith(":path"))
+        name, _, kind = name.partition(":")
+        return cls(head, tail, name, kind)
 
     def match(self, path: str) -> dict[str, str] | None:
         """The parameter if `path` matches, else None."""
-        head, tail, name, anything = self
+        head, tail, name, kind = self
         if not path.startswith(head) or not path.endswith(tail) or len(path) < len(head) + len(tail):
             return None
         value = path[len(head) : len(path) - len(tail)]
-        if not anything and not (value.isascii() and value.isdigit()):
+        if kind == "str":
+            return {name: value} if value and "/" not in value else None
+        if kind != "path" and not (value.isascii() and value.isdigit()):
             return None
         return {name: value}
 
@@ -131,19 +135,22 @@ class Entry:
 
 class Index:
     """`routes` (FastAPI's table, in order) as entries: a `RawRoute` served by its own handlers, any other
-    route by `framework` (the FastAPI app), for its methods; each needs the key unless in `open_paths`."""
+    route by `framework` (the FastAPI app), for its methods; each needs the key unless in `open_paths`.
+    FastAPI routes of one path (`GET` and `POST /v1/files`) are one entry, where the first was."""
 
     def __init__(self, routes: Iterable[BaseRoute], framework: Handler, open_paths: Collection[str]) -> None:
-        self.entries = []
+        entries: dict[str, Entry] = {}
         for route in routes:
             if isinstance(route, RawRoute):
                 entry = Entry(route.path, route.handlers, route.auth, route.error_headers, route.label)
             elif isinstance(route, Route):  # FastAPI's own (`/openapi.json`) and every `APIRoute`
-                handlers = dict.fromkeys(route.methods or (), framework)
+                handlers = {**(entries[route.path].handlers if route.path in entries else {})}
+                handlers.update(dict.fromkeys(route.methods or (), framework))
                 entry = Entry(route.path, handlers, route.path not in open_paths, [], route.path)
             else:
                 raise TypeError(f"{route!r}: the index serves routes and raw routes, not mounts")
-            self.entries.append(entry)
+            entries[route.path] = entry
+        self.entries = list(entries.values())
         self.exact = {entry.path: entry for entry in self.entries if entry.pattern is None}
         self.patterns = [entry for entry in self.entries if entry.pattern is not None]
 
