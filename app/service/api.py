@@ -1,8 +1,8 @@
 """Every route of the proxy, in one table: FastAPI's (`routes(app)` adds them to `InferProxy`).
 
 - the control plane, FastAPI routes with their models (`app.service.models`), described at
-  `/openapi.json` and `/docs`: the checkpoint routes, `/lookup`, `/stats`, `/metrics`, `/readyz`
-  (all behind `--api-key`), and `/healthz`, the page at `/` and the docs themselves, open (they
+  `/openapi.json` and `/docs`: the checkpoint routes, `/lookup`, OpenAI's `/v1/files`, `/stats`,
+  `/metrics`, `/readyz` (all behind `--api-key`), and `/healthz`, the page at `/` and the docs themselves, open (they
   hold no data);
 - the proxied `/v1/chat/completions` and `/v1/completions`, and every other path forwarded to the
   upstream unchanged (`/{path:path}`, last): raw-ASGI routes (`app.service.routing.RawRoute`) in the
@@ -19,14 +19,15 @@ The docs page's script and styles are served by the proxy (from `fastapi-offline
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from importlib import resources
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import orjson
-from fastapi import FastAPI, Request, Response, Security
+from fastapi import FastAPI, Path, Request, Response, Security
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPBearer
@@ -38,7 +39,7 @@ from app.service.asgi import ClientGone, Receive, Scope, error_headers
 from app.service.batches import models as batch_models
 from app.service.errors import ProxyError, failure
 from app.service.headers import rank_of
-from app.service.routes import batches, checkpoints, lookup, ops
+from app.service.routes import batches, checkpoints, files, lookup, ops
 from app.service.routes.proxy import cacheable, forward_uncached
 from app.service.routing import OTHER, RawRoute
 from app.service.services import Services
@@ -130,9 +131,10 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 _STATUS = {
     400: "a header or the body is malformed; nothing was written",
     401: "the `Authorization` header is missing or wrong (`--api-key` is set)",
-    404: "no such batch or file",
-    409: "the chunk is complete already, the rank is owned by another proxy, or chunks left the output",
-    413: "the body exceeds `max_body_bytes`, or holds too many JSON values",
+    404: "no such batch or file: the id names none",
+    409: "the chunk is complete already, the rank is owned by another proxy, chunks left the output, or the "
+    "file is the input of a running batch",
+    413: "the body exceeds `max_body_bytes` (an upload: `max_file_bytes`), or holds too many JSON values",
     503: "the output (or every open rank) is busy or failing: retry after `Retry-After`",
     507: "the checkpoints disk is full: nothing was written, free space and retry",
 }
@@ -246,6 +248,104 @@ async def post_lookup(request: Request) -> Response:
     return json_answer(await lookup.lookups(services_of(request), request.scope, request.receive))
 
 
+# -- files (OpenAI's Files API, for batches) ---------------------------------------------
+
+FILE_ID = Annotated[str, Path(description="the file's id, `file-` and 24 hex digits")]
+_UPLOAD = {
+    "required": True,
+    "content": {
+        "multipart/form-data": {
+            "schema": {
+                "type": "object",
+                "required": ["file", "purpose"],
+                "properties": {
+                    "file": {"type": "string", "format": "binary", "description": "the upload, with a filename"},
+                    "purpose": {"type": "string", "enum": list(files.PURPOSES)},
+                },
+            }
+        }
+    },
+}
+
+
+def query(name: str, schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"name": name, "in": "query", "required": False, "schema": schema, "description": description}
+
+
+@route(
+    "POST",
+    "/v1/files",
+    summary="Upload a file",
+    description="A multipart form with `file` and `purpose=batch`, streamed to disk as it arrives (`max_file_bytes`, "
+    "not `max_body_bytes`, bounds it): OpenAI's `client.files.create`. On any error nothing of it is kept.",
+    response_model=models.FileObject,
+    responses=errors(400, 413, 503, 507),
+    openapi_extra={"requestBody": _UPLOAD},
+)
+async def create_file(request: Request) -> Response:
+    return json_answer(orjson.dumps(await files.create(services_of(request), request.scope, request.receive)))
+
+
+@route(
+    "GET",
+    "/v1/files",
+    summary="List the files",
+    description="OpenAI's cursor page: `after` the `last_id` of the page before, while `has_more`.",
+    response_model=models.FileList,
+    responses=errors(400),
+    openapi_extra=described(
+        query("purpose", {"type": "string"}, "only the files of this purpose"),
+        query("limit", {"type": "integer", "minimum": 1, "maximum": files.MAX_LIST}, "at most this many (10000)"),
+        query("order", {"type": "string", "enum": ["asc", "desc"]}, "by `created_at` (desc)"),
+        query("after", {"type": "string"}, "the files after this id in that order"),
+    ),
+)
+async def list_files(request: Request) -> Response:
+    answer = await asyncio.to_thread(files.listing, services_of(request), request.scope)
+    return json_answer(orjson.dumps(answer))
+
+
+@route(
+    "GET",
+    "/v1/files/{file_id:str}",
+    summary="A file's object",
+    response_model=models.FileObject,
+    responses=errors(404),
+)
+async def retrieve_file(request: Request, file_id: FILE_ID) -> Response:
+    return json_answer(orjson.dumps(await asyncio.to_thread(files.retrieve, services_of(request), file_id)))
+
+
+@route(
+    "GET",
+    "/v1/files/{file_id:str}/content",
+    summary="A file's bytes",
+    description="As stored, streamed from disk: OpenAI's `client.files.content`.",
+    response_class=Response,
+    responses={200: {"content": {"application/octet-stream": {}}, "description": "the bytes"}, **errors(404)},
+)
+async def file_content(request: Request, file_id: FILE_ID) -> Response:
+    stored, fd = await asyncio.to_thread(files.opened, services_of(request), file_id)
+    return files.FileContent(stored, fd)
+
+
+@route(
+    "DELETE",
+    "/v1/files/{file_id:str}",
+    summary="Delete a file",
+    response_model=models.FileDeleted,
+    responses=errors(404, 409),
+)
+async def delete_file(request: Request, file_id: FILE_ID) -> Response:
+    services = services_of(request)
+    if services.batches is not None:
+        services.batches.check_deletable(file_id)
+    deleted = await asyncio.to_thread(files.delete, services, file_id)
+    if services.batches is not None:
+        await services.batches.file_deleted(file_id)
+    return json_answer(orjson.dumps(deleted))
+
+
 # -- operations ----------------------------------------------------------------------------
 
 
@@ -295,7 +395,7 @@ async def page() -> Response:
     return Response(ops.page(), media_type="text/html; charset=utf-8", headers={"cache-control": "no-cache"})
 
 
-# -- batches (OpenAI's Batch API, docs/contract.md §7) ------------------------------------
+# -- batches (OpenAI's Batch API, docs/contract.md §12) -----------------------------------
 
 BATCH_ID = {"name": "batch_id", "in": "path", "required": True, "schema": {"type": "string"}}
 

@@ -92,6 +92,12 @@ def cache_outcome(headers: Iterable[tuple[bytes, bytes]]) -> str:
     return ""
 
 
+def own_segment(path: str) -> str:
+    """What of `path` names the part of the URL space a route is in: its first segment, two under `/v1/`."""
+    parts = path.split("/", 3)
+    return "/".join(parts[1:3]) if parts[1] == "v1" else parts[1]
+
+
 def create_app(settings: Settings | None = None) -> InferProxy:
     return InferProxy(settings or Settings())
 
@@ -111,11 +117,10 @@ class InferProxy(FastAPI):
         )
         open_paths = api.routes(self)
         self.index = Index(self.routes, self.through_fastapi, open_paths)
-        # The first path segments of the proxy's own routes: a path under one of them that no route has is
-        # the proxy's 404 (a mistyped `/chunks/x/complete`), not the upstream's.
-        self.own_segments = frozenset(
-            e.path.split("/")[1] for e in self.index.entries if not e.path.startswith(("/v1/", api.FORWARDED))
-        )
+        # The first path segments of the proxy's own routes (two under /v1/: `v1/files`): a path under one of
+        # them that no route has is the proxy's 404 (a mistyped `/chunks/x/complete`), not the upstream's.
+        raw = {route.path for route in api.RAW_ROUTES}
+        self.own_segments = frozenset(own_segment(e.path) for e in self.index.entries if e.path not in raw)
         self.settings = settings
         self.expected = f"Bearer {settings.api_key}".encode() if settings.api_key else None
         self.services: Services | None = None  # while the lifespan runs
@@ -236,7 +241,7 @@ class InferProxy(FastAPI):
             return None
         found = self.index.find(path)
         route = found[0] if found is not None else None
-        if route is not None and route.path == api.FORWARDED and path.split("/", 2)[1] in self.own_segments:
+        if route is not None and route.path == api.FORWARDED and own_segment(path) in self.own_segments:
             route = None  # under one of the proxy's own routes: not the upstream's to answer
         if route is None or route.auth:
             extensions = scope.get("extensions")

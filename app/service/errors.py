@@ -81,6 +81,13 @@ class ChunkConflict(ProxyError):
     type = "conflict_error"
 
 
+class FileInUse(ProxyError):
+    """A file a batch still reads (its input, while it runs): not deleted."""
+
+    status = 409
+    type = "conflict_error"
+
+
 class RankOwned(ProxyError):
     """Another live proxy owns the rank; the message names it (host, pid). Worth retrying: the
     owner gives the rank up when it dies or leaves the rank idle."""

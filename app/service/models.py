@@ -102,6 +102,37 @@ class LookedUp(RootModel[list[StoredAnswer | None]]):
     """One item per lookup, in order: the answer a HIT would replay, or null (send the request itself)."""
 
 
+# -- files (OpenAI's Files API) ----------------------------------------------------------
+
+
+class FileObject(Strict):
+    """OpenAI's `FileObject`: a file uploaded for batches, or one a batch wrote."""
+
+    id: str = Field(description="`file-` and 24 hex digits")
+    object: Literal["file"]
+    bytes: int = Field(description="its size, as stored")
+    created_at: int = Field(description="when its upload began, in seconds since the epoch")
+    filename: str = Field(description="the name the upload gave it")
+    purpose: str = Field(description="`batch` for an upload")
+    status: Literal["processed"] = Field(description="always `processed`: a file exists once it is whole on disk")
+    status_details: None = Field(description="always null")
+    expires_at: None = Field(description="always null: files are kept until deleted")
+
+
+class FileList(Strict):
+    object: Literal["list"]
+    data: list[FileObject]
+    first_id: str | None = Field(description="the first file of this page, null if it is empty")
+    last_id: str | None = Field(description="the last file of this page: `after` for the next one")
+    has_more: bool = Field(description="more files follow this page")
+
+
+class FileDeleted(Strict):
+    id: str
+    object: Literal["file"]
+    deleted: Literal[True]
+
+
 # -- operations -------------------------------------------------------------------------
 
 

@@ -8,7 +8,8 @@ directly, as FastAPI's machinery costs ~80 µs of CPU per request (bench/README.
 than the rest of a cache miss's own work in the proxy.
 
 Patterns (`Entry.path`, Starlette's syntax): one `{name}` part, ASCII digits only
-(`/chunks/{i}/complete`: `/chunks/x/complete` is no route), or `{name:path}`, any text, slashes
+(`/chunks/{i}/complete`: `/chunks/x/complete` is no route), `{name:str}`, one non-empty segment
+(`/v1/files/{file_id:str}`: the route says which are its own), or `{name:path}`, any text, slashes
 included (`/{path:path}`). The part lands in `scope["path_params"]`.
 """
 
@@ -42,9 +43,7 @@ class Pattern(NamedTuple):
     head: str
     tail: str
     name: str
-    #: `{name:path}` ("path"): any text, slashes included; `{name:str}` ("str"): one segment, no slash;
-    #: `{name}` ("digits"): ASCII digits
-    kind: str
+    kind: str  # "path": any text, slashes included; "str": one segment; "": ASCII digits
 
     @classmethod
     def of(cls, path: str) -> Pattern | None:
@@ -53,7 +52,7 @@ class Pattern(NamedTuple):
         head, rest = path.split("{", 1)
         name, tail = rest.split("}", 1)
         name, _, kind = name.partition(":")
-        return cls(head, tail, name, kind or "digits")
+        return cls(head, tail, name, kind)
 
     def match(self, path: str) -> dict[str, str] | None:
         """The parameter if `path` matches, else None."""
@@ -61,9 +60,9 @@ class Pattern(NamedTuple):
         if not path.startswith(head) or not path.endswith(tail) or len(path) < len(head) + len(tail):
             return None
         value = path[len(head) : len(path) - len(tail)]
-        if kind == "digits" and not (value.isascii() and value.isdigit()):
-            return None
-        if kind == "str" and (not value or "/" in value):
+        if kind == "str":
+            return {name: value} if value and "/" not in value else None
+        if kind != "path" and not (value.isascii() and value.isdigit()):
             return None
         return {name: value}
 
@@ -136,25 +135,22 @@ class Entry:
 
 class Index:
     """`routes` (FastAPI's table, in order) as entries: a `RawRoute` served by its own handlers, any other
-    route by `framework` (the FastAPI app), for its methods; each needs the key unless in `open_paths`."""
+    route by `framework` (the FastAPI app), for its methods; each needs the key unless in `open_paths`.
+    FastAPI routes of one path (`GET` and `POST /v1/files`) are one entry, where the first was."""
 
     def __init__(self, routes: Iterable[BaseRoute], framework: Handler, open_paths: Collection[str]) -> None:
-        self.entries: list[Entry] = []
-        framework_paths: dict[str, Entry] = {}
+        entries: dict[str, Entry] = {}
         for route in routes:
             if isinstance(route, RawRoute):
                 entry = Entry(route.path, route.handlers, route.auth, route.error_headers, route.label)
             elif isinstance(route, Route):  # FastAPI's own (`/openapi.json`) and every `APIRoute`
-                handlers = dict.fromkeys(route.methods or (), framework)
-                same_path = framework_paths.get(route.path)
-                if same_path is not None:  # one path, a route per method (`GET` and `POST /v1/batches`)
-                    handlers = {**same_path.handlers, **handlers}
-                    self.entries.remove(same_path)
+                handlers = {**(entries[route.path].handlers if route.path in entries else {})}
+                handlers.update(dict.fromkeys(route.methods or (), framework))
                 entry = Entry(route.path, handlers, route.path not in open_paths, [], route.path)
-                framework_paths[route.path] = entry
             else:
                 raise TypeError(f"{route!r}: the index serves routes and raw routes, not mounts")
-            self.entries.append(entry)
+            entries[route.path] = entry
+        self.entries = list(entries.values())
         self.exact = {entry.path: entry for entry in self.entries if entry.pattern is None}
         self.patterns = [entry for entry in self.entries if entry.pattern is not None]
 

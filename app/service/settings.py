@@ -107,6 +107,11 @@ class Settings(BaseSettings):
     connect_timeout_s: float = Field(10.0, gt=0, description="upstream connect timeout")
     read_timeout_s: float = Field(900.0, gt=0, description="upstream silence allowed mid-answer (long generations)")
     max_body_bytes: int = Field(32 * MiB, gt=0, description="larger request bodies get 413")
+    # An upload is streamed to disk as it arrives, never held in memory: this bounds the disk, not the RAM.
+    # OpenAI's own limit for a file (its Batch API takes 200 MB of them).
+    max_file_bytes: int = Field(
+        512 * MiB, gt=0, description="a larger upload to POST /v1/files gets 413 and nothing of it is kept"
+    )
     # An answer is held whole in memory to be stored (and a cached one is replayed whole): this bounds
     # what one upstream answer can make the proxy hold. Far above an LLM answer, logprobs or a batch of
     # embeddings included; well below SQLite's 1 GB limit on a stored value.

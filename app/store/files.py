@@ -7,6 +7,11 @@ A file exists once its `.json` does: the bytes are written under a temporary nam
 first, then the metadata is written atomically, so that a crash at any point leaves the file whole or
 absent (a temporary file or bytes without metadata are swept at the next start). Deleting removes the
 metadata first, so a file is never listed without its bytes.
+
+A file id holds when its file was begun: the second (`created_at`) in its first 8 hex digits, the
+fraction of it in the next 4, then 12 random ones. Ids sort as `(created_at, id)` does, in the order the
+files were begun, so that a listing resumes after an id (`list(after=...)`) even once that file is
+deleted, and reads the metadata of the page it returns only.
 """
 
 from __future__ import annotations
@@ -31,8 +36,10 @@ _META = ".json"
 _PART = ".part"
 
 
-def new_file_id() -> str:
-    return FILE_ID_PREFIX + secrets.token_hex(_ID_HEX // 2)
+def new_file_id(now: float) -> str:
+    """A new id, begun at `now` (seconds since the epoch, up to 2106): it sorts after those begun before."""
+    fraction = int((now % 1) * 0x10000)
+    return f"{FILE_ID_PREFIX}{int(now):08x}{fraction:04x}{secrets.token_hex((_ID_HEX - 12) // 2)}"
 
 
 def is_file_id(value: str) -> bool:
@@ -64,17 +71,21 @@ class FileTooLarge(ValueError):
 
 
 class FileWriter:
-    """A file being written (an upload as it arrives, a batch's output): `write`, then the store's `commit`."""
+    """A file being written (an upload as it arrives, a batch's output): `write`, then the store's `commit`
+    (or `abandon`)."""
 
     def __init__(
         self, store: FileStore, filename: str, purpose: str, limit: int | None, file_id: str | None = None
     ) -> None:
-        self.id = file_id or new_file_id()
+        now = time.time()
+        self.created_at = int(now)
+        self.id = file_id or new_file_id(now)
         self.filename = filename
         self.purpose = purpose
         self.limit = limit
         self.size = 0
         self.part = store.root / (self.id + _PART)
+        self.final = store.root / self.id
         self._file: BinaryIO = self.part.open("xb")
 
     def write(self, data: bytes) -> None:
@@ -90,10 +101,12 @@ class FileWriter:
         self._file.close()
 
     def abandon(self) -> None:
+        """Remove whatever of the file was written (before its metadata: a committed file stays)."""
         with contextlib.suppress(OSError):
             self._file.close()
-        with contextlib.suppress(OSError):
-            self.part.unlink()
+        for path in (self.part, self.final):
+            with contextlib.suppress(OSError):
+                path.unlink()
 
 
 class FileStore:
@@ -119,20 +132,32 @@ class FileStore:
         """A new file: written inside the block, kept (durably, with its metadata) when it ends, removed if
         it raises. Its `StoredFile` is then `store.get(writer.id)`. `file_id`: the id to write it under (one
         reserved beforehand, so that a write cut short by a crash is done again under the same id)."""
-        writer = FileWriter(self, filename, purpose, limit, file_id)
+        writer = self.start(filename, purpose, limit=limit, file_id=file_id)
         try:
             yield writer
+        except BaseException:
+            writer.abandon()
+            raise
+        self.commit(writer)
+
+    def start(self, filename: str, purpose: str, *, limit: int | None = None, file_id: str | None = None) -> FileWriter:
+        """A new file, for a writer whose writes and commit are not in one block (an upload awaiting its
+        pieces): `commit` it, or `abandon` it."""
+        return FileWriter(self, filename, purpose, limit, file_id)
+
+    def commit(self, writer: FileWriter) -> StoredFile:
+        """Keep the file `writer` wrote, durably, with its metadata; if that fails, nothing of it is kept."""
+        try:
             writer.finish(self.fsync)
-            os.replace(writer.part, self.root / writer.id)
+            os.replace(writer.part, writer.final)
             if self.fsync:
                 fsync_dir(str(self.root))
-            meta = StoredFile(writer.id, filename, purpose, writer.size, int(time.time()))
+            meta = StoredFile(writer.id, writer.filename, writer.purpose, writer.size, writer.created_at)
             atomic_write_bytes(str(self.root / (writer.id + _META)), orjson.dumps(asdict(meta)))
         except BaseException:
             writer.abandon()
-            with contextlib.suppress(OSError):
-                (self.root / writer.id).unlink()
             raise
+        return meta
 
     def get(self, file_id: str) -> StoredFile | None:
         if not is_file_id(file_id):
@@ -147,10 +172,31 @@ class FileStore:
         """Where the bytes of a file `get` found are."""
         return self.root / file_id
 
-    def list(self) -> list[StoredFile]:
-        """Every file, newest first."""
-        found = [self.get(path.name[: -len(_META)]) for path in self.root.glob(f"{FILE_ID_PREFIX}*{_META}")]
-        return sorted((f for f in found if f is not None), key=lambda f: (f.created_at, f.id), reverse=True)
+    def list(
+        self,
+        *,
+        purpose: str | None = None,
+        after: str | None = None,
+        limit: int | None = None,
+        newest_first: bool = True,
+    ) -> list[StoredFile]:
+        """The files (of `purpose`, if given) in the order of `(created_at, id)`, newest first unless told
+        otherwise: those that come after the id `after` in that order (whether or not it still exists),
+        at most `limit` of them."""
+        ids = sorted(
+            (name[: -len(_META)] for name in os.listdir(self.root) if name.endswith(_META)), reverse=newest_first
+        )
+        ids = [file_id for file_id in ids if is_file_id(file_id)]
+        if after is not None:
+            ids = [file_id for file_id in ids if (file_id < after if newest_first else file_id > after)]
+        found: list[StoredFile] = []
+        for file_id in ids:
+            if limit is not None and len(found) >= limit:
+                break
+            stored = self.get(file_id)  # None if deleted meanwhile
+            if stored is not None and (purpose is None or stored.purpose == purpose):
+                found.append(stored)
+        return found
 
     def delete(self, file_id: str) -> StoredFile | None:
         """Remove a file; the one removed, or None if there was none."""

@@ -27,6 +27,10 @@ CONTROL = {
     ("post", "/chunks/{i}/complete"): "ChunkCompleted",
     ("get", "/resume"): "ResumePoint",
     ("post", "/lookup"): "LookedUp",
+    ("post", "/v1/files"): "FileObject",
+    ("get", "/v1/files"): "FileList",
+    ("get", "/v1/files/{file_id}"): "FileObject",
+    ("delete", "/v1/files/{file_id}"): "FileDeleted",
     ("get", "/healthz"): "Health",
     ("get", "/readyz"): "Ready",
     ("get", "/stats"): "Stats",
@@ -56,7 +60,7 @@ async def test_the_schema_describes_every_control_route_with_its_models_and_of_v
     schema = served.json()
     assert schema["openapi"].startswith("3.1")
     described = {(method, path) for path, item in schema["paths"].items() for method in item}
-    assert described == {*CONTROL, ("get", "/metrics"), ("get", "/")}
+    assert described == {*CONTROL, ("get", "/metrics"), ("get", "/"), ("get", "/v1/files/{file_id}/content")}
     components = schema["components"]["schemas"]
     for (method, path), model in CONTROL.items():
         operation = schema["paths"][path][method]
@@ -76,6 +80,16 @@ async def test_the_schema_describes_every_control_route_with_its_models_and_of_v
     assert headers["X-Chunk-Index"]["required"] is True
     assert {"X-Rank", "X-Total-Documents"} <= set(headers)
     assert "text/html" in schema["paths"]["/"]["get"]["responses"]["200"]["content"]
+    # an upload's form, the listing's query, a file's bytes
+    upload = schema["paths"]["/v1/files"]["post"]["requestBody"]["content"]["multipart/form-data"]["schema"]
+    assert upload["required"] == ["file", "purpose"]
+    assert upload["properties"]["file"]["format"] == "binary"
+    listed = {p["name"] for p in schema["paths"]["/v1/files"]["get"]["parameters"]}
+    assert listed == {"purpose", "limit", "order", "after"}
+    content = schema["paths"]["/v1/files/{file_id}/content"]["get"]
+    assert "application/octet-stream" in content["responses"]["200"]["content"]
+    assert content["security"] == [{"HTTPBearer": []}]
+    assert {p["name"] for p in content["parameters"]} == {"file_id"}
 
 
 async def test_a_jobs_real_answers_match_the_models_the_schema_names(client: httpx.AsyncClient) -> None:
@@ -94,6 +108,10 @@ async def test_a_jobs_real_answers_match_the_models_the_schema_names(client: htt
         (models.Ready, await client.get("/readyz")),
         (models.Stats, await client.get("/stats")),
         (models.ResumePoint, await client.get("/resume")),
+        (models.FileObject, uploaded := await client.post("/v1/files", files=UPLOAD, data={"purpose": "batch"})),
+        (models.FileList, await client.get("/v1/files")),
+        (models.FileObject, await client.get(f"/v1/files/{uploaded.json()['id']}")),
+        (models.FileDeleted, await client.delete(f"/v1/files/{uploaded.json()['id']}")),
     ]
     for model, answer in checks:
         assert answer.status_code == 200, (answer.request.url, answer.text)
@@ -105,6 +123,9 @@ async def test_a_jobs_real_answers_match_the_models_the_schema_names(client: htt
     refused = await client.post("/documents", json=doc("e"))  # no X-Chunk-Index
     assert refused.status_code == 400
     assert "X-Chunk-Index" in models.ErrorEnvelope.model_validate(refused.json()).error.message
+
+
+UPLOAD = {"file": ("input.jsonl", b'{"custom_id": "a"}\n')}
 
 
 def chunk(index: int) -> dict[str, str]:
@@ -128,7 +149,7 @@ async def test_the_schema_and_docs_are_open_without_the_key_and_what_they_descri
         for method, path in CONTROL:
             if path in ("/healthz",):
                 continue
-            concrete = path.replace("{i}", "0")
+            concrete = path.replace("{i}", "0").replace("{file_id}", "file-0")
             refused = await client.request(method, concrete)
             assert refused.status_code == 401, (method, path)
         assert "inferproxy" in page  # the proxy's own docs page, not the upstream's
@@ -139,7 +160,7 @@ async def test_the_docs_page_renders_every_operation_offline_in_headless_chromiu
 ) -> None:
     async with fake_upstream() as (url, _), serve_proxy(config(tmp_path, url, api_key="sekrit")) as proxy:
         page = await chrome.open(proxy + api.DOCS_URL)
-        operations = len(CONTROL) + 2  # /metrics and the page at /
+        operations = len(CONTROL) + 3  # /metrics, the page at / and a file's content
         await page.wait_for(f"document.querySelectorAll('.opblock').length === {operations}")
         title = await page.evaluate("document.querySelector('.info .title')?.textContent ?? ''")
         assert title.startswith("inferproxy")

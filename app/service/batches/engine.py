@@ -37,7 +37,7 @@ import orjson
 from app.service.affinity import request_key
 from app.service.batches.validation import check_input
 from app.service.coalescing import Flights
-from app.service.errors import ProxyError
+from app.service.errors import FileInUse, ProxyError
 from app.service.settings import Settings
 from app.service.storage_policy import cacheable_status, error_in_disguise
 from app.service.upstream import UpstreamPool, response_headers
@@ -306,6 +306,16 @@ class BatchEngine:
         running.stopping.set()
         return record
 
+    def check_deletable(self, file_id: str) -> None:
+        """`FileInUse` for the input file of a batch that still reads it."""
+        for batch in self.running.values():
+            record = batch.record
+            if record.input_file_id == file_id and record.status in ("validating", "in_progress"):
+                raise FileInUse(
+                    f"file {file_id} is the input of batch {record.id}, which is {record.status}: cancel the batch "
+                    f"(POST /v1/batches/{record.id}/cancel) or wait for it to end, then delete the file"
+                )
+
     async def file_deleted(self, file_id: str) -> None:
         """A batch's output file deleted: the answers of that batch are forgotten (a later batch with the
         same lines generates them again)."""
@@ -563,7 +573,7 @@ class BatchEngine:
         if record.ending is None:
             record.ending = "cancelled" if record.status == "cancelling" else "completed"
         if record.output_file_id is None and record.error_file_id is None:
-            record.output_file_id, record.error_file_id = new_file_id(), new_file_id()
+            record.output_file_id, record.error_file_id = new_file_id(time.time()), new_file_id(time.time())
             await asyncio.to_thread(batch.dir.save, record)
         await self._load_results(batch)  # the done lines (for the expired ones' errors) and the counts
         has = await asyncio.to_thread(self._write_files, batch)

@@ -1,4 +1,4 @@
-"""A batch's input file checked before anything of it runs (contract §7): every line a JSON object with a
+"""A batch's input file checked before anything of it runs (contract §12): every line a JSON object with a
 `custom_id` unique in the file, `method` POST, `url` the batch's endpoint, and a `body` object that does
 not ask for a stream. Read line by line, never whole; duplicates found through 8-byte hashes of the ids."""
 

@@ -1,4 +1,4 @@
-"""`/v1/batches`: OpenAI's Batch API on the proxy's own engine (`app.service.batches.engine`, contract §7).
+"""`/v1/batches`: OpenAI's Batch API on the proxy's own engine (`app.service.batches.engine`, contract §12).
 
 Every answer is an OpenAI `Batch` object, or a list of them; a bad request is a one-line 400 that names the
 field and says what to put there, and creates nothing."""

@@ -1,0 +1,51 @@
+"""The Batch API's file store: a file is whole or absent whatever a crash interrupts, and a listing pages by
+`(created_at, id)`, a deleted file's id included."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import app.store.files
+from app.store.files import FileStore, StoredFile
+
+
+def test_a_writer_abandoned_by_a_crash_leaves_nothing_once_the_store_opens_again(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "files", fsync=False)
+    store.open()
+    whole = store.start("whole.jsonl", "batch")
+    whole.write(b"{}\n")
+    kept_file = store.commit(whole)
+    cut = store.start("cut.jsonl", "batch")  # the process dies mid-upload: never committed nor abandoned
+    cut.write(b"half")
+    cut.finish(fsync=False)  # its descriptor closed, as the dead process's are
+    renamed = store.start("renamed.jsonl", "batch")  # ... or between the bytes' rename and the metadata
+    renamed.write(b"all")
+    renamed.finish(fsync=False)
+    os.replace(renamed.part, renamed.final)
+    assert len(os.listdir(store.root)) == 4
+    again = FileStore(tmp_path / "files")
+    again.open()
+    assert sorted(os.listdir(store.root)) == sorted([kept_file.id, kept_file.id + ".json"])
+    assert again.list() == [kept_file]
+
+
+def test_ids_sort_as_their_files_were_begun_and_a_listing_resumes_after_a_deleted_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = FileStore(tmp_path / "files", fsync=False)
+    store.open()
+    made = []
+    for second, name in enumerate("abcde"):
+        monkeypatch.setattr(app.store.files.time, "time", lambda t=1_700_000_000.5 + second: t)  # a second apart
+        with store.writing(f"{name}.jsonl", "batch" if name != "c" else "batch_output") as writer:
+            writer.write(name.encode())
+        made.append(writer.id)
+        assert store.get(writer.id) == StoredFile(writer.id, f"{name}.jsonl", writer.purpose, 1, 1_700_000_000 + second)
+    assert [f.id for f in store.list()] == made[::-1]
+    assert [f.id for f in store.list(newest_first=False, limit=2)] == made[:2]
+    assert [f.id for f in store.list(purpose="batch", after=made[3])] == [made[1], made[0]]
+    store.delete(made[2])
+    assert [f.id for f in store.list(after=made[2], newest_first=False)] == made[3:]
