@@ -248,6 +248,10 @@ def test_the_readme_runs_as_written(tmp_path: Path) -> None:
                 first, second = reader.python(block)
                 if 'raw.headers["X-Cache"]' in block.code:  # as its comment says: MISS, then HIT on a rerun
                     assert (first.stdout.split()[0], second.stdout.split()[0]) == ("MISS", "HIT")
+                if "client.batches.create(" in block.code:  # every line answered, the rerun from the cache
+                    for run in (first, second):
+                        assert run.stdout.startswith("completed BatchRequestCounts(completed=100, failed=0, total=100)")
+                        assert run.stdout.splitlines()[1].startswith("q-")
                 if "run_job(" in block.code:  # run again once finished, it does nothing, and says so
                     assert "written=0," in second.stdout
                     assert "already done" in second.stderr

@@ -251,9 +251,10 @@ class BatchEngine:
     ) -> BatchRecord:
         window = window_seconds(completion_window)
         assert window is not None, "checked by the route"
-        now = int(time.time())
+        made = time.time()
+        now = int(made)
         record = BatchRecord(
-            id=new_batch_id(),
+            id=new_batch_id(made),
             endpoint=endpoint,
             input_file_id=input_file_id,
             completion_window=completion_window,
@@ -288,7 +289,7 @@ class BatchEngine:
                 found.append(self.running[folder.id].record if folder.id in self.running else folder.load())
             except (OSError, ValueError):
                 continue
-        return sorted(found, key=lambda r: (r.created_at, r.id), reverse=True)
+        return sorted(found, key=lambda r: r.id, reverse=True)  # ids sort as the batches were made
 
     async def cancel(self, batch_id: str) -> BatchRecord:
         """`cancelling` at once (no new line is sent), `cancelled` once the lines in flight are done and the

@@ -13,7 +13,7 @@ from app.service.asgi import Receive, Scope, check_json_cost, read_body
 from app.service.batches.engine import ENDPOINTS, BatchEngine, BatchNotFound, window_seconds
 from app.service.errors import BadRequest, NotFound
 from app.service.services import Services
-from app.store.batches import BatchRecord
+from app.store.batches import BatchRecord, is_batch_id
 
 MAX_METADATA = 16
 #: OpenAI's usage details, which the upstream's answers do not break down for a batch
@@ -122,10 +122,9 @@ def listing(services: Services, after: str | None, limit: int) -> dict[str, Any]
         raise BadRequest(f"`limit` must be between 1 and {LIST_LIMIT}, got {limit}", param="limit")
     records = engine_of(services).all()
     if after is not None:
-        ids = [r.id for r in records]
-        if after not in ids:
-            raise BadRequest(f"`after` must be the id of a listed batch, got {after!r}", param="after")
-        records = records[ids.index(after) + 1 :]
+        if not is_batch_id(after):
+            raise BadRequest(f"`after` must be a batch id (batch_...), got {after!r}", param="after")
+        records = [r for r in records if r.id < after]  # newest first: those made before it, even if it is gone
     page = records[:limit]
     return {
         "object": "list",
