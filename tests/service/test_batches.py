@@ -245,3 +245,67 @@ async def test_a_restart_carries_on_without_paying_for_the_lines_done(settings: 
         assert sorted(o["custom_id"] for o in output) == sorted(f"k{i}" for i in range(200))
         # only the lines in flight at the stop (at most max_inflight) were generated twice
         assert 200 <= fake.generations <= 200 + 8, (fake.generations, done_before)
+
+
+async def test_a_batch_never_takes_a_live_clients_place_in_the_queue(settings: Settings) -> None:
+    """With every slot held by a batch's lines and the live queue one place long, a live request waits for the
+    next slot ahead of the batch's lines and is answered: never a 429 a batch caused."""
+    async with fake_upstream(latency_ms=100) as (url, _):
+        file_id = put_file(settings.checkpoints_dir, [chat_line(f"b{i}", f"q{i}") for i in range(300)])
+        tight = settings.model_copy(update={"max_inflight_per_upstream": 4, "max_queued_requests": 1})
+        async for client in proxy(tight, url):
+            batch_id = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()[
+                "id"
+            ]
+            await until(client, batch_id, lambda b: b["request_counts"]["completed"] >= 4)
+            live = [
+                await client.post(
+                    "/v1/chat/completions",
+                    json={"model": "fake-model", "messages": [{"role": "user", "content": f"live {i}"}]},
+                    headers={"X-Doc-Id": f"live-{i}"},
+                )
+                for i in range(5)
+            ]
+            assert [answer.status_code for answer in live] == [200] * 5
+            [running] = (await client.get("/stats")).json()["batches"]
+            assert running["in_flight"] <= 4
+
+
+async def test_two_batches_share_the_slots_in_turn(settings: Settings) -> None:
+    async with fake_upstream(latency_ms=50) as (url, _):
+        big = put_file(settings.checkpoints_dir, [chat_line(f"big{i}", f"q{i}") for i in range(400)])
+        small = put_file(settings.checkpoints_dir, [chat_line(f"small{i}", f"s{i}") for i in range(40)])
+        tight = settings.model_copy(update={"max_inflight_per_upstream": 4})
+        async for client in proxy(tight, url):
+            first = (await client.post("/v1/batches", json={"input_file_id": big, "endpoint": CHAT})).json()["id"]
+            await until(client, first, lambda b: b["request_counts"]["completed"] >= 8)
+            second = (await client.post("/v1/batches", json={"input_file_id": small, "endpoint": CHAT})).json()["id"]
+            done_small = await until(client, second, final)
+            big_then = (await client.get(f"/v1/batches/{first}")).json()["request_counts"]["completed"]
+            assert done_small["status"] == "completed"
+            # the small batch got about half the slots: it did not wait behind the big one's 400 lines
+            assert big_then < 400 - 40, big_then
+
+
+async def test_a_batch_past_its_window_expires_with_what_finished(settings: Settings, monkeypatch: Any) -> None:
+    from app.service.batches import engine
+
+    async with fake_upstream(latency_ms=100) as (url, _):
+        file_id = put_file(settings.checkpoints_dir, [chat_line(f"e{i}", f"q{i}") for i in range(200)])
+        tight = settings.model_copy(update={"max_inflight_per_upstream": 2})
+        monkeypatch.setattr(engine, "window_seconds", lambda window: 2)  # a "24h" window of 2 s
+        async for client in proxy(tight, url):
+            batch_id = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()[
+                "id"
+            ]
+            batch = await until(client, batch_id, final)
+        assert batch["status"] == "expired"
+        assert isinstance(batch["expired_at"], int)
+        done = batch["request_counts"]["completed"]
+        assert 0 < done < 200
+        assert batch["request_counts"]["failed"] == 200 - done
+        output = read_file(settings.checkpoints_dir, batch["output_file_id"])
+        errors = read_file(settings.checkpoints_dir, batch["error_file_id"])
+        assert len(output) == done
+        assert {e["error"]["code"] for e in errors} == {"batch_expired"}
+        assert sorted(o["custom_id"] for o in output + errors) == sorted(f"e{i}" for i in range(200))

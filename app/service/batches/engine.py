@@ -586,6 +586,7 @@ class BatchEngine:
             record.completed_at = now
         elif record.ending == "expired":
             record.expired_at = now
+            record.failed = record.total - record.completed  # the lines not run are in the error file
         else:
             record.cancelled_at = now
         await asyncio.to_thread(batch.dir.save, record)
