@@ -420,3 +420,15 @@ class ChunkPublisher:
 
             return bytes(zstandard.ZstdCompressor().compress(data))
         return data
+
+
+def upload_whole(output: str, local_path: str, name: str) -> str:
+    """Copy the file at `local_path` to `name` under the object store `output`, in one piece (one PUT on S3:
+    the object is whole or absent); the URL written, without credentials."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(output, use_listings_cache=False)
+    options = _S3_SINGLE_PUT if protocols(output) & S3_PROTOCOLS else {}
+    target = f"{root.rstrip('/')}/{name}"
+    fs.put_file(local_path, target, **options)
+    return redact_url(f"{output.rstrip('/')}/{name}")

@@ -363,3 +363,39 @@ def test_a_listing_that_lands_after_the_cache_was_cleared_never_hides_a_publishe
 
     monkeypatch.setattr(fs, "invalidate_cache", cleared_then_a_stale_listing_lands)
     assert publisher.missing_chunks(0, 0) == []
+
+
+def test_a_batchs_files_are_copied_whole_to_an_object_store_output_once_it_takes_them(
+    upstream: Upstream, tmp_path: Path, s3: S3
+) -> None:
+    from tests.service.test_batches import CHAT, chat_line, put_file
+
+    lines = [chat_line(f"q-{i}", f"question {i}") for i in range(20)]
+    lines.append(chat_line("bad", "x", fake_upstream={"status": 400}))
+    file_id = put_file(tmp_path / "checkpoints", lines)
+    args, url = proxy_args(upstream, tmp_path, s3)
+    with process(*args, env=s3.env):
+        wait_for_http(url + "/healthz")
+        httpx.post(s3.endpoint + "/_test/deny")  # S3 refuses uploads: the batch waits, finalizing
+        batch_id = httpx.post(url + "/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT}).json()["id"]
+        deadline = time.monotonic() + 30
+        while (batch := httpx.get(f"{url}/v1/batches/{batch_id}").json())["status"] != "finalizing":
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.05)
+        time.sleep(1.5)  # a retry or two, refused
+        assert httpx.get(f"{url}/v1/batches/{batch_id}").json()["status"] == "finalizing"
+        assert not [k for k in s3.objects() if k.startswith("run/batches/")]
+        httpx.post(s3.endpoint + "/_test/allow")
+        deadline = time.monotonic() + 30
+        while (batch := httpx.get(f"{url}/v1/batches/{batch_id}").json())["status"] != "completed":
+            assert time.monotonic() < deadline, batch
+            time.sleep(0.1)
+    objects = s3.objects()
+    output = objects[f"run/batches/{batch_id}_output.jsonl"]
+    errors = objects[f"run/batches/{batch_id}_error.jsonl"]
+    assert output == (tmp_path / "checkpoints" / "files" / batch["output_file_id"]).read_bytes()
+    assert errors == (tmp_path / "checkpoints" / "files" / batch["error_file_id"]).read_bytes()
+    assert len(output.splitlines()) == 20
+    assert len(errors.splitlines()) == 1
+    assert len(s3.puts(f"run/batches/{batch_id}_output.jsonl")) >= 1
+    assert not [r for r in s3.requests() if "uploads" in r["query"]], "a multipart upload was started"

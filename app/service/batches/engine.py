@@ -34,6 +34,8 @@ from typing import Any
 
 import orjson
 
+from app.checkpoints.output import is_remote, scrub
+from app.checkpoints.publish import upload_whole
 from app.service.affinity import request_key
 from app.service.batches.validation import check_input
 from app.service.coalescing import Flights
@@ -578,6 +580,9 @@ class BatchEngine:
             await asyncio.to_thread(batch.dir.save, record)
         await self._load_results(batch)  # the done lines (for the expired ones' errors) and the counts
         has = await asyncio.to_thread(self._write_files, batch)
+        if is_remote(self.settings.output):
+            written = [i for i, kept in zip((record.output_file_id, record.error_file_id), has, strict=True) if kept]
+            await self._upload(record, [file_id for file_id in written if file_id is not None])
         now = int(time.time())
         record.output_file_id = record.output_file_id if has[0] else None
         record.error_file_id = record.error_file_id if has[1] else None
@@ -598,6 +603,34 @@ class BatchEngine:
             record.failed,
             record.total,
         )
+
+    async def _upload(self, record: BatchRecord, file_ids: list[str]) -> None:
+        """The batch's files copied to the object-store output too, each whole or absent there (one PUT),
+        as `<output>/batches/<filename>`; tried again with backoff until they are (the batch stays
+        `finalizing` meanwhile: its files are safe under the checkpoints dir)."""
+        for file_id in file_ids:
+            stored = self.files.get(file_id)
+            assert stored is not None, "written just before"
+            attempt = 0
+            while True:
+                try:
+                    where = await asyncio.to_thread(
+                        upload_whole, self.settings.output, str(self.files.path(file_id)), f"batches/{stored.filename}"
+                    )
+                    logger.info("batch %s: %s copied to %s", record.id, stored.filename, where)
+                    break
+                except Exception as exc:
+                    wait = min(2.0**attempt, self.settings.publish_retry_max_s)
+                    reason = scrub(str(exc), self.settings.output)
+                    logger.warning(
+                        "batch %s: copying %s to the output failed (%s); again in %g s",
+                        record.id,
+                        stored.filename,
+                        reason,
+                        wait,
+                    )
+                    attempt += 1
+                    await asyncio.sleep(wait)
 
     def _write_files(self, batch: Running) -> tuple[bool, bool]:
         record = batch.record
