@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
@@ -92,11 +93,30 @@ class BatchRecord:
 
 @dataclass(frozen=True, slots=True)
 class Result:
-    """One line answered: its line number (1-based), whether it goes to the output file, and the line."""
+    """One line answered: its line number (1-based), whether it goes to the output file, the tokens its
+    answer used (prompt, completion), and its line of the output or error file, as JSON."""
 
     line: int
     ok: bool
-    out: dict[str, Any]
+    tokens: tuple[int, int]
+    out: bytes
+
+    def to_line(self) -> bytes:
+        """Its line of results.jsonl: `out` last and as it is (never parsed and written again)."""
+        ok = b"true" if self.ok else b"false"
+        return b'{"line":%d,"ok":%s,"tokens":[%d,%d],"out":%s}\n' % (self.line, ok, *self.tokens, self.out)
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    """A line of results.jsonl as a restart reads it back: which line, where it went, its tokens."""
+
+    line: int
+    ok: bool
+    tokens: tuple[int, int]
+
+
+_RESULT_HEAD = re.compile(rb'^\{"line":(\d+),"ok":(true|false),"tokens":\[\d+,\d+\],"out":')
 
 
 class BatchDir:
@@ -144,7 +164,7 @@ class BatchDir:
 
     # -- results ----------------------------------------------------------------------------
 
-    def results(self) -> Iterator[Result]:
+    def results(self) -> Iterator[Done]:
         """The lines answered so far, in the order they were; a torn last line (a crash mid-append) is cut
         off the file once read, so that the next append never glues onto it."""
         path = self.root / RESULTS
@@ -152,19 +172,36 @@ class BatchDir:
             return
         lines = JsonlLines(str(path))
         for item in lines:
-            yield Result(item["line"], item["ok"], item["out"])
+            prompt, completion = item.get("tokens") or (0, 0)
+            yield Done(item["line"], item["ok"], (prompt, completion))
         lines.repair()
+
+    def outputs(self) -> Iterator[tuple[int, bool, bytes]]:
+        """(line, ok, out) of every whole line of results.jsonl, `out` as written: what the output and error
+        files are made of. Read after `results` (which cuts a torn tail off)."""
+        path = self.root / RESULTS
+        if not path.exists():
+            return
+        with path.open("rb") as f:
+            for raw in f:
+                head = _RESULT_HEAD.match(raw)
+                if head is not None and raw.endswith(b"}\n"):
+                    yield int(head.group(1)), head.group(2) == b"true", raw[head.end() : -2]
+                elif raw.strip():  # not as this version writes them: parsed
+                    item = orjson.loads(raw)
+                    yield item["line"], item["ok"], orjson.dumps(item["out"])
 
     def results_file(self) -> AppendFile:
         if self._results is None or self._results.closed:
             self._results = AppendFile(str(self.root / RESULTS))
         return self._results
 
-    def append(self, results: list[Result]) -> AppendFile:
-        """Append results (whole lines or nothing); the caller fsyncs the file before counting them done."""
+    def append(self, results: list[Result], *, fsync: bool) -> None:
+        """Append results (whole lines or nothing) and fsync them: they count as done once this returns."""
         file = self.results_file()
-        file.append(b"".join(orjson.dumps({"line": r.line, "ok": r.ok, "out": r.out}) + b"\n" for r in results))
-        return file
+        file.append(b"".join(r.to_line() for r in results))
+        if fsync:
+            os.fsync(file.fd)
 
     def close_results(self) -> None:
         if self._results is not None:

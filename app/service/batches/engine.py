@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import re
 import secrets
@@ -53,7 +54,7 @@ from app.store.batches import (
     new_batch_id,
 )
 from app.store.cache import RequestCache, StoredResponse
-from app.store.durable import GroupSync, make_dirs_durable
+from app.store.durable import make_dirs_durable
 from app.store.files import FileStore, new_file_id
 from app.store.hashing import payload_hash
 
@@ -64,6 +65,8 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 #: The rank under which batch lines fly in `Flights`: no rank of a job's (those are >= 0).
 BATCH_RANK = -1
 _WINDOW = re.compile(r"^(\d{1,6})h$")
+#: How long a round of answers gathers before it is written and fsynced (one write and one fsync a round).
+RESULTS_ROUND_S = 0.02
 #: How often a running batch's counts are saved to its batch.json (for other proxies, and `status`).
 SAVE_EVERY_S = 2.0
 #: How often the batches folder is looked through for batches no proxy runs (their owner died).
@@ -148,6 +151,9 @@ class Running:
         self.task: asyncio.Task[None] | None = None
         self.in_flight: set[asyncio.Task[None]] = set()
         self.stopping = asyncio.Event()
+        #: answered, not yet on disk: the writer's next round
+        self.pending: list[Result] = []
+        self.wake = asyncio.Event()
         self.saved_counts = (-1, -1)
         self.hits = 0
         self.started_at = time.monotonic()
@@ -179,7 +185,6 @@ class BatchEngine:
             str(self.root / ANSWERS), flush_interval_ms=settings.flush_interval_ms, replay_same_run=True
         )
         self.running: dict[str, Running] = {}
-        self.syncs = GroupSync()
         self.fsync = settings.fsync == "always"
         self._adopter: asyncio.Task[None] | None = None
         self._closing = False
@@ -397,15 +402,15 @@ class BatchEngine:
             batch.done = Lines()
             completed = failed = 0
             usage = {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0}
-            for result in batch.dir.results():
-                if batch.is_done(result.line):
+            for done in batch.dir.results():
+                if batch.is_done(done.line):
                     continue
-                batch.mark_done(result.line)
-                if result.ok:
+                batch.mark_done(done.line)
+                if done.ok:
                     completed += 1
                 else:
                     failed += 1
-                _add_usage(usage, result.out)
+                _add_tokens(usage, done.tokens)
             return completed, failed, usage
 
         record.completed, record.failed, record.usage = await asyncio.to_thread(read)
@@ -413,8 +418,10 @@ class BatchEngine:
 
     async def _execute(self, batch: Running) -> None:
         record = batch.record
+        await self._write_results(batch)  # what a round before left unwritten (a full disk)
         await self._load_results(batch)
         saver = asyncio.create_task(self._save_progress(batch))
+        writer = asyncio.create_task(self._writer(batch))
         try:
             await self._dispatch(batch)
         finally:
@@ -427,9 +434,11 @@ class BatchEngine:
                 await asyncio.gather(*batch.in_flight, return_exceptions=True)
                 raise
             finally:
-                saver.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await saver
+                for task in (saver, writer):
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                await self._write_results(batch)  # every answer in, before the counts are looked at
         if self._closing:
             return
         fresh = await asyncio.to_thread(batch.dir.load)
@@ -502,20 +511,48 @@ class BatchEngine:
             batch.hits += 1
             # kept under this batch too: deleting the older batch's output does not forget it
             self.answers.store_response(record.serial, custom_id, rollout, digest, answer)
-            result = _result(number, custom_id, answer, {})
+            result = _result(record.serial, number, custom_id, answer, {})
         else:
             result = await self._generated(batch, number, custom_id, rollout, digest, body)
         if result is None:
             return  # stopped before an answer: the line runs again
-        file = batch.dir.append([result])
-        if self.fsync:
-            await self.syncs.sync(file)
-        batch.mark_done(number)
-        if result.ok:
-            record.completed += 1
-        else:
-            record.failed += 1
-        _add_usage(record.usage, result.out)
+        batch.pending.append(result)  # done once the writer has it on disk (`_write_results`)
+        batch.wake.set()
+
+    async def _writer(self, batch: Running) -> None:
+        """The lines answered, appended to results.jsonl and fsynced a round at a time (a round gathers
+        what is answered within `RESULTS_ROUND_S`), then counted."""
+        while True:
+            await batch.wake.wait()
+            await asyncio.sleep(RESULTS_ROUND_S)
+            batch.wake.clear()
+            try:
+                await self._write_results(batch)
+            except OSError as exc:  # a full disk: kept, tried again at the next round
+                logger.warning(
+                    "batch %s: %d answers could not be written (%s)", batch.record.id, len(batch.pending), exc
+                )
+                batch.wake.set()
+                await asyncio.sleep(1)
+
+    async def _write_results(self, batch: Running) -> None:
+        results = batch.pending
+        if not results:
+            return
+        batch.pending = []
+        try:
+            await asyncio.to_thread(batch.dir.append, results, fsync=self.fsync)
+        except BaseException:
+            batch.pending[:0] = results
+            raise
+        record = batch.record
+        for result in results:
+            batch.mark_done(result.line)
+            if result.ok:
+                record.completed += 1
+            else:
+                record.failed += 1
+            _add_tokens(record.usage, result.tokens)
 
     async def _generated(
         self, batch: Running, number: int, custom_id: str, rollout: int, digest: str, body: bytes
@@ -525,19 +562,19 @@ class BatchEngine:
         while (flight := self.flights.get(key)) is not None:
             shared = await flight.answer()
             if shared is not None:
-                return _result(number, custom_id, shared, {})
+                return _result(record.serial, number, custom_id, shared, {})
         with self.flights.lead(key, joinable=True) as flight:
             outcome = await self._send(record.endpoint, custom_id, body, batch)
             if outcome is None:
                 return None
             if isinstance(outcome, str):
-                return _failed(number, custom_id, "upstream_error", outcome)
+                return _failed(record.serial, number, custom_id, "upstream_error", outcome)
             answer, headers = outcome
             kept = cacheable_status(answer.status, self.settings.cache_error_statuses)
             if kept and error_in_disguise(answer) is None:
                 self.answers.store_response(record.serial, custom_id, rollout, digest, answer)
                 flight.land(answer)
-            return _result(number, custom_id, answer, headers)
+            return _result(record.serial, number, custom_id, answer, headers)
 
     async def _send(
         self, endpoint: str, custom_id: str, body: bytes, batch: Running
@@ -642,32 +679,30 @@ class BatchEngine:
             if self.files.get(file_id) is not None:
                 wrote[index] = True
                 continue
-            lines = _once(batch.dir.results(), ok)
+            lines = itertools.chain(_once(batch.dir.outputs(), ok), () if ok else expired)
             first = next(lines, None)
-            if first is None and ok:
-                continue
-            if not ok and first is None:
-                first = next(expired, None)
-                if first is None:
-                    continue
+            if first is None:
+                continue  # a file without lines is not written: its id is null
             name = f"{record.id}_{'output' if ok else 'error'}.jsonl"
             with self.files.writing(name, "batch_output", file_id=file_id) as out:
-                out.write(orjson.dumps(first) + b"\n")
+                piece = [first]
                 for item in lines:
-                    out.write(orjson.dumps(item) + b"\n")
-                if not ok:
-                    for item in expired:
-                        out.write(orjson.dumps(item) + b"\n")
+                    piece.append(item)
+                    if len(piece) >= 1024:
+                        out.write(b"\n".join(piece) + b"\n")
+                        piece = []
+                if piece:
+                    out.write(b"\n".join(piece) + b"\n")
             wrote[index] = True
         return wrote[0], wrote[1]
 
-    def _expired_lines(self, batch: Running) -> Iterator[dict[str, Any]]:
+    def _expired_lines(self, batch: Running) -> Iterator[bytes]:
         with self.files.path(batch.record.input_file_id).open("rb") as f:
             for number, raw in enumerate(f, 1):
                 if raw.strip() and not batch.is_done(number):
                     custom_id = orjson.loads(raw)["custom_id"]
                     message = "This request could not be executed before the completion window expired."
-                    yield _failed(number, custom_id, "batch_expired", message).out
+                    yield _failed(batch.record.serial, number, custom_id, "batch_expired", message).out
 
     # -- progress ---------------------------------------------------------------------------
 
@@ -697,57 +732,68 @@ class BatchEngine:
         return out
 
 
-def _once(results: Iterator[Result], ok: bool) -> Iterator[dict[str, Any]]:
+def _once(outputs: Iterator[tuple[int, bool, bytes]], ok: bool) -> Iterator[bytes]:
     """The output (or error) lines of results, each input line's first result only."""
     seen = Lines()
-    for result in results:
-        if result.line not in seen:
-            seen.add(result.line)
-            if result.ok == ok:
-                yield result.out
+    for line, went_ok, out in outputs:
+        if line not in seen:
+            seen.add(line)
+            if went_ok == ok:
+                yield out
 
 
-def _request_id(answer: StoredResponse, headers: dict[bytes, bytes]) -> str:
+def _ids(serial: int, number: int) -> str:
+    """The hex digits of a line's ids: its batch's serial and its line number (stable when it runs again)."""
+    return f"{serial & (2**64 - 1):016x}{number & 0xFFFFFFFF:08x}"
+
+
+def _result(serial: int, number: int, custom_id: str, answer: StoredResponse, headers: dict[bytes, bytes]) -> Result:
+    """The output line of an answer, its body as the upstream sent it when it is JSON (not parsed and written
+    again), else as a string."""
+    ids = _ids(serial, number)
     given = headers.get(b"x-request-id")
-    if given:
-        return given.decode("latin-1")
-    return "req_" + secrets.token_hex(12)
-
-
-def _result(number: int, custom_id: str, answer: StoredResponse, headers: dict[bytes, bytes]) -> Result:
+    request_id = orjson.dumps(given.decode("latin-1") if given else "req_" + ids)
+    tokens = (0, 0)
     try:
-        body: Any = orjson.loads(answer.body)
+        parsed = orjson.loads(answer.body)
     except orjson.JSONDecodeError:
-        body = answer.body.decode("utf-8", "replace")
-    out = {
-        "id": "batch_req_" + secrets.token_hex(12),
-        "custom_id": custom_id,
-        "response": {"status_code": answer.status, "request_id": _request_id(answer, headers), "body": body},
-        "error": None,
-    }
-    return Result(number, 200 <= answer.status < 300, out)
+        body = orjson.dumps(answer.body.decode("utf-8", "replace"))
+    else:
+        body = answer.body.strip() if b"\n" not in answer.body.strip() else orjson.dumps(parsed)
+        tokens = _tokens(parsed)
+    out = (
+        b'{"id":"batch_req_%s","custom_id":%s,"response":{"status_code":%d,"request_id":%s,"body":%s},"error":null}'
+        % (
+            ids.encode(),
+            orjson.dumps(custom_id),
+            answer.status,
+            request_id,
+            body,
+        )
+    )
+    return Result(number, 200 <= answer.status < 300, tokens, out)
 
 
-def _failed(number: int, custom_id: str, code: str, message: str) -> Result:
+def _failed(serial: int, number: int, custom_id: str, code: str, message: str) -> Result:
     out = {
-        "id": "batch_req_" + secrets.token_hex(12),
+        "id": "batch_req_" + _ids(serial, number),
         "custom_id": custom_id,
         "response": None,
         "error": {"code": code, "message": message},
     }
-    return Result(number, False, out)
+    return Result(number, False, (0, 0), orjson.dumps(out))
 
 
-def _add_usage(usage: dict[str, int], out: dict[str, Any]) -> None:
-    response = out.get("response")
-    body = response.get("body") if isinstance(response, dict) else None
-    counted = body.get("usage") if isinstance(body, dict) else None
-    if not isinstance(counted, dict):
-        return
-    prompt = counted.get("prompt_tokens")
-    completion = counted.get("completion_tokens")
-    if isinstance(prompt, int):
-        usage["input_tokens"] = usage.get("input_tokens", 0) + prompt
-    if isinstance(completion, int):
-        usage["output_tokens"] = usage.get("output_tokens", 0) + completion
-    usage["total_tokens"] = usage.get("input_tokens", 0) + usage.get("output_tokens", 0)
+def _tokens(body: Any) -> tuple[int, int]:
+    """(prompt, completion) tokens of an answer's `usage`, (0, 0) without one."""
+    usage = body.get("usage") if isinstance(body, dict) else None
+    if not isinstance(usage, dict):
+        return 0, 0
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return (prompt if isinstance(prompt, int) else 0), (completion if isinstance(completion, int) else 0)
+
+
+def _add_tokens(usage: dict[str, int], tokens: tuple[int, int]) -> None:
+    usage["input_tokens"] = usage.get("input_tokens", 0) + tokens[0]
+    usage["output_tokens"] = usage.get("output_tokens", 0) + tokens[1]
+    usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]
