@@ -309,3 +309,22 @@ async def test_a_batch_past_its_window_expires_with_what_finished(settings: Sett
         assert len(output) == done
         assert {e["error"]["code"] for e in errors} == {"batch_expired"}
         assert sorted(o["custom_id"] for o in output + errors) == sorted(f"e{i}" for i in range(200))
+
+
+def test_the_id_check_finds_every_repeated_id_and_no_other_among_many(tmp_path: Path) -> None:
+    from app.service.batches.validation import check_input
+
+    path = tmp_path / "input.jsonl"
+    ids = [f"id-{i}" for i in range(50_000)]
+    ids += ["id-7", "id-49999", "id-7"]  # lines 50001-50003
+    with path.open("wb") as f:
+        for custom_id in ids:
+            f.write(orjson.dumps(chat_line(custom_id, "q")) + b"\n")
+    checked = check_input(path, CHAT)
+    assert [(e["line"], e["code"]) for e in checked.errors] == [
+        (50001, "duplicate_custom_id"),
+        (50002, "duplicate_custom_id"),
+        (50003, "duplicate_custom_id"),
+    ]
+    assert "line 8" in checked.errors[0]["message"]
+    assert checked.lines == 50_000
