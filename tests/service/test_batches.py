@@ -145,6 +145,14 @@ async def test_a_resubmitted_file_is_answered_from_the_first_batch_and_pays_noth
         (orjson.dumps({"custom_id": "a", "method": "POST", "url": CHAT, "body": []}), "invalid_body"),
         (orjson.dumps(chat_line("a", "x", stream=True)), "stream_not_supported"),
         (orjson.dumps(chat_line("ok-0", "again")), "duplicate_custom_id"),
+        (orjson.dumps(chat_line("x" * 1025, "long id")), "invalid_custom_id"),
+        (
+            b'{"custom_id": "deep", "method": "POST", "url": "/v1/chat/completions", "body": {"a": '
+            + b"[" * 300
+            + b"]" * 300
+            + b"}}",
+            "invalid_body",
+        ),
     ],
 )
 async def test_a_bad_line_fails_the_batch_naming_it_and_sends_nothing(

@@ -499,6 +499,16 @@ class BatchEngine:
                 logger.warning("batch %s: its progress could not be saved (%s)", record.id, exc)
 
     async def _line(self, batch: Running, number: int, raw: bytes) -> None:
+        try:
+            await self._answer_line(batch, number, raw)
+        except Exception as exc:  # never a line left unanswered for ever: it goes to the error file, saying why
+            logger.exception("batch %s: line %d could not be run", batch.record.id, number)
+            custom_id = orjson.loads(raw).get("custom_id", "")
+            message = f"the proxy could not run this line: {type(exc).__name__}: {exc}"
+            batch.pending.append(_failed(batch.record.serial, number, custom_id, "internal_error", message[:1000]))
+            batch.wake.set()
+
+    async def _answer_line(self, batch: Running, number: int, raw: bytes) -> None:
         record = batch.record
         line = orjson.loads(raw)
         custom_id: str = line["custom_id"]

@@ -14,6 +14,8 @@ import xxhash
 
 #: The errors a failed batch names (OpenAI's `errors.data`), the first ones of the file.
 MAX_ERRORS = 100
+#: As an `X-Doc-Id` may be: a line's answers are kept under its `custom_id`.
+MAX_CUSTOM_ID_BYTES = 1024
 
 
 @dataclass
@@ -58,6 +60,12 @@ def line_problem(record: Any, endpoint: str) -> tuple[str, str, str | None] | No
     custom_id = record.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return "missing_custom_id", "the line needs a `custom_id`, a non-empty string", "custom_id"
+    if len(custom_id.encode("utf-8", "surrogatepass")) > MAX_CUSTOM_ID_BYTES:
+        return (
+            "invalid_custom_id",
+            f"`custom_id` is {len(custom_id.encode('utf-8', 'surrogatepass'))} bytes; at most {MAX_CUSTOM_ID_BYTES}",
+            "custom_id",
+        )
     if record.get("method") != "POST":
         return "invalid_method", f'`method` must be "POST", got {record.get("method")!r}', "method"
     if record.get("url") != endpoint:
@@ -71,6 +79,10 @@ def line_problem(record: Any, endpoint: str) -> tuple[str, str, str | None] | No
         return "invalid_body", "`body` must be a JSON object (the request as sent to the endpoint)", "body"
     if body.get("stream") not in (None, False):
         return "stream_not_supported", "`body.stream` must be false or absent: a batch's answers are whole", "body"
+    try:
+        orjson.dumps(body)  # what is sent upstream and hashed: orjson writes at most 254 levels of nesting
+    except TypeError:
+        return "invalid_body", "`body` is nested too deep to be sent (at most 254 levels)", "body"
     return None
 
 
