@@ -12,6 +12,7 @@ error file as OpenAI writes them; the files are written from `results.jsonl` whe
 
 from __future__ import annotations
 
+import array
 import contextlib
 import fcntl
 import os
@@ -151,6 +152,31 @@ class BatchDir:
         for item in lines:
             yield Result(item["line"], item["ok"], item["out"])
         lines.repair()
+
+    def results_in_order(self) -> Iterator[Result]:
+        """Each input line's first result, in line order (as vLLM's run-batch writes its output): an index of
+        where each result starts, 8 bytes a line, then one read per line. Whole lines only (a torn tail is
+        not a result)."""
+        path = self.root / RESULTS
+        if not path.exists():
+            return
+        starts = array.array("q")  # by line number: the offset of its first result, plus one (0: none yet)
+        with path.open("rb") as f:
+            offset = 0
+            for raw in f:
+                if raw.endswith(b"\n"):
+                    with contextlib.suppress(orjson.JSONDecodeError):
+                        line = orjson.loads(raw)["line"]
+                        if line >= len(starts):
+                            starts.frombytes(bytes(8 * max(line + 1 - len(starts), len(starts) // 2)))
+                        if not starts[line]:
+                            starts[line] = offset + 1
+                offset += len(raw)
+            for start in starts:
+                if start:
+                    f.seek(start - 1)
+                    item = orjson.loads(f.readline())
+                    yield Result(item["line"], item["ok"], item["out"])
 
     def results_file(self) -> AppendFile:
         if self._results is None or self._results.closed:

@@ -247,13 +247,21 @@ class BatchEngine:
     # -- the routes' operations ---------------------------------------------------------------
 
     async def create(
-        self, input_file_id: str, endpoint: str, completion_window: str, metadata: dict[str, str] | None
+        self,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict[str, str] | None,
+        *,
+        batch_id: str | None = None,
     ) -> BatchRecord:
+        """A new batch, running. `batch_id`: the id to create it under, one the caller reserved (and recorded)
+        beforehand, so that a crash right after the creation leaves no batch the caller does not know of."""
         window = window_seconds(completion_window)
         assert window is not None, "checked by the route"
         now = int(time.time())
         record = BatchRecord(
-            id=new_batch_id(),
+            id=batch_id or new_batch_id(),
             endpoint=endpoint,
             input_file_id=input_file_id,
             completion_window=completion_window,
