@@ -3,6 +3,7 @@ killed (SIGKILL, SIGTERM) part-way and run again, bad inputs refused before anyt
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import orjson
 import pytest
 
 from app.store.batches import BatchDir, Result
+from app.tools import run_batch as run_batch_module
 from tests.e2e.conftest import Upstream, running_upstream
 from tests.e2e.test_s3_output import S3, s3, s3_server  # noqa: F401 - the fixtures
 from tests.servers import process, run_cli
@@ -289,3 +291,42 @@ def test_results_in_order_gives_each_lines_first_result_by_line_number(tmp_path:
     with (folder.root / "results.jsonl").open("ab") as f:
         f.write(b'{"line": 2, "ok": tr')  # a torn tail: no result
     assert [r.out["n"] for r in folder.results_in_order()] == ["1", "3", "20"]
+
+
+class Terminal(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_progress_is_a_bar_redrawn_in_place_on_a_terminal_and_a_line_every_30_s_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(run_batch_module.time, "monotonic", lambda: clock[0])
+    for tty in (True, False):
+        stream = Terminal(tty)
+        progress = run_batch_module.Progress(stream)
+        progress.update(0, 0, 0)  # still being checked (no total yet): nothing shown
+        progress.update(100, 0, 1000)
+        clock[0] += 10
+        progress.update(200, 3, 1000)  # 10 s later: redrawn on a terminal, not yet in a log
+        clock[0] += 30
+        progress.update(500, 5, 1000)
+        progress.update(1000, 5, 1000, final=True)
+        text = stream.getvalue()
+        if tty:
+            assert text.startswith("\rrun-batch [##--------------------")
+            assert text.endswith("\n")
+            assert (
+                "\rrun-batch [#####-------------------] 200/1,000 lines 20%, 3 failed, 10.0 lines/s ETA 1m20s" in text
+            )
+        else:
+            assert text.splitlines() == [
+                "run-batch 100/1,000 lines 10%, 0 failed, 0.0 lines/s",
+                "run-batch 500/1,000 lines 50%, 5 failed, 10.0 lines/s ETA 50s",
+                "run-batch 1,000/1,000 lines 100%, 5 failed, 22.5 lines/s",
+            ]
