@@ -1,6 +1,7 @@
 """The `inferproxy` command.
 
     inferproxy serve [--config FILE] [--upstream URL]... [--port 8080] ...   the caching proxy
+    inferproxy run-batch -i INPUT -o OUTPUT [--upstream URL]... ...          one batch file, resumable
     inferproxy fake-upstream [--port 8000] [--latency-ms 0]                  a vLLM-shaped simulator
     inferproxy demo [--documents N] [--rollouts R] [--kills K] ...           the quickstart
     inferproxy inspect CHECKPOINTS_DIR [--rank N] [--json]                   a checkpoints dir, read-only
@@ -18,7 +19,7 @@ import logging
 import os
 import sys
 import typing
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -109,8 +110,11 @@ def _setting_help(name: str) -> str:
     return description.replace("%", "%%")  # argparse %-formats help texts
 
 
-def _settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per Settings field; values are validated by Settings, which names what is wrong."""
+def _settings_arguments(
+    parser: argparse.ArgumentParser, *, skip: Collection[str] = (), helps: dict[str, str] | None = None
+) -> None:
+    """One flag per Settings field (but those in `skip`; `helps`: other help texts); values are validated by
+    Settings, which names what is wrong."""
     parser.add_argument(
         "--config",
         type=Path,
@@ -120,9 +124,11 @@ def _settings_arguments(parser: argparse.ArgumentParser) -> None:
     # The flags' own defaults stay None, so Settings can tell a flag given from one left to the
     # environment, the file or the default; the help shows the setting's real default instead.
     for name, info in Settings.model_fields.items():
+        if name in skip:
+            continue
         annotation = info.annotation
         origin = typing.get_origin(annotation)
-        kwargs: dict[str, Any] = {"default": None, "help": _setting_help(name), "dest": name}
+        kwargs: dict[str, Any] = {"default": None, "help": (helps or {}).get(name) or _setting_help(name), "dest": name}
         if origin is list or (
             typing.get_args(annotation) and typing.get_origin(typing.get_args(annotation)[0]) is list
         ):
@@ -149,17 +155,72 @@ def _demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=defaults.model, help="the model name sent upstream")
 
 
+#: Settings of serve's that run-batch has no use for: it listens on no port, publishes no chunks, keeps no ranks.
+RUN_BATCH_SKIPS = frozenset(
+    {
+        "host",
+        "port",
+        "output",
+        "output_filename",
+        "records_per_chunk",
+        "api_key",
+        "max_body_bytes",
+        "head_timeout_s",
+        "body_timeout_s",
+        "max_connections",
+        "max_queued_requests",
+        "rank_idle_s",
+        "max_waiting_chunks",
+        "backlog_wait_s",
+        "publish_retry_max_s",
+        "max_open_ranks",
+        "max_tracked_ranks",
+        "http",
+        "log_hits_every",
+        "metrics",
+    }
+)
+RUN_BATCH_STATE_HELP = (
+    "a local folder for the run's state (the input's copy, the batch, its answers), the same on every rerun "
+    "(default: OUTPUT.inferproxy beside a local OUTPUT; required for an object-store OUTPUT)"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="inferproxy", description="Caching and checkpointing for batch inference.")
     parser.add_argument("--version", action="version", version=f"inferproxy {__version__}")
     # `demo-job` is what `demo` runs, not for users: a parser of its own (`build_job_parser`).
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{serve,fake-upstream,demo,inspect,status}")
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="{serve,run-batch,fake-upstream,demo,inspect,status}"
+    )
     shows_defaults = _HelpFormatter
 
     serve_parser = commands.add_parser(
         "serve", help="run the caching proxy in front of vLLM/SGLang", formatter_class=shows_defaults
     )
     _settings_arguments(serve_parser)
+
+    batch_parser = commands.add_parser(
+        "run-batch",
+        help="run one OpenAI batch file through the upstream, resumable after any kill (vLLM's run-batch format)",
+        description="Send every line of an OpenAI batch file (INPUT) to the upstream, with serve's cache, retries "
+        "and replicas, and write one answer per line to OUTPUT, whole. Killed anywhere and run again with the "
+        "same arguments, it carries on and pays only for what was in flight. Exit 0: every line answered (2xx or "
+        "4xx); 1: lines the upstream never answered (rerun to retry those) or OUTPUT not written; 2: a bad input "
+        "or setting, nothing sent; 128+N: stopped by signal N, rerun to carry on.",
+        formatter_class=shows_defaults,
+    )
+    batch_parser.add_argument(
+        "-i", "--input-file", required=True, metavar="INPUT", help="the batch file: a local path or an fsspec URL"
+    )
+    batch_parser.add_argument(
+        "-o",
+        "--output-file",
+        required=True,
+        metavar="OUTPUT",
+        help="where the answers go: a local path or an fsspec URL",
+    )
+    _settings_arguments(batch_parser, skip=RUN_BATCH_SKIPS, helps={"checkpoints_dir": RUN_BATCH_STATE_HELP})
 
     fake = commands.add_parser(
         "fake-upstream", help="run a vLLM-shaped OpenAI-compatible simulator", formatter_class=shows_defaults
@@ -417,6 +478,25 @@ def check_checkpoints_dir(settings: Settings) -> None:
     check_records_per_chunk(CheckpointsLayout(str(settings.checkpoints_dir)), settings.records_per_chunk, record=False)
 
 
+def run_batch(args: argparse.Namespace) -> int:
+    from app.tools.run_batch import Options, RunBatchError, main, state_dir
+
+    flags = {name: getattr(args, name, None) for name in Settings.model_fields}
+    config_file = config_file_path(args.config)
+    try:
+        settings = Settings.load(args.config, **flags)
+        given = settings.checkpoints_dir if "checkpoints_dir" in settings.model_fields_set else None
+        state = state_dir(args.output_file, given)
+    except ValidationError as exc:
+        print(f"inferproxy run-batch: invalid settings:\n{describe_errors(exc, config_file, flags)}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError, RunBatchError) as exc:
+        print(f"inferproxy run-batch: {exc}", file=sys.stderr)
+        return 2
+    logs.configure(settings.log_level, settings.log_format)
+    return main(Options(args.input_file, args.output_file, settings, state))
+
+
 def inspect(args: argparse.Namespace) -> int:
     import json
 
@@ -492,6 +572,8 @@ def dispatch(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
     if args.command == "serve":
         return serve(args)
+    if args.command == "run-batch":
+        return run_batch(args)
     if args.command == "fake-upstream":
         return fake_upstream(args)
     if args.command == "inspect":

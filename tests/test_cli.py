@@ -18,7 +18,7 @@ def subcommands() -> dict[str, argparse.ArgumentParser]:
     return {**action.choices, "demo-job": build_job_parser()}
 
 
-@pytest.mark.parametrize("command", ["serve", "fake-upstream", "demo", "demo-job", "inspect"])
+@pytest.mark.parametrize("command", ["serve", "run-batch", "fake-upstream", "demo", "demo-job", "inspect"])
 def test_every_option_of_every_subcommand_has_a_help_text_and_no_none_default(command: str) -> None:
     parser = subcommands()[command]
     for action in parser._actions:
@@ -28,7 +28,7 @@ def test_every_option_of_every_subcommand_has_a_help_text_and_no_none_default(co
 
 def test_the_help_lists_the_users_commands_and_not_the_demos_internal_job() -> None:
     listed = build_parser().format_help()
-    for command in ("serve", "fake-upstream", "demo", "inspect", "status"):
+    for command in ("serve", "run-batch", "fake-upstream", "demo", "inspect", "status"):
         assert f"\n    {command} " in listed, command
     assert "demo-job" not in listed
     assert "the job `demo` runs" in subcommands()["demo-job"].format_help()  # still there for `demo`
@@ -69,6 +69,36 @@ def test_serve_help_shows_each_settings_real_default() -> None:
     assert "(default: not set)" in helps["api_key"]
     for name in Settings.model_fields:
         assert "default:" in helps[name], f"{flag_name(name)} does not show its default"
+
+
+def test_run_batch_takes_vllms_i_and_o_and_every_setting_of_serve_it_has_a_use_for() -> None:
+    from app.cli import RUN_BATCH_SKIPS
+
+    run_batch = subcommands()["run-batch"]
+    flags = {o for action in run_batch._actions for o in action.option_strings}
+    assert {"-i", "--input-file", "-o", "--output-file"} <= flags
+    for name in Settings.model_fields:
+        assert (flag_name(name) in flags) == (name not in RUN_BATCH_SKIPS), name
+    args = parse(["run-batch", "-i", "in.jsonl", "-o", "out.jsonl", "--upstream=http://a:8000", "--batch-retries=3"])
+    assert (args.input_file, args.output_file, args.upstream, args.batch_retries) == (
+        "in.jsonl",
+        "out.jsonl",
+        ["http://a:8000"],
+        "3",
+    )
+
+
+def test_run_batch_with_a_bad_setting_names_it_in_one_line_and_exits_2(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "app.cli", "run-batch", "-i", "x", "-o", str(tmp_path / "o"), "--batch-retries=-1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 2
+    assert result.stderr.startswith("inferproxy run-batch: invalid settings:\n  --batch-retries: ")
+    assert not (tmp_path / "o.inferproxy").exists()
 
 
 @pytest.mark.parametrize(

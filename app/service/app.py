@@ -294,20 +294,7 @@ class InferProxy(FastAPI):
             make_dirs_durable(layout.root)
             ownership = RankOwnership(layout, port=settings.port)
             stack.callback(ownership.release_all)
-            pool = UpstreamPool(
-                settings.upstream,
-                retries=settings.upstream_retries,
-                backoff_s=settings.retry_backoff_s,
-                connect_timeout_s=settings.connect_timeout_s,
-                read_timeout_s=settings.read_timeout_s,
-                api_key=settings.upstream_api_key,
-                health_interval_s=settings.health_interval_s,
-                max_response_bytes=settings.max_response_bytes,
-                max_inflight=settings.max_inflight_per_upstream,
-                max_queued=settings.max_queued_requests,
-                routing=settings.routing,
-                load_bound=settings.affinity_load_bound,
-            )
+            pool = upstream_pool(settings)
             await pool.start()
             stack.push_async_callback(pool.close)
             activity = RankActivity()
@@ -350,6 +337,24 @@ class InferProxy(FastAPI):
             probe = asyncio.create_task(pool.warn_about_silent_replicas(), name="probe-upstreams")
             stack.push_async_callback(cancel, probe)
             yield services
+
+
+def upstream_pool(settings: Settings) -> UpstreamPool:
+    """The one upstream pool of a process, as the settings say (`serve`'s lifespan, `run-batch`)."""
+    return UpstreamPool(
+        settings.upstream,
+        retries=settings.upstream_retries,
+        backoff_s=settings.retry_backoff_s,
+        connect_timeout_s=settings.connect_timeout_s,
+        read_timeout_s=settings.read_timeout_s,
+        api_key=settings.upstream_api_key,
+        health_interval_s=settings.health_interval_s,
+        max_response_bytes=settings.max_response_bytes,
+        max_inflight=settings.max_inflight_per_upstream,
+        max_queued=settings.max_queued_requests,
+        routing=settings.routing,
+        load_bound=settings.affinity_load_bound,
+    )
 
 
 async def release_idle_ranks(services: Services) -> None:

@@ -12,6 +12,7 @@ error file as OpenAI writes them; the files are written from `results.jsonl` whe
 
 from __future__ import annotations
 
+import array
 import contextlib
 import fcntl
 import os
@@ -116,7 +117,18 @@ class Done:
     tokens: tuple[int, int]
 
 
-_RESULT_HEAD = re.compile(rb'^\{"line":(\d+),"ok":(true|false),"tokens":\[\d+,\d+\],"out":')
+_RESULT_HEAD = re.compile(rb'^\{"line":(\d+),"ok":(true|false),"tokens":\[(\d+,\d+)\],"out":')
+
+
+def _parse_result(raw: bytes) -> Result:
+    """A whole line of results.jsonl, `out` sliced as written (parsed only if it is not as written here)."""
+    head = _RESULT_HEAD.match(raw)
+    if head is not None and raw.endswith(b"}\n"):
+        tokens = tuple(int(n) for n in raw[head.start(3) : head.end(3)].split(b","))
+        return Result(int(head.group(1)), head.group(2) == b"true", (tokens[0], tokens[1]), raw[head.end() : -2])
+    item = orjson.loads(raw)
+    prompt, completion = item.get("tokens") or (0, 0)
+    return Result(item["line"], item["ok"], (prompt, completion), orjson.dumps(item["out"]))
 
 
 class BatchDir:
@@ -184,12 +196,33 @@ class BatchDir:
             return
         with path.open("rb") as f:
             for raw in f:
-                head = _RESULT_HEAD.match(raw)
-                if head is not None and raw.endswith(b"}\n"):
-                    yield int(head.group(1)), head.group(2) == b"true", raw[head.end() : -2]
-                elif raw.strip():  # not as this version writes them: parsed
-                    item = orjson.loads(raw)
-                    yield item["line"], item["ok"], orjson.dumps(item["out"])
+                if raw.strip():
+                    result = _parse_result(raw)
+                    yield result.line, result.ok, result.out
+
+    def results_in_order(self) -> Iterator[Result]:
+        """Each input line's first result, in line order (as vLLM's run-batch writes its output): an index of
+        where each result starts, 8 bytes a line, then one read per line. Whole lines only (a torn tail is
+        not a result)."""
+        path = self.root / RESULTS
+        if not path.exists():
+            return
+        starts = array.array("q")  # by line number: the offset of its first result, plus one (0: none yet)
+        with path.open("rb") as f:
+            offset = 0
+            for raw in f:
+                if raw.endswith(b"\n"):
+                    with contextlib.suppress(orjson.JSONDecodeError):
+                        line = orjson.loads(raw)["line"]
+                        if line >= len(starts):
+                            starts.frombytes(bytes(8 * max(line + 1 - len(starts), len(starts) // 2)))
+                        if not starts[line]:
+                            starts[line] = offset + 1
+                offset += len(raw)
+            for start in starts:
+                if start:
+                    f.seek(start - 1)
+                    yield _parse_result(f.readline())
 
     def results_file(self) -> AppendFile:
         if self._results is None or self._results.closed:

@@ -254,14 +254,22 @@ class BatchEngine:
     # -- the routes' operations ---------------------------------------------------------------
 
     async def create(
-        self, input_file_id: str, endpoint: str, completion_window: str, metadata: dict[str, str] | None
+        self,
+        input_file_id: str,
+        endpoint: str,
+        completion_window: str,
+        metadata: dict[str, str] | None,
+        *,
+        batch_id: str | None = None,
     ) -> BatchRecord:
+        """A new batch, running. `batch_id`: the id to create it under, one the caller reserved (and recorded)
+        beforehand, so that a crash right after the creation leaves no batch the caller does not know of."""
         window = window_seconds(completion_window)
         assert window is not None, "checked by the route"
         made = time.time()
         now = int(made)
         record = BatchRecord(
-            id=new_batch_id(made),
+            id=batch_id or new_batch_id(made),
             endpoint=endpoint,
             input_file_id=input_file_id,
             completion_window=completion_window,
@@ -581,7 +589,8 @@ class BatchEngine:
                 return _failed(record.serial, number, custom_id, "upstream_error", outcome)
             answer, headers = outcome
             kept = cacheable_status(answer.status, self.settings.cache_error_statuses)
-            if kept and error_in_disguise(answer) is None:
+            # a 2xx whose body is an error is none to keep; a 400 (a kept error status) is its error body
+            if kept and (answer.status >= 300 or error_in_disguise(answer) is None):
                 self.answers.store_response(record.serial, custom_id, rollout, digest, answer)
                 flight.land(answer)
             return _result(record.serial, number, custom_id, answer, headers)

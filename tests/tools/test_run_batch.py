@@ -1,0 +1,332 @@
+"""`inferproxy run-batch` as a real process against `inferproxy fake-upstream`: vLLM's file format in and out,
+killed (SIGKILL, SIGTERM) part-way and run again, bad inputs refused before anything is sent, S3 both ways."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from app.store.batches import BatchDir, Result
+from app.tools import run_batch as run_batch_module
+from tests.e2e.conftest import Upstream, running_upstream
+from tests.e2e.test_s3_output import S3, s3, s3_server  # noqa: F401 - the fixtures
+from tests.servers import process, run_cli
+
+pytestmark = pytest.mark.e2e
+
+CHAT = "/v1/chat/completions"
+INFLIGHT = 8
+
+
+def chat_line(custom_id: str, text: str, url: str = CHAT, **body: Any) -> dict[str, Any]:
+    request = {"model": "fake-model", "messages": [{"role": "user", "content": text}], "max_tokens": 4, **body}
+    return {"custom_id": custom_id, "method": "POST", "url": url, "body": request}
+
+
+def write_input(path: Path, lines: list[dict[str, Any]]) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    return path
+
+
+def run_batch(upstream: Upstream, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return run_cli("run-batch", f"--upstream={upstream.url}", *fast(), *args, timeout=timeout)
+
+
+def fast() -> list[str]:
+    return [f"--max-inflight-per-upstream={INFLIGHT}", "--retry-backoff-s=0.01", "--batch-retries=1"]
+
+
+def output_of(path: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+def last_line(result: subprocess.CompletedProcess[str]) -> str:
+    return result.stderr.strip().splitlines()[-1]
+
+
+@pytest.fixture
+def upstream() -> Iterator[Upstream]:
+    with running_upstream() as started:
+        yield started
+
+
+@pytest.fixture
+def slow_upstream() -> Iterator[Upstream]:
+    with running_upstream(latency_ms=40) as started:
+        yield started
+
+
+def test_every_line_is_answered_in_input_order_in_vllms_format(upstream: Upstream, tmp_path: Path) -> None:
+    lines = [chat_line(f"line-{i}", f"question {i}") for i in range(30)]
+    lines[7] = chat_line("too-long", "question", max_tokens=10**6)  # the upstream's 400: an answer too
+    source = write_input(tmp_path / "in.jsonl", lines)
+    result = run_batch(upstream, "-i", str(source), "-o", str(tmp_path / "out.jsonl"))
+    assert result.returncode == 0, result.stderr
+    assert last_line(result) == (
+        f"inferproxy run-batch: 30 lines answered (1 answered with an error), written to {tmp_path / 'out.jsonl'}"
+    )
+    raw = (tmp_path / "out.jsonl").read_bytes()
+    output = output_of(tmp_path / "out.jsonl")
+    assert [o["custom_id"] for o in output] == [line["custom_id"] for line in lines]
+    for line, out in zip(raw.splitlines(), output, strict=True):
+        # vLLM's BatchRequestOutput.model_dump_json(): these fields in this order, compact JSON
+        assert list(out) == ["id", "custom_id", "response", "error"]
+        assert line == orjson.dumps(out)
+        assert list(out["response"]) == ["status_code", "request_id", "body"]
+    assert output[0]["response"]["status_code"] == 200
+    assert output[0]["response"]["body"]["object"] == "chat.completion"
+    assert output[0]["error"] is None
+    assert output[7]["response"]["status_code"] == 400
+    assert "maximum context length" in output[7]["response"]["body"]["error"]["message"]
+    assert upstream.stats()["generations"] == 29
+    assert (tmp_path / "out.jsonl.inferproxy" / "run-batch.json").exists()  # the state, beside the output
+
+    # run again: nothing is sent, the output is the same answers
+    again = run_batch(upstream, "-i", str(source), "-o", str(tmp_path / "out.jsonl"))
+    assert again.returncode == 0, again.stderr
+    assert upstream.stats()["generations"] == 29
+    bodies = [o["response"]["body"] for o in output]
+    assert [o["response"]["body"] for o in output_of(tmp_path / "out.jsonl")] == bodies
+
+
+def test_embeddings_and_completions_are_endpoints_too(upstream: Upstream, tmp_path: Path) -> None:
+    for url, body in (
+        ("/v1/embeddings", {"input": "hello"}),
+        ("/v1/completions", {"prompt": "hello", "max_tokens": 3}),
+    ):
+        lines = [{"custom_id": "c", "method": "POST", "url": url, "body": {"model": "fake-model", **body}}]
+        name = url.rsplit("/", 1)[1]
+        source = write_input(tmp_path / f"{name}.jsonl", lines)
+        result = run_batch(upstream, "-i", str(source), "-o", str(tmp_path / f"{name}.out.jsonl"))
+        assert result.returncode == 0, result.stderr
+        [out] = output_of(tmp_path / f"{name}.out.jsonl")
+        assert out["response"]["status_code"] == 200, out
+        assert out["response"]["body"]["object"] == ("list" if name == "embeddings" else "text_completion")
+
+
+def results_so_far(state: Path) -> int:
+    try:
+        batch_id = orjson.loads((state / "run-batch.json").read_bytes())["batch_id"]
+        return (state / "batches" / batch_id / "results.jsonl").read_bytes().count(b"\n")
+    except (FileNotFoundError, KeyError, orjson.JSONDecodeError):
+        return 0
+
+
+def wait_for_results(state: Path, at_least: int, proc: subprocess.Popen[bytes]) -> int:
+    deadline = time.monotonic() + 60
+    while (done := results_so_far(state)) < at_least:
+        assert proc.poll() is None, "run-batch ended before it was to be killed"
+        assert time.monotonic() < deadline, f"{done} results after 60 s"
+        time.sleep(0.02)
+    return done
+
+
+def test_killed_with_sigkill_again_and_again_it_carries_on_and_writes_each_line_once(
+    slow_upstream: Upstream, tmp_path: Path
+) -> None:
+    lines = [chat_line(f"line-{i}", f"question {i}") for i in range(400)]
+    source = write_input(tmp_path / "in.jsonl", lines)
+    output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
+    args = ("run-batch", f"--upstream={slow_upstream.url}", *fast(), "-i", str(source), "-o", str(output))
+    kills = 0
+    for at_least in (40, 150, 260):
+        with process(*args) as proc:
+            wait_for_results(state, at_least, proc)
+            proc.kill()
+            proc.wait(timeout=10)
+            kills += 1
+        assert not output.exists()  # whole or not at all
+    result = run_cli(*args, timeout=120)
+    assert result.returncode == 0, result.stderr
+    custom_ids = [o["custom_id"] for o in output_of(output)]
+    assert custom_ids == [line["custom_id"] for line in lines]
+    # only what was in flight at each kill was generated twice
+    generations = slow_upstream.stats()["generations"]
+    assert len(lines) <= generations <= len(lines) + kills * INFLIGHT, generations
+
+
+def test_sigterm_stops_it_cleanly_and_a_rerun_carries_on(slow_upstream: Upstream, tmp_path: Path) -> None:
+    lines = [chat_line(f"line-{i}", f"question {i}") for i in range(300)]
+    source = write_input(tmp_path / "in.jsonl", lines)
+    output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
+    args = ("run-batch", f"--upstream={slow_upstream.url}", *fast(), "-i", str(source), "-o", str(output))
+    with process(*args, read_stderr=True) as proc:
+        wait_for_results(state, 50, proc)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        assert proc.stderr is not None
+        said = proc.stderr.read().decode().strip().splitlines()[-1]
+    assert said.startswith("inferproxy run-batch: stopped by SIGTERM with "), said
+    assert said.endswith("lines done; rerun the same command to carry on"), said
+    assert not output.exists()
+    stopped_at = results_so_far(state)
+    result = run_cli(*args, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert [o["custom_id"] for o in output_of(output)] == [line["custom_id"] for line in lines]
+    generations = slow_upstream.stats()["generations"]
+    assert generations <= len(lines) + INFLIGHT, generations
+    assert 50 <= stopped_at < len(lines)
+
+
+def test_lines_the_upstream_never_answers_exit_1_and_a_rerun_retries_only_those(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    lines = [chat_line(f"line-{i}", f"question {i}") for i in range(20)]
+    lines[3] = chat_line("broken", "question", fake_upstream={"status": 500})
+    source = write_input(tmp_path / "in.jsonl", lines)
+    output = tmp_path / "out.jsonl"
+    result = run_batch(upstream, "-i", str(source), "-o", str(output))
+    assert result.returncode == 1, result.stderr
+    assert last_line(result) == (
+        f"inferproxy run-batch: 1 of 20 lines got no answer from the upstream after every retry "
+        f"(error.code upstream_error in {output}); rerun the same command to retry only those"
+    )
+    out = output_of(output)
+    assert [o["custom_id"] for o in out] == [line["custom_id"] for line in lines]
+    assert out[3]["response"] is None
+    assert out[3]["error"]["code"] == "upstream_error"
+    before = upstream.stats()
+    assert before["generations"] == 19
+
+    again = run_batch(upstream, "-i", str(source), "-o", str(output))
+    assert again.returncode == 1, again.stderr
+    after = upstream.stats()
+    assert after["generations"] == 19  # the answered lines were not paid again
+    assert after["requests"] - before["requests"] == 2  # the broken line, tried twice (--batch-retries=1)
+
+
+def test_a_bad_input_is_refused_naming_its_first_bad_lines_and_nothing_is_sent_or_written(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    good = orjson.dumps(chat_line("a", "question")).decode()
+    cases = {
+        "missing": (None, "-i {path}: no such file"),
+        "not-jsonl": ("this is not JSON\n" + good + "\n{oops\n", "has 2 bad lines, nothing was sent: line 1: "),
+        "duplicates": (good + "\n" + good + "\n", "has 1 bad line, nothing was sent: line 2: `custom_id` 'a'"),
+        "mixed": (
+            good + "\n" + orjson.dumps(chat_line("b", "question", url="/v1/embeddings")).decode() + "\n",
+            "mixes endpoints: line 1 asks for /v1/chat/completions, line 2 for '/v1/embeddings'; one endpoint per file",
+        ),
+        "unknown-endpoint": (
+            orjson.dumps(chat_line("a", "question", url="/v1/responses")).decode() + "\n",
+            "line 1 asks for url '/v1/responses': run-batch sends /v1/chat/completions, /v1/completions, "
+            "/v1/embeddings",
+        ),
+        "empty": ("\n\n", "holds no request"),
+    }
+    for name, (text, expected) in cases.items():
+        path = tmp_path / f"{name}.jsonl"
+        if text is not None:
+            path.write_text(text)
+        output = tmp_path / f"{name}.out.jsonl"
+        result = run_batch(upstream, "-i", str(path), "-o", str(output))
+        assert result.returncode == 2, (name, result.stderr)
+        assert len(result.stderr.strip().splitlines()) == 1, (name, result.stderr)
+        assert expected.format(path=path) in result.stderr, (name, result.stderr)
+        assert not output.exists(), name
+        assert not (tmp_path / f"{name}.out.jsonl.inferproxy").exists(), name  # no state left either
+    assert list(upstream.stats()["by_path"]) == ["GET /v1/models"]  # the fixture's readiness wait, nothing else
+
+
+def test_another_input_on_the_same_state_is_refused(upstream: Upstream, tmp_path: Path) -> None:
+    first = write_input(tmp_path / "first.jsonl", [chat_line("a", "question")])
+    second = write_input(tmp_path / "second.jsonl", [chat_line("b", "another question")])
+    output = tmp_path / "out.jsonl"
+    assert run_batch(upstream, "-i", str(first), "-o", str(output)).returncode == 0
+    result = run_batch(upstream, "-i", str(second), "-o", str(output))
+    assert result.returncode == 2
+    assert f"{output}.inferproxy holds the run of another input ({first}, " in result.stderr
+    assert output_of(output)[0]["custom_id"] == "a"
+
+
+def test_an_object_store_output_needs_a_checkpoints_dir(tmp_path: Path) -> None:
+    source = write_input(tmp_path / "in.jsonl", [chat_line("a", "question")])
+    result = run_cli("run-batch", "-i", str(source), "-o", "s3://bucket/out.jsonl")
+    assert result.returncode == 2
+    assert last_line(result).startswith(
+        "inferproxy run-batch: -o s3://bucket/out.jsonl is an object store: give --checkpoints-dir"
+    )
+
+
+def test_input_and_output_on_s3(upstream: Upstream, tmp_path: Path, s3: S3) -> None:  # noqa: F811
+    lines = [chat_line(f"line-{i}", f"question {i}") for i in range(25)]
+    s3.client.put_object(Bucket=s3.bucket, Key="in/batch.jsonl", Body=b"".join(orjson.dumps(x) + b"\n" for x in lines))
+    args = [
+        sys.executable,
+        "-m",
+        "app.cli",
+        "run-batch",
+        f"--upstream={upstream.url}",
+        *fast(),
+        "-i",
+        f"s3://{s3.bucket}/in/batch.jsonl",
+        "-o",
+        f"s3://{s3.bucket}/out/answers.jsonl",
+        f"--checkpoints-dir={tmp_path / 'state'}",
+    ]
+    env = {**os.environ, **s3.env}
+    result = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, check=False)
+    assert result.returncode == 0, result.stderr
+    written = s3.objects()["out/answers.jsonl"]
+    assert [orjson.loads(x)["custom_id"] for x in written.splitlines()] == [x["custom_id"] for x in lines]
+    assert len(s3.puts("out/answers.jsonl")) == 1  # uploaded once, whole
+
+
+def test_results_in_order_gives_each_lines_first_result_by_line_number(tmp_path: Path) -> None:
+    folder = BatchDir(tmp_path / "batch")
+    folder.root.mkdir()
+    folder.append([Result(3, True, {"n": "3"}), Result(1, False, {"n": "1"}), Result(3, True, {"n": "3 again"})])
+    folder.append([Result(20, True, {"n": "20"})])
+    folder.close_results()
+    with (folder.root / "results.jsonl").open("ab") as f:
+        f.write(b'{"line": 2, "ok": tr')  # a torn tail: no result
+    assert [r.out["n"] for r in folder.results_in_order()] == ["1", "3", "20"]
+
+
+class Terminal(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+def test_progress_is_a_bar_redrawn_in_place_on_a_terminal_and_a_line_every_30_s_elsewhere(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(run_batch_module.time, "monotonic", lambda: clock[0])
+    for tty in (True, False):
+        stream = Terminal(tty)
+        progress = run_batch_module.Progress(stream)
+        progress.update(0, 0, 0)  # still being checked (no total yet): nothing shown
+        progress.update(100, 0, 1000)
+        clock[0] += 10
+        progress.update(200, 3, 1000)  # 10 s later: redrawn on a terminal, not yet in a log
+        clock[0] += 30
+        progress.update(500, 5, 1000)
+        progress.update(1000, 5, 1000, final=True)
+        text = stream.getvalue()
+        if tty:
+            assert text.startswith("\rrun-batch [##--------------------")
+            assert text.endswith("\n")
+            assert (
+                "\rrun-batch [#####-------------------] 200/1,000 lines 20%, 3 failed, 10.0 lines/s ETA 1m20s" in text
+            )
+        else:
+            assert text.splitlines() == [
+                "run-batch 100/1,000 lines 10%, 0 failed, 0.0 lines/s",
+                "run-batch 500/1,000 lines 50%, 5 failed, 10.0 lines/s ETA 50s",
+                "run-batch 1,000/1,000 lines 100%, 5 failed, 22.5 lines/s",
+            ]
