@@ -158,6 +158,8 @@ class Running:
         self.hits = 0
         self.started_at = time.monotonic()
         self.completed_at_start = 0
+        #: results.jsonl just read back (by `adopt`), not to be read again by the first `_execute`
+        self.loaded = False
 
     def is_done(self, line: int) -> bool:
         return line in self.done
@@ -234,7 +236,16 @@ class BatchEngine:
                 record = await asyncio.to_thread(folder.load)  # as its last owner left it
                 if record.status in ACTIVE:
                     logger.info("batch %s: carrying on (%s)", record.id, record.status)
-                    self._run(folder, record)
+                    batch = Running(folder, record)
+                    if record.status != "validating":
+                        # batch.json's counts may lag what was shown before a kill (saved every SAVE_EVERY_S):
+                        # the durable ones are read back before the batch shows, so they never go back
+                        try:
+                            await self._load_results(batch)
+                            batch.loaded = True
+                        except Exception:  # read again (and retried) by the batch's own task
+                            logger.exception("batch %s: its results could not be read back", record.id)
+                    self._run(folder, record, batch)
                 else:
                     folder.release()
 
@@ -333,8 +344,8 @@ class BatchEngine:
 
     # -- running a batch ----------------------------------------------------------------------
 
-    def _run(self, folder: BatchDir, record: BatchRecord) -> None:
-        batch = Running(folder, record)
+    def _run(self, folder: BatchDir, record: BatchRecord, batch: Running | None = None) -> None:
+        batch = batch or Running(folder, record)
         self.running[record.id] = batch
         batch.task = asyncio.create_task(self._drive(batch), name=f"batch-{record.id}")
 
@@ -419,7 +430,9 @@ class BatchEngine:
     async def _execute(self, batch: Running) -> None:
         record = batch.record
         await self._write_results(batch)  # what a round before left unwritten (a full disk)
-        await self._load_results(batch)
+        if not batch.loaded:  # else just read back by `adopt`
+            await self._load_results(batch)
+        batch.loaded = False
         saver = asyncio.create_task(self._save_progress(batch))
         writer = asyncio.create_task(self._writer(batch))
         try:
