@@ -15,6 +15,8 @@ durable `results.jsonl` holds them just after each death; every `custom_id` once
 the error files, the 400s in the error file; the batch `completed`; the upstream's generations at most the
 lines plus what was in flight at the kills (`max_inflight_per_upstream` per kill).
 Short run: 5,000 lines and 6 random kills; `--chaos-long`: 20,000 lines and 20.
+
+A second scenario cancels a batch between kills, and kills it again while it is `cancelling`.
 """
 
 from __future__ import annotations
@@ -189,6 +191,77 @@ async def test_a_batch_killed_at_random_moments_ends_with_every_line_once(tmp_pa
         assert paid <= generations <= paid + kills * INFLIGHT, f"{generations} generations for {paid} lines"
         assert not problems, "\n".join(problems)
         print(f"{lines} lines, {len(deaths)} deaths, {generations - paid} generations paid twice")
+    finally:
+        stop.set()
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        proxy.close()
+        upstream.close()
+
+
+async def test_a_batch_cancelled_between_kills_sends_nothing_more_and_keeps_every_finished_line(
+    tmp_path: Path, chaos: Chaos
+) -> None:
+    """Killed at random moments, then cancelled, and killed again while `cancelling` (a power cut or not,
+    drawn from the seed): it ends `cancelled`, its output holds every line completed (each once), and
+    nothing is sent upstream past what was in flight at the cancel and at the kills."""
+    lines = chaos.count(2_000, 10_000)
+    kills = chaos.count(2, 8)
+    rng = chaos.rng("batch-cancel")
+    checkpoints = tmp_path / "checkpoints"
+    file_id = put_file(checkpoints, [chat_line(f"line-{i}", f"question {i}", max_tokens=4) for i in range(lines)])
+    upstream = UpstreamProcess(tmp_path, latency_ms=50)
+    upstream.start()
+    proxy = ProxyProcess(tmp_path, [upstream.url], f"--max-inflight-per-upstream={INFLIGHT}")
+    seen, stop = Watch(), asyncio.Event()
+    watcher: asyncio.Task[None] | None = None
+    try:
+        await upstream.ready()
+        proxy.start()
+        await proxy.ready()
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
+            created = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})
+        assert created.status_code == 200, created.text
+        batch_id = created.json()["id"]
+        watcher = asyncio.create_task(watch(proxy.url, batch_id, seen, stop))
+        for point in sorted(rng.sample(range(lines // 20, lines // 3), kills)):
+            await until(lambda point=point: seen.completed >= point, f"{point} completed lines", proxy)
+            await asyncio.sleep(rng.uniform(0, 0.05))
+            proxy.cut_power() if rng.random() < 0.5 else proxy.kill()
+            proxy.start()
+            await proxy.ready()
+        await until(lambda: seen.completed >= lines * 2 // 5, f"{lines * 2 // 5} completed lines", proxy)
+        async with httpx.AsyncClient(base_url=proxy.url, timeout=30) as client:
+            cancelled = (await client.post(f"/v1/batches/{batch_id}/cancel")).json()
+        assert cancelled["status"] == "cancelling", cancelled
+        at_cancel = cancelled["request_counts"]["completed"]
+        await asyncio.sleep(rng.uniform(0, 0.04))  # lines in flight take the upstream's 50 ms
+        proxy.cut_power() if rng.random() < 0.5 else proxy.kill()
+        was = BatchDir(checkpoints / "batches" / batch_id).load().status  # as the kill left it on disk
+        proxy.start()
+        await proxy.ready()
+        await until(lambda: seen.status == "cancelled", "cancelled batch", proxy)
+        generations = (await upstream.stats())["generations"]
+        await asyncio.sleep(0.5)  # nothing more, once cancelled
+        assert (await upstream.stats())["generations"] == generations
+        stop.set()
+        await watcher
+        assert proxy.stop() == 0, f"SIGTERM did not exit 0:\n{proxy.log_tail()}"
+
+        problems = seen.went_back()
+        assert not problems, "\n".join(problems)
+        batch = BatchDir(checkpoints / "batches" / batch_id).load()
+        assert batch.status == "cancelled", batch
+        output = read_file(checkpoints, batch.output_file_id)
+        ids = Counter(o["custom_id"] for o in output)
+        assert not [i for i, n in ids.items() if n > 1], "a line twice in the output"
+        assert len(output) == batch.completed, (len(output), batch.completed)
+        # what was in flight at the cancel may finish; nothing was started after it
+        assert at_cancel <= batch.completed <= at_cancel + INFLIGHT, (at_cancel, batch.completed, was)
+        assert batch.failed == 0
+        assert batch.completed <= generations <= batch.completed + (kills + 1) * INFLIGHT, generations
+        print(f"cancelled at {at_cancel} completed, killed while {was}: {batch.completed} kept, {generations} paid")
     finally:
         stop.set()
         if watcher is not None:
