@@ -154,6 +154,8 @@ class Running:
         #: answered, not yet on disk: the writer's next round
         self.pending: list[Result] = []
         self.wake = asyncio.Event()
+        #: notified once a round is on disk (`_write_results`)
+        self.written = asyncio.Condition()
         self.saved_counts = (-1, -1)
         self.hits = 0
         self.started_at = time.monotonic()
@@ -513,15 +515,19 @@ class BatchEngine:
 
     async def _line(self, batch: Running, number: int, raw: bytes) -> None:
         try:
-            await self._answer_line(batch, number, raw)
+            queued = await self._answer_line(batch, number, raw)
         except Exception as exc:  # never a line left unanswered for ever: it goes to the error file, saying why
             logger.exception("batch %s: line %d could not be run", batch.record.id, number)
             custom_id = orjson.loads(raw).get("custom_id", "")
             message = f"the proxy could not run this line: {type(exc).__name__}: {exc}"
             batch.pending.append(_failed(batch.record.serial, number, custom_id, "internal_error", message[:1000]))
             batch.wake.set()
+            queued = True
+        if queued:  # its slot is held until its answer is on disk: a kill loses no more than the slots
+            async with batch.written:
+                await batch.written.wait_for(lambda: batch.is_done(number))
 
-    async def _answer_line(self, batch: Running, number: int, raw: bytes) -> None:
+    async def _answer_line(self, batch: Running, number: int, raw: bytes) -> bool:
         record = batch.record
         line = orjson.loads(raw)
         custom_id: str = line["custom_id"]
@@ -538,9 +544,10 @@ class BatchEngine:
         else:
             result = await self._generated(batch, number, custom_id, rollout, digest, body)
         if result is None:
-            return  # stopped before an answer: the line runs again
+            return False  # stopped before an answer: the line runs again
         batch.pending.append(result)  # done once the writer has it on disk (`_write_results`)
         batch.wake.set()
+        return True
 
     async def _writer(self, batch: Running) -> None:
         """The lines answered, appended to results.jsonl and fsynced a round at a time (a round gathers
@@ -576,6 +583,8 @@ class BatchEngine:
             else:
                 record.failed += 1
             _add_tokens(record.usage, result.tokens)
+        async with batch.written:  # their lines give their slots up
+            batch.written.notify_all()
 
     async def _generated(
         self, batch: Running, number: int, custom_id: str, rollout: int, digest: str, body: bytes
