@@ -7,13 +7,17 @@ FAULT is `none` or `STEP@N`: the process kills itself with SIGKILL the N-th time
 - `publish_rename`: a complete chunk written to the output under its temporary name, not yet renamed
   over its own;
 - `cache_commit`: a batch of answers inserted into a cache file, its COMMIT not yet run;
-- `cache_mid_batch`: the first of a batch's several INSERT statements run, the next not yet.
+- `cache_mid_batch`: the first of a batch's several INSERT statements run, the next not yet;
+- `batch_file_bytes`: a Batch API file (a batch's output or error file) with its bytes renamed into place
+  under `<checkpoints>/files`, its metadata not written yet (the file does not exist yet);
+- `batch_file`: such a file complete, its metadata written (the batch's record not yet saved).
 
 Before it dies it appends one JSON line to LOG: the step, when (`time.monotonic()`: one clock for every
 process of the machine), and for a cache step the file and the keys (doc id, rollout) of the batch it cut.
 
 For a power cut (`ProxyProcess.cut_power`), LOG + `.synced` keeps (JSON) the size each chunk file of
-the checkpoints dir had when its last fsync began: what a power cut cannot take from it.
+the checkpoints dir (and each batch's `results.jsonl`) had when its last fsync began: what a power cut
+cannot take from it.
 
 While the file LOG + `.io` exists, holding `ERRNO CALLS DIR` (`EIO fsync,write /data/output`),
 `os.write` and `os.fsync` (those of CALLS) on files under DIR fail with that errno (a write after
@@ -41,8 +45,10 @@ from pathlib import Path
 from typing import Any
 
 import app.service.services
+import app.store.files
 from app.checkpoints.manager import CheckpointManager
 from app.cli import main
+from app.store.files import is_file_id
 from tests.faults import CHUNK_COMPLETION_STEPS
 
 _INSERT = "INSERT OR REPLACE INTO request_cache"
@@ -93,7 +99,7 @@ def faulty_connection(log: FaultLog) -> type[sqlite3.Connection]:
     return FaultyConnection
 
 
-def inject(fault: str, log_path: str, output: str) -> None:
+def inject(fault: str, log_path: str, output: str, checkpoints: str) -> None:
     step, _, nth = fault.partition("@")
     log = FaultLog(log_path, step, int(nth or 1))
     if step in CHUNK_COMPLETION_STEPS:
@@ -117,6 +123,24 @@ def inject(fault: str, log_path: str, output: str) -> None:
             return conn
 
         sqlite3.connect = connecting
+    elif step == "batch_file_bytes":
+        files = os.path.join(checkpoints, "files") + os.sep
+        replace_file = os.replace
+
+        def renaming(src: Any, dst: Any, **kwargs: Any) -> None:
+            replace_file(src, dst, **kwargs)
+            if str(dst).startswith(files) and is_file_id(os.path.basename(dst)):
+                log.happened(step, file=str(dst))
+
+        os.replace = renaming
+    elif step == "batch_file":
+        write_meta = app.store.files.atomic_write_bytes
+
+        def writing_meta(path: str, data: bytes, **kwargs: Any) -> None:
+            write_meta(path, data, **kwargs)
+            log.happened(step, file=path)
+
+        app.store.files.atomic_write_bytes = writing_meta
     else:
         raise SystemExit(f"faulty_serve: unknown fault {fault!r}")
 
@@ -130,14 +154,16 @@ def path_of(fd: int) -> str:
 
 
 def recording_synced_sizes(record: Path, where: str) -> None:
-    """`os.fsync` of a chunk file under `where` records the size the file had when it began."""
+    """`os.fsync` of a chunk file (or a batch's `results.jsonl`) under `where` records the size the file had
+    when it began."""
     sizes = json.loads(record.read_text()) if record.exists() else {}
     lock = threading.Lock()  # fsyncs run in threads
     fsync = os.fsync
 
     def fsyncing(fd: int) -> None:
         path = path_of(fd)
-        chunk_file = path.startswith(where + os.sep) and os.path.basename(path).startswith("chunk_")
+        name = os.path.basename(path)
+        chunk_file = path.startswith(where + os.sep) and (name.startswith("chunk_") or name == "results.jsonl")
         size = os.fstat(fd).st_size if chunk_file else None
         fsync(fd)
         if size is not None:
@@ -195,7 +221,7 @@ if __name__ == "__main__":
     output = next(arg.split("=", 1)[1] for arg in args if arg.startswith("--output="))
     checkpoints = next(arg.split("=", 1)[1] for arg in args if arg.startswith("--checkpoints-dir="))
     if fault != "none":
-        inject(fault, log_path, output)
+        inject(fault, log_path, output, checkpoints)
     recording_synced_sizes(Path(log_path + ".synced"), os.path.realpath(checkpoints))
     failing_io(Path(log_path + ".io"))  # outermost: an fsync that fails records nothing
     slow_io(Path(log_path + ".slow"))

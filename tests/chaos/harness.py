@@ -197,15 +197,20 @@ class ProxyProcess(Process):
         super().start()
 
     def cut_power(self) -> float:
-        """SIGKILL, and what a power cut would take besides: every chunk file cut back to the size it had
-        when its last fsync began (see `faulty_serve`). Returns when the power went."""
+        """SIGKILL, and what a power cut would take besides (`lose_unsynced`). Returns when the power went."""
         at = self.kill()
+        self.lose_unsynced()
+        return at
+
+    def lose_unsynced(self) -> None:
+        """What a power cut takes from a dead proxy: every chunk file, and every batch's `results.jsonl`, cut
+        back to the size it had when its last fsync began (see `faulty_serve`)."""
+        assert not self.running(), "a power cut takes what is unsynced from a dead proxy"
         synced = json.loads(self.synced_sizes.read_text()) if self.synced_sizes.exists() else {}
-        for path in self.checkpoints.glob("*/chunk_*.jsonl"):
+        for path in [*self.checkpoints.glob("*/chunk_*.jsonl"), *self.checkpoints.glob("batches/*/results.jsonl")]:
             size = synced.get(os.path.realpath(path), 0)
             if path.stat().st_size > size:
                 os.truncate(path, size)
-        return at
 
     def died_of_fault(self) -> dict[str, Any] | None:
         """The fault it died of (see `faulty_serve`), once it is dead of it."""

@@ -154,10 +154,14 @@ class Running:
         #: answered, not yet on disk: the writer's next round
         self.pending: list[Result] = []
         self.wake = asyncio.Event()
+        #: notified once a round is on disk (`_write_results`)
+        self.written = asyncio.Condition()
         self.saved_counts = (-1, -1)
         self.hits = 0
         self.started_at = time.monotonic()
         self.completed_at_start = 0
+        #: results.jsonl just read back (by `adopt`), not to be read again by the first `_execute`
+        self.loaded = False
 
     def is_done(self, line: int) -> bool:
         return line in self.done
@@ -234,7 +238,16 @@ class BatchEngine:
                 record = await asyncio.to_thread(folder.load)  # as its last owner left it
                 if record.status in ACTIVE:
                     logger.info("batch %s: carrying on (%s)", record.id, record.status)
-                    self._run(folder, record)
+                    batch = Running(folder, record)
+                    if record.status != "validating":
+                        # batch.json's counts may lag what was shown before a kill (saved every SAVE_EVERY_S):
+                        # the durable ones are read back before the batch shows, so they never go back
+                        try:
+                            await self._load_results(batch)
+                            batch.loaded = True
+                        except Exception:  # read again (and retried) by the batch's own task
+                            logger.exception("batch %s: its results could not be read back", record.id)
+                    self._run(folder, record, batch)
                 else:
                     folder.release()
 
@@ -341,8 +354,8 @@ class BatchEngine:
 
     # -- running a batch ----------------------------------------------------------------------
 
-    def _run(self, folder: BatchDir, record: BatchRecord) -> None:
-        batch = Running(folder, record)
+    def _run(self, folder: BatchDir, record: BatchRecord, batch: Running | None = None) -> None:
+        batch = batch or Running(folder, record)
         self.running[record.id] = batch
         batch.task = asyncio.create_task(self._drive(batch), name=f"batch-{record.id}")
 
@@ -427,7 +440,9 @@ class BatchEngine:
     async def _execute(self, batch: Running) -> None:
         record = batch.record
         await self._write_results(batch)  # what a round before left unwritten (a full disk)
-        await self._load_results(batch)
+        if not batch.loaded:  # else just read back by `adopt`
+            await self._load_results(batch)
+        batch.loaded = False
         saver = asyncio.create_task(self._save_progress(batch))
         writer = asyncio.create_task(self._writer(batch))
         try:
@@ -508,15 +523,19 @@ class BatchEngine:
 
     async def _line(self, batch: Running, number: int, raw: bytes) -> None:
         try:
-            await self._answer_line(batch, number, raw)
+            queued = await self._answer_line(batch, number, raw)
         except Exception as exc:  # never a line left unanswered for ever: it goes to the error file, saying why
             logger.exception("batch %s: line %d could not be run", batch.record.id, number)
             custom_id = orjson.loads(raw).get("custom_id", "")
             message = f"the proxy could not run this line: {type(exc).__name__}: {exc}"
             batch.pending.append(_failed(batch.record.serial, number, custom_id, "internal_error", message[:1000]))
             batch.wake.set()
+            queued = True
+        if queued:  # its slot is held until its answer is on disk: a kill loses no more than the slots
+            async with batch.written:
+                await batch.written.wait_for(lambda: batch.is_done(number))
 
-    async def _answer_line(self, batch: Running, number: int, raw: bytes) -> None:
+    async def _answer_line(self, batch: Running, number: int, raw: bytes) -> bool:
         record = batch.record
         line = orjson.loads(raw)
         custom_id: str = line["custom_id"]
@@ -533,9 +552,10 @@ class BatchEngine:
         else:
             result = await self._generated(batch, number, custom_id, rollout, digest, body)
         if result is None:
-            return  # stopped before an answer: the line runs again
+            return False  # stopped before an answer: the line runs again
         batch.pending.append(result)  # done once the writer has it on disk (`_write_results`)
         batch.wake.set()
+        return True
 
     async def _writer(self, batch: Running) -> None:
         """The lines answered, appended to results.jsonl and fsynced a round at a time (a round gathers
@@ -571,6 +591,8 @@ class BatchEngine:
             else:
                 record.failed += 1
             _add_tokens(record.usage, result.tokens)
+        async with batch.written:  # their lines give their slots up
+            batch.written.notify_all()
 
     async def _generated(
         self, batch: Running, number: int, custom_id: str, rollout: int, digest: str, body: bytes
