@@ -285,12 +285,16 @@ def test_input_and_output_on_s3(upstream: Upstream, tmp_path: Path, s3: S3) -> N
 def test_results_in_order_gives_each_lines_first_result_by_line_number(tmp_path: Path) -> None:
     folder = BatchDir(tmp_path / "batch")
     folder.root.mkdir()
-    folder.append([Result(3, True, {"n": "3"}), Result(1, False, {"n": "1"}), Result(3, True, {"n": "3 again"})])
-    folder.append([Result(20, True, {"n": "20"})])
+
+    def result(line: int, ok: bool, n: str) -> Result:
+        return Result(line, ok, (0, 0), orjson.dumps({"n": n}))
+
+    folder.append([result(3, True, "3"), result(1, False, "1"), result(3, True, "3 again")], fsync=False)
+    folder.append([result(20, True, "20")], fsync=False)
     folder.close_results()
     with (folder.root / "results.jsonl").open("ab") as f:
         f.write(b'{"line": 2, "ok": tr')  # a torn tail: no result
-    assert [r.out["n"] for r in folder.results_in_order()] == ["1", "3", "20"]
+    assert [orjson.loads(r.out)["n"] for r in folder.results_in_order()] == ["1", "3", "20"]
 
 
 class Terminal(io.StringIO):
