@@ -81,8 +81,12 @@ class HTTPServer:
         max_connections: int | None = None,
         shutdown_grace_s: float = 30.0,
         backlog: int = 2048,
+        on_shutdown: Callable[[], None] | None = None,
     ) -> None:
         self.app = app
+        #: called as the shutdown begins, before requests in flight are waited for (the app's background
+        #: work stops taking new work then, not once the requests are done)
+        self.on_shutdown = on_shutdown
         self.host, self.port = host, port
         self.fast = fast
         self.fast_paths = frozenset(fast_paths) if fast is not None else frozenset()
@@ -201,6 +205,8 @@ class HTTPServer:
         answers still in the socket's buffer reach their clients. What is left then is cut.
         """
         self.closing = True
+        if self.on_shutdown is not None:
+            self.on_shutdown()
         if self._server is not None:
             self._server.close()
         for connection in list(self.connections):

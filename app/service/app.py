@@ -127,6 +127,12 @@ class InferProxy(FastAPI):
         self.request_log = RequestLog(settings.log_hits_every)
         self.startup_error: BaseException | None = None  # why the last startup failed, for the server to raise
 
+    def shutting_down(self) -> None:
+        """The server begins to stop (SIGTERM): the batches send no new line from now, while the requests in
+        flight are answered; their own lines in flight are answered and kept meanwhile."""
+        if self.services is not None and self.services.batches is not None:
+            self.services.batches.stop_sending()
+
     def openapi(self) -> dict[str, Any]:
         """FastAPI's schema, with the models of the bodies the routes read themselves (`api.described`)."""
         if self.openapi_schema is None:
@@ -416,6 +422,7 @@ def create_server(settings: Settings, app: InferProxy | None = None) -> Server:
         fast_paths=CACHEABLE_PATHS,
         render_error=render_error,
         shutdown_grace_s=settings.shutdown_grace_s,
+        on_shutdown=app.shutting_down,
         head_timeout_s=settings.head_timeout_s,
         body_timeout_s=settings.body_timeout_s,
         max_connections=max_connections(settings),

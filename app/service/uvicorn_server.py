@@ -23,9 +23,11 @@ from app.service.settings import Settings
 
 class ServedApp(Protocol):
     """What this server needs of the app (`app.service.app.InferProxy`): an ASGI app that keeps the
-    exception its lifespan startup failed with."""
+    exception its lifespan startup failed with, and is told when the shutdown begins."""
 
     startup_error: BaseException | None
+
+    def shutting_down(self) -> None: ...
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None: ...
 
@@ -78,6 +80,7 @@ class UvicornServer:
 
     async def shutdown(self) -> None:
         """Stop accepting, let requests in flight finish within `shutdown_grace_s`, then the lifespan."""
+        self.app.shutting_down()
         self.server.should_exit = True
         await self.server.shutdown()
         if self.server.force_exit:

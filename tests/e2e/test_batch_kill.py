@@ -62,3 +62,32 @@ def test_a_batch_killed_again_and_again_ends_with_every_line_once(tmp_path: Path
         # what was in flight at each of the six stops at most was generated twice
         generations = upstream.stats()["generations"]
         assert LINES <= generations <= LINES + 6 * INFLIGHT, generations
+
+
+def test_sigterm_stops_a_batch_sending_at_once_and_the_next_start_carries_on(tmp_path: Path) -> None:
+    lines, inflight = 400, 4
+    file_id = put_file(tmp_path / "checkpoints", [chat_line(f"t-{i}", f"question {i}") for i in range(lines)])
+    with running_upstream(latency_ms=200) as upstream:
+        args, port = start_proxy(upstream.url, tmp_path, f"--max-inflight-per-upstream={inflight}")
+        url = f"http://127.0.0.1:{port}"
+        with process(*args) as proc:
+            wait_for_http(url + "/healthz")
+            batch_id = httpx.post(f"{url}/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT}).json()["id"]
+            deadline = time.monotonic() + 30
+            while batch_of(url, batch_id)["request_counts"]["completed"] < 8:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            sent = upstream.stats()["requests"]
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=20) == 0
+        # what was in flight was answered (and kept); nothing new was sent once the signal came
+        assert upstream.stats()["requests"] <= sent + inflight
+        with process(*args):
+            wait_for_http(url + "/healthz")
+            deadline = time.monotonic() + 120
+            while (batch := batch_of(url, batch_id))["status"] != "completed":
+                assert time.monotonic() < deadline, batch
+                time.sleep(0.1)
+        output = read_file(tmp_path / "checkpoints", batch["output_file_id"])
+        assert sorted(o["custom_id"] for o in output) == sorted(f"t-{i}" for i in range(lines))
+        assert lines <= upstream.stats()["generations"] <= lines + inflight

@@ -203,6 +203,12 @@ class BatchEngine:
         await self.adopt()
         self._adopter = asyncio.create_task(self._adopt_forever(), name="batches-adopt")
 
+    def stop_sending(self) -> None:
+        """No new line from now (the proxy is stopping); what is in flight goes on until `close`."""
+        self._closing = True
+        for batch in self.running.values():
+            batch.stopping.set()
+
     async def close(self) -> None:
         """Stop every batch (SIGTERM, shutdown): no new line is sent; the lines in flight get a few
         seconds, then are cancelled (they run again at the next start); every result is durable."""
