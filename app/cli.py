@@ -165,6 +165,7 @@ RUN_BATCH_SKIPS = frozenset(
         "records_per_chunk",
         "api_key",
         "max_body_bytes",
+        "max_file_bytes",
         "head_timeout_s",
         "body_timeout_s",
         "max_connections",

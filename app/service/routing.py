@@ -146,7 +146,8 @@ class Index:
             elif isinstance(route, Route):  # FastAPI's own (`/openapi.json`) and every `APIRoute`
                 handlers = {**(entries[route.path].handlers if route.path in entries else {})}
                 handlers.update(dict.fromkeys(route.methods or (), framework))
-                entry = Entry(route.path, handlers, route.path not in open_paths, [], route.path)
+                label = getattr(route, "path_format", route.path)  # `{batch_id}`, not `{batch_id:str}`
+                entry = Entry(route.path, handlers, route.path not in open_paths, [], label)
             else:
                 raise TypeError(f"{route!r}: the index serves routes and raw routes, not mounts")
             entries[route.path] = entry

@@ -159,6 +159,12 @@ def scan_input(url: str, into: Sink | None, stop: threading.Event) -> Identity:
 def refusal(shown: str, identity: Identity, path: Path) -> str | None:
     """Why the input copied to `path` cannot run (one line naming its first bad lines), or None."""
     if identity.endpoint is None:
+        # no line names a url: the bad lines named all the same (checked against any endpoint, the url aside)
+        checked = check_input(path, ENDPOINTS[0])
+        problems = [e for e in checked.errors if e["code"] != "mismatched_url"]
+        if problems:
+            shown_errors = "; ".join(f"line {e['line']}: {e['message']}" for e in problems[:SHOWN_ERRORS])
+            return f"-i {shown} holds no request, nothing was sent: {shown_errors}"
         return f"-i {shown} holds no request: one JSON object per line, {{custom_id, method, url, body}}"
     if identity.endpoint not in ENDPOINTS:
         return (
@@ -328,7 +334,10 @@ class Progress:
         if self.interactive:
             filled = round(share * BAR_WIDTH)
             parts.append("[" + "#" * filled + "-" * (BAR_WIDTH - filled) + "]")
-        parts.append(f"{done:,}/{total:,} lines {share:.0%}, {failed:,} failed, {rate:,.1f} lines/s")
+        # "failed": answered with an error, or never (the summary tells which)
+        parts.append(f"{done:,}/{total:,} lines {share:.0%}, {failed:,} failed")
+        if rate > 0:  # none yet, or all done before the first look (a rerun): no rate to show
+            parts[-1] += f", {rate:,.1f} lines/s"
         if rate > 0 and done < total:
             parts.append(f"ETA {duration((total - done) / rate)}")
         return " ".join(parts)

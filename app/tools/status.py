@@ -354,7 +354,8 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
         header.insert(5, "output")
         for row, cell in zip(rows, outputs, strict=True):
             row.insert(5, cell)
-    table = _table(header, rows, left=2) if rows else ["no job has talked to this proxy since it started"]
+    idle = [] if stats.get("batches") else ["no job has talked to this proxy since it started"]
+    table = _table(header, rows, left=2) if rows else idle
     notes = publication_notes(ranks, stats["now"])
     if height is not None:
         room = max(height - len(head) - len(upstreams) - 2, 2)  # the blank line, the "more" line
@@ -381,12 +382,14 @@ def _batch_table(batches: list[dict[str, Any]]) -> list[str]:
             + (f" ({percent((b['completed'] + b['failed']) / b['total'])})" if b["total"] else ""),
             count(b["failed"]),
             count(b["in_flight"]),
+            count(b.get("hits", 0)),
             rate(b["lines_per_s"]),
             duration(b["eta_s"]),
         ]
         for b in batches
     ]
-    return _table(["batch", "status", "done", "failed", "in flight", "lines/s", "ETA"], rows, left=2) if rows else []
+    header = ["batch", "status", "done", "failed", "in flight", "from cache", "lines/s", "ETA"]
+    return _table(header, rows, left=2) if rows else []
 
 
 def _output_cell(r: Rank) -> str:

@@ -330,7 +330,7 @@ def test_progress_is_a_bar_redrawn_in_place_on_a_terminal_and_a_line_every_30_s_
             )
         else:
             assert text.splitlines() == [
-                "run-batch 100/1,000 lines 10%, 0 failed, 0.0 lines/s",
+                "run-batch 100/1,000 lines 10%, 0 failed",
                 "run-batch 500/1,000 lines 50%, 5 failed, 10.0 lines/s ETA 50s",
                 "run-batch 1,000/1,000 lines 100%, 5 failed, 22.5 lines/s",
             ]

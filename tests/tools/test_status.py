@@ -647,9 +647,23 @@ def test_the_batches_the_proxy_runs_are_a_table_of_their_own_and_an_older_proxy_
     }
     lines = status.render(status.decode(orjson.dumps({**STATS, "batches": [batch]}), "u"), "u")
     header = next(line for line in lines if line.lstrip().startswith("batch "))
-    assert header.split() == ["batch", "status", "done", "failed", "in", "flight", "lines/s", "ETA"]
+    assert header.split() == ["batch", "status", "done", "failed", "in", "flight", "from", "cache", "lines/s", "ETA"]
     row = next(line for line in lines if "batch_0123" in line)
-    assert row.split() == ["batch_0123", "in_progress", "500", "/", "2k", "(25.0%)", "20", "16", "12.5", "2m", "00s"]
+    assert row.split() == [
+        "batch_0123",
+        "in_progress",
+        "500",
+        "/",
+        "2k",
+        "(25.0%)",
+        "20",
+        "16",
+        "0",
+        "12.5",
+        "2m",
+        "00s",
+    ]
+    assert not any("no job has talked" in line for line in lines)  # the proxy is busy: with a batch
     assert not any("lines/s" in line for line in status.render(status.decode(orjson.dumps(STATS), "u"), "u"))
     with pytest.raises(status.StatusError, match=r"batches\[0\].total"):
         status.decode(orjson.dumps({**STATS, "batches": [{**batch, "total": -1}]}), "u")

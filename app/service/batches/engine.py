@@ -653,7 +653,8 @@ class BatchEngine:
                 why = f"the upstream answered {status}: {data[:200].decode('utf-8', 'replace')}"
                 continue
             return StoredResponse(status, data, content_type), got
-        return f"{why} (after {self.settings.batch_retries + 1} tries)"
+        tries = self.settings.batch_retries + 1
+        return why if tries == 1 else f"{why} ({tries} times)"
 
     async def _finalize(self, batch: Running) -> None:
         """Write the output and error files from results.jsonl (under ids reserved first, so that a crash

@@ -98,7 +98,9 @@ def check_input(path: Path, endpoint: str) -> Checked:
             try:
                 record = orjson.loads(raw)
             except orjson.JSONDecodeError as exc:
-                checked.error(number, "invalid_json_line", f"the line is not valid JSON: {exc}")
+                checked.error(
+                    number, "invalid_json_line", f"the line is not valid JSON: {exc.msg} at column {exc.colno}"
+                )
                 continue
             problem = line_problem(record, endpoint)
             if problem is not None:

@@ -86,7 +86,7 @@ async def create(services: Services, scope: Scope, receive: Receive) -> dict[str
     window = asked.get("completion_window", "24h")
     if not isinstance(window, str) or window_seconds(window) is None:
         raise BadRequest(
-            f"`completion_window` must be 24h or longer, in hours ('24h', '72h'), got {window!r}",
+            f"`completion_window` must be from 24h to 999999h, in hours ('24h', '72h'), got {window[:40]!r}",
             param="completion_window",
         )
     metadata = check_metadata(asked.get("metadata"))
