@@ -423,7 +423,7 @@ async def create_batch(request: Request) -> Response:
     response_model=batch_models.BatchList,
     responses=errors(400),
 )
-async def list_batches(request: Request, after: str | None = None, limit: int = 20) -> Response:
+async def list_batches(request: Request, after: str | None = None, limit: str = "20") -> Response:
     return json_answer(orjson.dumps(batches.listing(services_of(request), after, limit)))
 
 

@@ -33,6 +33,8 @@ from app.store.durable import atomic_write_bytes, fsync_dir, make_dirs_durable, 
 FILE_ID_PREFIX = "file-"
 _ID_HEX = 24
 _META = ".json"
+#: How old what a crash left half-written must be for a start to remove it (another proxy's may be under way).
+STALE_AFTER_S = 3600.0
 _PART = ".part"
 
 
@@ -118,12 +120,16 @@ class FileStore:
         self.fsync = fsync
 
     def open(self) -> None:
-        """Create the folder; sweep what a crash left half-written (bytes without metadata)."""
+        """Create the folder; sweep what a crash left half-written (bytes without metadata) an hour ago or more:
+        younger, it may be another proxy's upload or output under way, on a checkpoints dir they share (a
+        live upload writes more often than `body_timeout_s`)."""
         make_dirs_durable(str(self.root))
+        stale = time.time() - STALE_AFTER_S
         for path in self.root.iterdir():
             if _half_written(self.root, path.name):
                 with contextlib.suppress(OSError):
-                    path.unlink()
+                    if path.stat().st_mtime < stale:
+                        path.unlink()
 
     @contextlib.contextmanager
     def writing(

@@ -148,6 +148,7 @@ async def test_a_resubmitted_file_is_answered_from_the_first_batch_and_pays_noth
         (orjson.dumps({"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {}}), "mismatched_url"),
         (orjson.dumps({"custom_id": "a", "method": "POST", "url": CHAT, "body": []}), "invalid_body"),
         (orjson.dumps(chat_line("a", "x", stream=True)), "stream_not_supported"),
+        (orjson.dumps(chat_line("a", "x", stream=0)), "stream_not_supported"),
         (orjson.dumps(chat_line("ok-0", "again")), "duplicate_custom_id"),
         (orjson.dumps(chat_line("x" * 1025, "long id")), "invalid_custom_id"),
         (
@@ -185,6 +186,9 @@ async def test_a_bad_line_fails_the_batch_naming_it_and_sends_nothing(
         ({"endpoint": "/v1/responses"}, "endpoint"),
         ({"completion_window": "1h"}, "completion_window"),
         ({"completion_window": "tomorrow"}, "completion_window"),
+        ({"completion_window": "24h\n"}, "completion_window"),
+        ({"completion_window": "0024h"}, "completion_window"),
+        ({"completion_window": "\u0662\u0664h"}, "completion_window"),
         ({"metadata": {"k": 1}}, "metadata"),
     ],
 )
@@ -401,3 +405,41 @@ async def test_answers_not_yet_on_disk_hold_their_slots(settings: Settings, monk
         finally:
             await engine.close()
             await pool.close()
+
+
+async def test_a_bad_limit_is_a_400_naming_it(settings: Settings, upstream: Any) -> None:
+    async for client in proxy(settings, upstream[0]):
+        for limit in ("abc", "1.5", "", "0", "101"):
+            answer = await client.get("/v1/batches", params={"limit": limit})
+            assert answer.status_code == 400, (limit, answer.text)
+            assert answer.json()["error"]["param"] == "limit"
+
+
+async def test_an_error_in_a_2xx_goes_to_the_error_file_and_is_not_kept(settings: Settings, upstream: Any) -> None:
+    url, fake = upstream
+    lines = [chat_line("fine", "q"), chat_line("disguised", "q", fake_upstream={"error_with_status": 200})]
+    file_id = put_file(settings.checkpoints_dir, lines)
+    async for client in proxy(settings, url):
+        body = {"input_file_id": file_id, "endpoint": CHAT}
+        first = await until(client, (await client.post("/v1/batches", json=body)).json()["id"], final)
+        assert first["request_counts"] == {"total": 2, "completed": 1, "failed": 1}
+        [error] = read_file(settings.checkpoints_dir, first["error_file_id"])
+        assert error["custom_id"] == "disguised"
+        asked = fake.requests
+        await until(client, (await client.post("/v1/batches", json=body)).json()["id"], final)
+        assert fake.requests == asked + 1  # sent again: it was not kept
+
+
+async def test_a_running_batchs_input_is_not_deleted_through_another_proxy_on_the_dir(settings: Settings) -> None:
+    async with fake_upstream(latency_ms=100) as (url, _):
+        file_id = put_file(settings.checkpoints_dir, [chat_line(f"d{i}", f"q{i}") for i in range(300)])
+        tight = settings.model_copy(update={"max_inflight_per_upstream": 2})
+        async for owner in proxy(tight, url):
+            batch_id = (await owner.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()["id"]
+            await until(owner, batch_id, lambda b: b["status"] == "in_progress")
+            async for other in proxy(tight, url):
+                refused = await other.delete(f"/v1/files/{file_id}")
+                assert refused.status_code == 409, refused.text
+                assert batch_id in refused.json()["error"]["message"]
+                await other.post(f"/v1/batches/{batch_id}/cancel")
+            assert (await until(owner, batch_id, final))["status"] == "cancelled"

@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
 import app.store.files
-from app.store.files import FileStore, StoredFile
+from app.store.files import STALE_AFTER_S, FileStore, StoredFile
 
 
 def test_a_writer_abandoned_by_a_crash_leaves_nothing_once_the_store_opens_again(tmp_path: Path) -> None:
@@ -26,6 +27,12 @@ def test_a_writer_abandoned_by_a_crash_leaves_nothing_once_the_store_opens_again
     renamed.finish(fsync=False)
     os.replace(renamed.part, renamed.final)
     assert len(os.listdir(store.root)) == 4
+    # just now, they may be another proxy's (a shared checkpoints dir) under way: left alone
+    FileStore(tmp_path / "files").open()
+    assert len(os.listdir(store.root)) == 4
+    hour_ago = time.time() - STALE_AFTER_S - 1
+    for name in os.listdir(store.root):
+        os.utime(store.root / name, (hour_ago, hour_ago))
     again = FileStore(tmp_path / "files")
     again.open()
     assert sorted(os.listdir(store.root)) == sorted([kept_file.id, kept_file.id + ".json"])

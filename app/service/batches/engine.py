@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
 import re
@@ -64,7 +65,7 @@ logger = logging.getLogger(__name__)
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 #: The rank under which batch lines fly in `Flights`: no rank of a job's (those are >= 0).
 BATCH_RANK = -1
-_WINDOW = re.compile(r"^(\d{1,6})h$")
+_WINDOW = re.compile(r"([1-9][0-9]{1,5})h")  # ASCII digits, no leading zero, nothing after
 #: How long a round of answers gathers before it is written and fsynced (group commit: the answers that
 #: come while a round is fsynced make the next one). A line holds its slot until it is on disk, so a long
 #: round costs throughput: 20 ms halved it against a fast upstream, 2 ms did not (bench/README.md).
@@ -78,7 +79,7 @@ _RETRIED = frozenset({408, 409, 429, 500, 502, 503, 504})
 
 def window_seconds(window: str) -> int | None:
     """`completion_window` in seconds: `24h` or longer, in hours; None if it is not one."""
-    match = _WINDOW.match(window)
+    match = _WINDOW.fullmatch(window)
     if match is None or int(match.group(1)) < 24:
         return None
     return int(match.group(1)) * 3600
@@ -345,9 +346,11 @@ class BatchEngine:
 
     def check_deletable(self, file_id: str) -> None:
         """`FileInUse` for the input file of a batch that still reads it."""
-        for batch in self.running.values():
-            record = batch.record
-            if record.input_file_id == file_id and record.status in ("validating", "in_progress"):
+        for record in self.all():  # every proxy's on a shared dir, not only this one's
+            reads = record.status in ("validating", "in_progress", "cancelling") or (
+                record.status == "finalizing" and record.ending == "expired"
+            )
+            if record.input_file_id == file_id and reads:
                 raise FileInUse(
                     f"file {file_id} is the input of batch {record.id}, which is {record.status}: cancel the batch "
                     f"(POST /v1/batches/{record.id}/cancel) or wait for it to end, then delete the file"
@@ -418,6 +421,9 @@ class BatchEngine:
             else:
                 record.total = checked.lines
                 record.status, record.in_progress_at = "in_progress", int(time.time())
+        fresh = await asyncio.to_thread(batch.dir.load)
+        if fresh.status == "cancelling" and record.ending != "cancelled":  # through another proxy, meanwhile
+            record.cancelling_at, record.ending = fresh.cancelling_at, "cancelled"
         if record.ending == "cancelled":  # cancelled while it was being checked
             record.status = "cancelling" if record.status == "in_progress" else record.status
         await asyncio.to_thread(batch.dir.save, record)
@@ -618,12 +624,17 @@ class BatchEngine:
             if isinstance(outcome, str):
                 return _failed(record.serial, number, custom_id, "upstream_error", outcome)
             answer, headers = outcome
+            result = _result(record.serial, number, custom_id, answer, headers)
             kept = cacheable_status(answer.status, self.settings.cache_error_statuses)
-            # a 2xx whose body is an error is none to keep; a 400 (a kept error status) is its error body
-            if kept and (answer.status >= 300 or error_in_disguise(answer) is None):
+            # a 2xx whose body is an error, or no JSON at all, is none to keep (and goes to the error file);
+            # a 400 (a kept error status) is its error body
+            disguised = result.ok and error_in_disguise(answer) is not None
+            if disguised:
+                result = dataclasses.replace(result, ok=False)
+            if kept and (answer.status >= 300 or (result.ok and not disguised)):
                 self.answers.store_response(record.serial, custom_id, rollout, digest, answer)
                 flight.land(answer)
-            return _result(record.serial, number, custom_id, answer, headers)
+            return result
 
     async def _send(
         self, endpoint: str, custom_id: str, body: bytes, batch: Running
@@ -803,7 +814,7 @@ def _result(serial: int, number: int, custom_id: str, answer: StoredResponse, he
     ids = _ids(serial, number)
     given = headers.get(b"x-request-id")
     request_id = orjson.dumps(given.decode("latin-1") if given else "req_" + ids)
-    tokens = (0, 0)
+    tokens: tuple[int, int] | None = None
     try:
         parsed = orjson.loads(answer.body)
     except orjson.JSONDecodeError:
@@ -821,7 +832,8 @@ def _result(serial: int, number: int, custom_id: str, answer: StoredResponse, he
             body,
         )
     )
-    return Result(number, 200 <= answer.status < 300, tokens, out)
+    # a 2xx that is no JSON (an HTML page, nothing) is no answer of the endpoint's: the error file's
+    return Result(number, 200 <= answer.status < 300 and tokens is not None, tokens or (0, 0), out)
 
 
 def _failed(serial: int, number: int, custom_id: str, code: str, message: str) -> Result:
@@ -840,7 +852,9 @@ def _tokens(body: Any) -> tuple[int, int]:
     if not isinstance(usage, dict):
         return 0, 0
     prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    return (prompt if isinstance(prompt, int) else 0), (completion if isinstance(completion, int) else 0)
+    return (max(prompt, 0) if isinstance(prompt, int) else 0), (
+        max(completion, 0) if isinstance(completion, int) else 0
+    )
 
 
 def _add_tokens(usage: dict[str, int], tokens: tuple[int, int]) -> None:

@@ -77,7 +77,7 @@ def line_problem(record: Any, endpoint: str) -> tuple[str, str, str | None] | No
     body = record.get("body")
     if not isinstance(body, dict):
         return "invalid_body", "`body` must be a JSON object (the request as sent to the endpoint)", "body"
-    if body.get("stream") not in (None, False):
+    if "stream" in body and body["stream"] is not None and body["stream"] is not False:  # 0 is no False here
         return "stream_not_supported", "`body.stream` must be false or absent: a batch's answers are whole", "body"
     try:
         orjson.dumps(body)  # what is sent upstream and hashed: orjson writes at most 254 levels of nesting

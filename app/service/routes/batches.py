@@ -117,9 +117,10 @@ def get(services: Services, batch_id: str) -> dict[str, Any]:
         raise NotFound(f"No batch found with id {batch_id!r}", param="batch_id") from None
 
 
-def listing(services: Services, after: str | None, limit: int) -> dict[str, Any]:
+def listing(services: Services, after: str | None, asked_limit: str) -> dict[str, Any]:
+    limit = int(asked_limit) if asked_limit.isascii() and asked_limit.isdigit() else 0
     if not 1 <= limit <= LIST_LIMIT:
-        raise BadRequest(f"`limit` must be between 1 and {LIST_LIMIT}, got {limit}", param="limit")
+        raise BadRequest(f"`limit` must be an integer from 1 to {LIST_LIMIT}, got {asked_limit[:40]!r}", param="limit")
     records = engine_of(services).all()
     if after is not None:
         if not is_batch_id(after):
