@@ -36,7 +36,12 @@ async def test_the_page_shows_a_running_jobs_numbers_as_stats_does(
         partial = await run_rank(proxy, 1, 8, total=20)
         assert (finished.written, partial.written) == (12, 8)
         async with httpx.AsyncClient(base_url=proxy) as client:
-            stats = (await client.get("/stats")).json()
+            # chunks are published beside the writes: compared once every completed chunk is (4 + 4 + 4, 4 + 4)
+            while True:
+                stats = (await client.get("/stats")).json()
+                if sorted(r["chunks_published"] for r in stats["ranks"]) == [2, 3]:
+                    break
+                await asyncio.sleep(0.05)
         totals = stats["totals"]
         assert totals["hits"] == 4
         await wait_text(page, "hit-ratio", status.percent(totals["hit_ratio"]))
@@ -46,7 +51,8 @@ async def test_the_page_shows_a_running_jobs_numbers_as_stats_does(
         assert await page.evaluate(text_of("documents-done")) == "20 / 32"
         assert await page.evaluate(text_of("version")) == stats["version"]
 
-        rows = await page.evaluate(ROWS)
+        # the page's poll after the last publication
+        rows = await page.wait_for(f"(rows => rows[1] && rows[1].chunks === '2' && rows)({ROWS})")
         assert [(r["rank"], r["done"]) for r in rows] == [(0, "12 / 12 · 100.0%"), (1, "8 / 20 · 40.0%")]
         assert rows[0]["eta"] == "finished"  # its last chunk published (rank 1's is still open)
         assert rows[1]["eta"] != "finished"
