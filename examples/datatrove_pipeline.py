@@ -13,11 +13,11 @@ run it again: finished tasks are skipped, unfinished ones resume where the
 proxy says, and every answer the proxy has is not paid for again. The
 output is the proxy's: `--output` must be the folder it publishes to, and
 the proxy's `--output-filename` is the writer's name with the `.gz` that
-JsonlWriter's default `compression="gzip"` adds. Each task declares how many
-documents its input has (its files' lines, counted first: cheap for this
-input), so the proxy's page and `inferproxy status` show progress and ETA from
-the start; without it each rank's total is known at its end, when the proxy
-shows it finished (and the job, once all 4 tasks are).
+JsonlWriter's default `compression="gzip"` adds. Each task's runner counts
+the documents of its reader's files as it goes (local JSON lines files read
+straight by JsonlReader: exact and cheap) and declares them, so the proxy's
+page and `inferproxy status` show progress and ETA from the start; it shows
+each rank finished at its end (and the job, once all 4 tasks are).
 """
 
 from __future__ import annotations
@@ -50,7 +50,6 @@ def run(
     model: str = "fake-model",
     concurrency: int = 500,
 ) -> None:
-    totals = documents_per_task(input_dir, tasks=4)
     LocalPipelineExecutor(pipeline=[
         JsonlReader(input_dir),
         ProxyInferenceRunner(
@@ -60,16 +59,8 @@ def run(
                                    model_name_or_path=model, rollouts_per_document=2,
                                    max_concurrent_generations=concurrency),
             output_writer=JsonlWriter(output_dir, output_filename="${rank}_chunk_${chunk_index}.jsonl"),
-            total_documents=totals,                          # {rank: documents}, for progress and ETA
         ),
     ], tasks=4, workers=4, logging_dir=logs).run()  # fmt: skip
-
-
-def documents_per_task(input_dir: str, tasks: int) -> dict[int, int]:
-    """Each task's documents: the lines of the files JsonlReader gives it (datatrove's shard of task r is
-    files r, r + tasks, ... of the sorted listing)."""
-    files = sorted(p for p in Path(input_dir).rglob("*") if p.is_file())
-    return {rank: sum(line.strip() != "" for f in files[rank::tasks] for line in f.open()) for rank in range(tasks)}
 
 
 def make_input(input_dir: str, documents: int, files: int = 4) -> None:

@@ -108,6 +108,11 @@ class ProxyJob:
         self._lookup_sender: asyncio.Task[None] | None = None
         self._lookup_route = True
 
+    def declare_total(self, total_documents: int) -> None:
+        """The rank's input size, learnt after the job began: declared with its next request (the next
+        `POST /documents`, or the last chunk's completion)."""
+        self._total = [(b"x-total-documents", str(total_documents).encode())]
+
     def headers(self, doc_id: str, rollout_idx: int = 0, chunk_index: int | None = None) -> dict[str, str]:
         """The headers for an OpenAI client's `extra_headers`: the answer is cached under this key."""
         headers = {"X-Doc-Id": doc_id, "X-Rollout-Idx": str(rollout_idx), "X-Rank": str(self.rank)}

@@ -12,8 +12,9 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -285,3 +286,140 @@ def test_datatroves_own_runner_on_inferproxys_checkpointing_runs_a_pipeline_to_e
     assert json.loads((checkpoints / "checkpoint_meta.json").read_text())["records_per_chunk"] == RECORDS_PER_CHUNK
     assert sorted(p.read_text() for p in (checkpoints / "last_chunk").iterdir()) == ["3"] * 4
     assert not [p for p in checkpoints.iterdir() if p.name.isdigit()]
+
+
+#: Documents whose rollout waits for the test (a rank's last one): the rank runs until the test lets it end.
+HELD: dict[str, threading.Event] = {}
+
+
+async def held_rollout(document: Any, generate: Any) -> str:
+    result = await generate({"messages": [{"role": "user", "content": document.text}], "max_tokens": 8})
+    gate = HELD.get(document.id)
+    if gate is not None:
+        await asyncio.to_thread(gate.wait)
+    return str(result.text)
+
+
+def jsonl(prefix: str, numbers: range) -> str:
+    return "".join(json.dumps({"id": f"{prefix}-{i}", "text": f"Question {i}"}) + "\n" for i in numbers)
+
+
+def run_pipeline(proxy: Proxy, tmp_path: Path, steps: list[Any], tasks: int) -> None:
+    """`steps` then ProxyInferenceRunner, on LocalPipelineExecutor in this process (one task after the other)."""
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.inference.run_inference import InferenceConfig
+    from datatrove.pipeline.writers import JsonlWriter
+
+    from app.integrations.datatrove import ProxyInferenceRunner
+
+    runner = ProxyInferenceRunner(
+        rollout_fn=held_rollout,
+        config=InferenceConfig(
+            server_type="endpoint",
+            endpoint_url=proxy.url,
+            model_name_or_path="fake-model",
+            rollouts_per_document=1,
+            max_concurrent_generations=8,
+            metric_interval=3600,
+        ),
+        output_writer=JsonlWriter(str(tmp_path / "output"), output_filename="${rank}_chunk_${chunk_index}.jsonl"),
+    )
+    LocalPipelineExecutor(pipeline=[*steps, runner], tasks=tasks, workers=1, logging_dir=str(tmp_path / "logs")).run()
+
+
+def rank_seen(proxy: Proxy, rank: int) -> dict[str, Any] | None:
+    views: list[dict[str, Any]] = httpx.get(proxy.url + "/stats").json()["ranks"]
+    return next((view for view in views if view["rank"] == rank), None)
+
+
+def watch_and_release(
+    proxy: Proxy, waits: list[tuple[int, str, Callable[[dict[str, Any]], bool]]]
+) -> Callable[[], list[dict[str, Any]]]:
+    """A thread that, for each (rank, held document, condition) in turn, waits until the proxy's view of the
+    rank meets the condition, keeps that view, then lets the held document finish. Returns what to call once
+    the job ended: the views it kept (the error that stopped it, raised: every document is then let go)."""
+    seen: list[dict[str, Any]] = []
+    failed: list[BaseException] = []
+    for _, doc_id, _ in waits:
+        HELD[doc_id] = threading.Event()
+
+    def watch() -> None:
+        try:
+            for rank, doc_id, condition in waits:
+                deadline = time.monotonic() + 60
+                while not condition(view := rank_seen(proxy, rank) or {}):
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"rank {rank} as the proxy sees it never got there: {view}")
+                    time.sleep(0.02)
+                seen.append(view)
+                HELD[doc_id].set()
+        except BaseException as exc:
+            failed.append(exc)
+        finally:
+            for gate in HELD.values():
+                gate.set()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+
+    def result() -> list[dict[str, Any]]:
+        watcher.join()
+        if failed:
+            raise failed[0]
+        return seen
+
+    return result
+
+
+def test_a_jsonlreaders_ranks_declare_their_totals_counted_from_their_files_while_they_run(
+    datatrove_proxy: Proxy, tmp_path: Path
+) -> None:
+    from datatrove.pipeline.readers import JsonlReader
+
+    folder = tmp_path / "input"
+    folder.mkdir()
+    # rank 0: a compressed file whose blank line and empty text the reader drops (30 documents);
+    # rank 1: 40 lines, of which the reader's limit takes 35.
+    dropped = "\n" + json.dumps({"id": "empty", "text": ""}) + "\n"
+    (folder / "a.jsonl.gz").write_bytes(
+        gzip.compress((jsonl("a", range(15)) + dropped + jsonl("a", range(15, 30))).encode())
+    )
+    (folder / "b.jsonl").write_text(jsonl("b", range(40)))
+    HELD.clear()
+    watched = watch_and_release(
+        datatrove_proxy,
+        [
+            (0, "a-29", lambda view: view.get("total_documents") is not None),
+            (1, "b-34", lambda view: view.get("total_documents") is not None),
+        ],
+    )
+    run_pipeline(datatrove_proxy, tmp_path, [JsonlReader(str(folder), limit=35)], tasks=2)
+    # Each rank, still running (its last document held), had its exact total declared.
+    assert [(view["rank"], view["total_documents"], view["finished"]) for view in watched()] == [
+        (0, 30, False),
+        (1, 35, False),
+    ]
+    stats = httpx.get(datatrove_proxy.url + "/stats").json()
+    assert [(r["rank"], r["finished"], r["done_documents"], r["total_documents"]) for r in stats["ranks"]] == [
+        (0, True, 30, 30),
+        (1, True, 35, 35),
+    ]
+    assert len(published(tmp_path / "output")) == 65
+
+
+def test_a_filter_between_the_reader_and_the_runner_leaves_the_total_to_the_ranks_end(
+    datatrove_proxy: Proxy, tmp_path: Path
+) -> None:
+    from datatrove.pipeline.filters import LambdaFilter
+    from datatrove.pipeline.readers import JsonlReader
+
+    folder = tmp_path / "input"
+    folder.mkdir()
+    (folder / "b.jsonl").write_text(jsonl("b", range(40)))
+    HELD.clear()
+    # Every document but the held one is done at the proxy: a total counted from the file would be there.
+    watched = watch_and_release(datatrove_proxy, [(0, "b-39", lambda view: view.get("done_documents") == 39)])
+    run_pipeline(datatrove_proxy, tmp_path, [JsonlReader(str(folder)), LambdaFilter(lambda doc: True)], tasks=1)
+    assert [(view["total_documents"], view["finished"]) for view in watched()] == [(None, False)]
+    [view] = httpx.get(datatrove_proxy.url + "/stats").json()["ranks"]
+    assert (view["finished"], view["done_documents"], view["total_documents"]) == (True, 40, 40)

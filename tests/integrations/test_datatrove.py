@@ -17,6 +17,7 @@ import pytest
 from datatrove.data import Document
 from datatrove.pipeline.inference.run_inference import InferenceConfig, InferenceRunner
 from datatrove.pipeline.inference.types import InferenceError, ServerError
+from datatrove.pipeline.readers import JsonlReader
 from datatrove.pipeline.writers import JsonlWriter
 from datatrove.pipeline.writers.disk_base import DiskWriter
 from datatrove.utils.logging import logger
@@ -173,6 +174,15 @@ async def test_a_ranks_total_when_given_is_declared_to_the_proxy_with_its_checkp
             declared.clear()
             await env.runner(total_documents=2).run_async(documents(2, "more"), rank=4)
             assert set(declared) == {b"2"}
+            declared.clear()
+            # given, it wins over what the runner could count in the reader's files (here 3)
+            folder = tmp_path / "input"
+            folder.mkdir()
+            (folder / "a.jsonl").write_text(
+                "".join(json.dumps({"id": d.id, "text": d.text}) + "\n" for d in documents(3, "read"))
+            )
+            await env.runner(total_documents=7).run_async(JsonlReader(str(folder)).run(None, 0, 1), rank=5)
+            assert set(declared) == {b"7"}
 
 
 async def test_a_400_is_a_bad_request_that_skip_bad_requests_skips_fresh_or_cached(env: Env) -> None:

@@ -35,6 +35,10 @@ stats) pointed at a running `inferproxy serve`::
   cached) is datatrove's `InferenceError` with "BadRequestError" in it, so
   `skip_bad_requests=True` works as before; 500 is a `ServerError`, as with
   datatrove's own servers;
+- each rank's total goes to the proxy (`X-Total-Documents`, for its progress
+  and ETA) once it is known exactly: `total_documents=`, a list's length, or
+  the documents of a `JsonlReader`'s local files, counted while the rank runs
+  (`totals`); else at the rank's end;
 - a document the proxy refuses is logged as an error and counted in
   `failed_documents`; the task then fails at its end with the last chunk left
   open, so that a rerun sends the document again once the cause is fixed.

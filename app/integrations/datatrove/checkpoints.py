@@ -52,8 +52,9 @@ class ProxyCheckpointManager:
     The output writer given to the methods is checked, never written to.
     `total_documents`, the documents in each rank's input if known (one
     number for every rank, or one per rank), is declared to the proxy for its
-    progress and ETA; the input's length is declared anyway as the last chunk
-    is completed. `total_ranks` (the runner sets it to datatrove's world_size)
+    progress and ETA; else the runner's `declare_input_length` (an input
+    counted while it runs); the input's length is declared anyway as the last
+    chunk is completed. `total_ranks` (the runner sets it to datatrove's world_size)
     is declared too, so that the proxy says when every rank is finished.
     """
 
@@ -78,7 +79,8 @@ class ProxyCheckpointManager:
         self.retries = retries
         self.total_documents = total_documents
         self.total_ranks = total_ranks
-        #: the run's input length when it has one (a list): declared when `total_documents` says nothing
+        #: the run's input length when it has one (a list), or once its reader's files are counted:
+        #: declared when `total_documents` says nothing
         self.input_length: int | None = None
         # datatrove's attributes: the checkpoints and the request cache are the proxy's.
         self.checkpoints_local_dir = None
@@ -102,10 +104,23 @@ class ProxyCheckpointManager:
             await self._job.close()
             self._job = None
 
+    def given_total(self, rank: int) -> int | None:
+        """The rank's documents as `total_documents` gives them, if it does."""
+        total = self.total_documents
+        return total.get(rank) if isinstance(total, Mapping) else total
+
+    def declare_input_length(self, rank: int, documents: int) -> None:
+        """The rank's input length, learnt while it runs: declared with the rank's next checkpoint call,
+        unless `total_documents` gives it."""
+        if self.given_total(rank) is not None:
+            return
+        self.input_length = documents
+        if self._job is not None and self._job.rank == rank:
+            self._job.declare_total(documents)
+
     def _job_for(self, rank: int) -> ProxyJob:
         if self._job is None or self._job.rank != rank:
-            total = self.total_documents
-            known = total.get(rank) if isinstance(total, Mapping) else total
+            known = self.given_total(rank)
             self._job = ProxyJob(
                 self.proxy_url,
                 rank,
@@ -189,7 +204,13 @@ class ProxyCheckpointManager:
         self._raise_if_refused(rank)
         try:
             # Every input document has gone through chunk_index_gen by now: its count is the rank's total.
-            answer = await self._job_for(rank).complete_chunk(chunk_index, total_documents=self._position + 1)
+            documents = self._position + 1
+            if self.input_length is not None and self.input_length != documents:
+                logger.warning(
+                    f"rank {rank}: its input had {documents} documents, not the {self.input_length} declared to the "
+                    f"proxy before: the proxy is told {documents} now"
+                )
+            answer = await self._job_for(rank).complete_chunk(chunk_index, total_documents=documents)
         except UNREACHABLE as exc:
             raise ServerError(
                 f"the proxy at {self.proxy_url} could not be reached to complete chunk {chunk_index}"

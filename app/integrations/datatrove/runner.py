@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import random
+import threading
 from collections.abc import AsyncIterator, Iterable, Mapping, Sized
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -21,6 +22,7 @@ from datatrove.utils.logging import logger
 from app.checkpoints.manager import CheckpointManager, RequestCache
 from app.http.client import HTTPClient
 from app.integrations.datatrove.checkpoints import UNREACHABLE, DocumentRefused, ProxyCheckpointManager
+from app.integrations.datatrove.totals import Uncountable, count_documents, reader_shard
 from app.job.client import ProxyJob
 from app.service.errors import BadRequest
 from app.service.headers import parse_doc_id
@@ -116,11 +118,19 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
     proxy's. `retries` and `retry_backoff_s` (first delay, doubling) bound
     the wait for a proxy or upstream in trouble before the task fails.
     `total_documents`: the documents in each rank's input, if known (one
-    number, or one per rank), declared to the proxy for its progress and ETA
-    (an input that is a list declares its length by itself). At a rank's end,
-    its input's length is declared with its last chunk, and datatrove's
-    `world_size` with every rank's `GET /resume` and last chunk
-    (`X-Total-Ranks`), so that the proxy shows each rank, then the job, finished.
+    number, or one per rank), declared to the proxy for its progress and ETA.
+    Without it, the runner declares a total only where it is exact: an input
+    that is a list declares its length; an input straight from a `JsonlReader`
+    (no step between them, its default adapter, local files, plain or
+    compressed) is counted in a thread while the rank runs, as the reader
+    reads it (blank lines, bad JSON and empty texts left out, `skip` and
+    `limit` applied), and declared with the rank's next checkpoint call
+    (`totals` has the rules). Anything else (a filter before the runner, a
+    reader of another kind, files on object storage) declares nothing until
+    the rank's end, when its input's length is declared with its last
+    chunk; datatrove's `world_size` is declared with every rank's
+    `GET /resume` and last chunk (`X-Total-Ranks`), so that the proxy shows
+    each rank, then the job, finished.
     """
 
     name = "Inference 🔍"  # datatrove's: stats looked up by the step's name find it
@@ -189,20 +199,55 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
         """datatrove's `run_async`; `world_size`, if given, the job's number of ranks (as `run` sets it)."""
         if world_size is not None:
             self.checkpoint_manager.total_ranks = world_size
-        self.checkpoint_manager.input_length = len(data_gen) if isinstance(data_gen, Sized) else None
+        manager = self.checkpoint_manager
+        manager.input_length = len(data_gen) if isinstance(data_gen, Sized) else None
+        stop_counting = threading.Event()
+        counting = None
+        if manager.input_length is None and manager.given_total(rank) is None:
+            counting = self._count_input(data_gen, rank, stop_counting)
         # One client (one pool of kept-alive connections) per run: each task runs in its own event loop.
         client = HTTPClient(read_timeout=self.config.request_timeout or NO_TIMEOUT_S)
         self._client = client
         self._lookups = ProxyJob(self.proxy_url, rank, self.config.api_key, client=client)
-        self.checkpoint_manager.use_client(client)
+        manager.use_client(client)
         try:
             await super().run_async(data_gen, rank)
-            await self.checkpoint_manager.finish(rank)
+            await manager.finish(rank)
         finally:
-            self.checkpoint_manager.use_client(None)
+            stop_counting.set()
+            if counting is not None:
+                counting.cancel()  # its thread may outlive this loop: it must not call back into it
+            manager.use_client(None)
             await self._lookups.close()
             self._client = self._lookups = None
             await client.close()
+
+    def _count_input(self, data_gen: Iterable[Any], rank: int, stop: threading.Event) -> asyncio.Future[int] | None:
+        """Count the rank's documents in a thread of their own, where its reader can say it exactly
+        (`totals`), and declare them to the proxy once counted; else leave the total to the rank's end."""
+        try:
+            shard = reader_shard(data_gen)
+        except Uncountable as reason:
+            logger.info(f"rank {rank}: its total is declared to the proxy at its end: {reason}")
+            return None
+        loop = asyncio.get_running_loop()
+        counter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"inferproxy-count-{rank}")
+        counting = loop.run_in_executor(counter, count_documents, shard, stop)
+        counter.shutdown(wait=False)  # the thread ends with the count, or at the next check of `stop`
+
+        def declare(done: asyncio.Future[int]) -> None:
+            if done.cancelled():
+                return
+            problem = done.exception()
+            if problem is None:
+                documents = done.result()
+                logger.info(f"rank {rank}: its input has {documents} documents (its reader's files counted)")
+                self.checkpoint_manager.declare_input_length(rank, documents)
+            elif not stop.is_set():
+                logger.info(f"rank {rank}: its total is declared to the proxy at its end: {problem}")
+
+        counting.add_done_callback(declare)
+        return counting
 
     def _init_server(self, rank: int) -> ProxyEndpoint:
         return ProxyEndpoint(self, rank)
