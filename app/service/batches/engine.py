@@ -66,10 +66,10 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 #: The rank under which batch lines fly in `Flights`: no rank of a job's (those are >= 0).
 BATCH_RANK = -1
 _WINDOW = re.compile(r"([1-9][0-9]{1,5})h")  # ASCII digits, no leading zero, nothing after
-#: How long a round of answers gathers before it is written and fsynced (group commit: the answers that
-#: come while a round is fsynced make the next one). A line holds its slot until it is on disk, so a long
-#: round costs throughput: 20 ms halved it against a fast upstream, 2 ms did not (bench/README.md).
-RESULTS_ROUND_S = 0.002
+#: How long a round of answers gathers before it is written and fsynced, beyond the answers that come
+#: while the last round is fsynced (group commit). A line holds its slot until it is on disk, so any wait
+#: here is a wait per line: 20 ms halved the rate against a fast upstream, 2 ms cost 5-10% (bench/README.md).
+RESULTS_ROUND_S = 0.0
 #: How often a running batch's counts are saved to its batch.json (for other proxies, and `status`).
 SAVE_EVERY_S = 2.0
 #: How often the batches folder is looked through for batches no proxy runs (their owner died).
