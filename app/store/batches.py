@@ -92,9 +92,16 @@ class BatchRecord:
     usage: dict[str, int] = field(default_factory=lambda: {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0})
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> BatchRecord:
+    def from_json(cls, data: Any) -> BatchRecord:
+        """The record a batch.json holds; `ValueError`, as for JSON that does not parse, for JSON that is no
+        record (readers skip a batch.json being written or damaged alike)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a batch record is a JSON object, not a {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as exc:  # a field missing
+            raise ValueError(f"not a batch record: {exc}") from None
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))

@@ -150,7 +150,7 @@ def _batch(path: str, store: FileStore | None) -> BatchReport:
         report.record = _checked(folder.load(), report)
     except FileNotFoundError:
         report.problems.append(f"{RECORD} is missing: being created, or no batch a proxy lists or runs")
-    except (OSError, TypeError, ValueError) as exc:
+    except (OSError, ValueError) as exc:
         report.problems.append(
             f"{RECORD} does not parse ({printable(str(exc))[:120]}): no proxy lists or runs this batch until it is "
             f"repaired or its folder removed"
@@ -202,7 +202,9 @@ def _missing_input(record: BatchRecord) -> str:
             f"{what}: the lines not done cannot be read, and a proxy running it tries again every 10 s; cancel it "
             f"(POST /v1/batches/{record.id}/cancel) to end it with the lines done"
         )
-    return f"{what}: a proxy ends it from results.jsonl alone (an expiring batch's error file cannot be written)"
+    if record.ending == "expired":
+        return f"{what}: its error file lists the lines not run, read from it; a proxy finalizing it retries every 10 s"
+    return f"{what}: a proxy still ends it, from results.jsonl alone"
 
 
 # ----------------------------------------------------------------------- output

@@ -135,3 +135,21 @@ def test_a_files_metadata_that_does_not_parse_or_has_lost_its_bytes_is_one_probl
         f"file {kept[0]}: its metadata does not parse: a proxy does not list it",
         f"file {kept[1]}: its bytes are missing: its content cannot be downloaded",
     ]
+
+
+@pytest.mark.parametrize(
+    "content", [b"[1]", b"{}", b'{"id": 7, "status": "in_progress"}'], ids=["list", "empty", "fields"]
+)
+def test_a_batch_json_that_is_no_batch_is_one_problem_line_and_the_rest_still_reported(
+    tmp_path: Path, content: bytes
+) -> None:
+    bad, good = batch(tmp_path), batch(tmp_path)
+    (bad.root / "batch.json").write_bytes(content)
+    report = inspect_dir(str(tmp_path))
+    shown = {item["id"]: item for item in to_json(report)["batches"]}
+    assert shown[bad.id]["status"] is None
+    (problem,) = shown[bad.id]["problems"]
+    assert problem.startswith("batch.json does not parse (")
+    assert problem.endswith("): no proxy lists or runs this batch until it is repaired or its folder removed")
+    assert shown[good.id]["status"] == "in_progress"
+    assert f"\nproblem: {bad.id}: batch.json does not parse (" in render(report)
