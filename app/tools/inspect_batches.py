@@ -93,7 +93,7 @@ def inspect_api(layout: CheckpointsLayout, read_cache: CacheReader) -> ApiReport
             try:
                 numbers = read_cache(answers.rank(0).cache_file, report.problems)
             except UnsafeFileError as exc:
-                report.problems.append(f"a proxy refuses the batches' answers: {exc}")
+                report.problems.append(f"the batches' answers not read: {exc}")
             else:
                 report.answers = None if numbers is None else CacheNumbers(*numbers)
     return report
@@ -103,7 +103,7 @@ def _safe_folder(path: str, problems: list[str]) -> bool:
     try:
         check_safe(path, folder=True)
     except UnsafeFileError as exc:
-        problems.append(f"a proxy refuses it: {exc}")
+        problems.append(f"not read: {exc}")
         return False
     return True
 

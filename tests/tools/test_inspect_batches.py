@@ -108,7 +108,7 @@ def test_a_linked_batch_folder_or_results_file_is_a_problem_and_never_followed(t
     shown = {item["id"]: item for item in to_json(inspect_dir(str(tmp_path)))["batches"]}
     assert shown[linked.name]["status"] is None
     assert shown[linked.name]["problems"] == [
-        f"a proxy refuses it: {linked} is a symbolic link, not a folder: inferproxy opens nothing in a checkpoints "
+        f"not read: {linked} is a symbolic link, not a folder: inferproxy opens nothing in a checkpoints "
         f"dir through a link or of another kind (it could be made to read, cut or overwrite another file). "
         f"Remove it, or put the folder itself there, then retry"
     ]
