@@ -254,7 +254,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     inspect_parser = commands.add_parser(
         "inspect",
-        help="report what a checkpoints dir holds per rank, and what /resume will answer after a restart",
+        help="report what a checkpoints dir holds per rank (and what /resume will answer after a restart), "
+        "and its batches and files",
         description="Read a checkpoints dir (a running proxy's or a dead one's) without writing anything.",
     )
     inspect_parser.add_argument("checkpoints_dir", metavar="CHECKPOINTS_DIR", help="the proxy's --checkpoints-dir")

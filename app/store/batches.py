@@ -25,7 +25,15 @@ from typing import Any
 
 import orjson
 
-from app.store.durable import AppendFile, JsonlLines, atomic_write_bytes, make_dirs_durable, read_regular
+from app.store.durable import (
+    AppendFile,
+    CorruptFileError,
+    JsonlLines,
+    atomic_write_bytes,
+    make_dirs_durable,
+    open_regular,
+    read_regular,
+)
 
 BATCH_ID_PREFIX = "batch_"
 _ID_HEX = 24
@@ -84,9 +92,16 @@ class BatchRecord:
     usage: dict[str, int] = field(default_factory=lambda: {"input_tokens": 0, "output_tokens": 0, "total_tokens": 0})
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> BatchRecord:
+    def from_json(cls, data: Any) -> BatchRecord:
+        """The record a batch.json holds; `ValueError`, as for JSON that does not parse, for JSON that is no
+        record (readers skip a batch.json being written or damaged alike)."""
+        if not isinstance(data, dict):
+            raise ValueError(f"a batch record is a JSON object, not a {type(data).__name__}")
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except TypeError as exc:  # a field missing
+            raise ValueError(f"not a batch record: {exc}") from None
 
     def to_json(self) -> bytes:
         return orjson.dumps(asdict(self))
@@ -117,6 +132,32 @@ class Done:
     tokens: tuple[int, int]
 
 
+@dataclass(frozen=True, slots=True)
+class ResultsScan:
+    """results.jsonl as read by `BatchDir.scan_results`: the input lines done, and a torn last line."""
+
+    completed: int  # input lines whose first result goes to the output file
+    failed: int  # to the error file
+    size: int
+    torn_at: int | None  # where a torn last line starts: a restart cuts the file back to it
+    torn_result: int | None  # the input line the torn result was for, where what is left of it says
+
+
+def _done(lines: JsonlLines) -> Iterator[Done]:
+    """The results of `lines`' whole lines; `CorruptFileError` for one that is none."""
+    for item in lines:
+        line, ok = (item.get("line"), item.get("ok")) if isinstance(item, dict) else (None, None)
+        if type(line) is not int or type(ok) is not bool:
+            raise CorruptFileError(
+                f'{lines.path}: a line is no result (an object with an integer "line" and a boolean "ok"): '
+                f"{orjson.dumps(item)[:80].decode(errors='replace')}; move the file aside or repair that line"
+            )
+        prompt, completion = item.get("tokens") or (0, 0)
+        yield Done(line, ok, (prompt, completion))
+
+
+#: What starts every line of results.jsonl (`Result.to_line`): a torn one's input line, if it got that far.
+_TORN_HEAD = re.compile(rb'\{"line":(\d+)[,}]')
 _RESULT_HEAD = re.compile(rb'^\{"line":(\d+),"ok":(true|false),"tokens":\[(\d+,\d+)\],"out":')
 
 
@@ -183,10 +224,30 @@ class BatchDir:
         if not path.exists():
             return
         lines = JsonlLines(str(path))
-        for item in lines:
-            prompt, completion = item.get("tokens") or (0, 0)
-            yield Done(item["line"], item["ok"], (prompt, completion))
+        yield from _done(lines)
         lines.repair()
+
+    def scan_results(self) -> ResultsScan | None:
+        """results.jsonl as `results` reads it back, counted as a restart counts it (each input line's first
+        result), changing nothing: for a reader beside a proxy that may be appending to it (`inferproxy
+        inspect`). None without the file; `CorruptFileError` for a line that is no result before the last."""
+        path = self.root / RESULTS
+        if not path.exists():
+            return None
+        lines = JsonlLines(str(path))
+        seen: set[int] = set()
+        completed = failed = 0
+        for done in _done(lines):
+            if done.line not in seen:
+                seen.add(done.line)
+                completed, failed = (completed + 1, failed) if done.ok else (completed, failed + 1)
+        torn_result = None
+        if lines.torn_at is not None:
+            with os.fdopen(open_regular(str(path), os.O_RDONLY), "rb") as f:  # never through a link
+                f.seek(lines.torn_at)
+                head = _TORN_HEAD.match(f.read(64))
+            torn_result = int(head.group(1)) if head else None
+        return ResultsScan(completed, failed, lines.size, lines.torn_at, torn_result)
 
     def outputs(self) -> Iterator[tuple[int, bool, bytes]]:
         """(line, ok, out) of every whole line of results.jsonl, `out` as written: what the output and error

@@ -12,6 +12,9 @@ regular files are opened, as the proxy opens them (a link or a FIFO there is a
 problem line), small files are read with a bound, and what a file says is
 escaped before it is printed.
 
+The Batch API's batches and files in the same dir are reported after the ranks
+(`app.tools.inspect_batches`), read by the store's own readers in the same way.
+
 A live proxy's files move while they are read: its numbers are a moment's,
 and a line it is appending may show as torn.
 """
@@ -40,6 +43,8 @@ from app.store.cache import SQLITE_SUFFIXES, count_entries
 from app.store.durable import CorruptFileError, UnsafeFileError, check_safe, scan_jsonl
 from app.store.layout import DEFAULT_OUTPUT_FILENAME, META_FILENAME, CheckpointsLayout, RankPaths
 from app.store.ownership import OwnerLock, probe_owner
+from app.tools import inspect_batches
+from app.tools.inspect_batches import ApiReport
 from app.tools.terminal import printable
 
 ChunkState = Literal["open", "full", "published"]
@@ -80,6 +85,7 @@ class DirReport:
     records_per_chunk: int | None
     ranks: list[RankReport]
     problems: list[str]
+    api: ApiReport = field(default_factory=lambda: ApiReport(False))  # the Batch API's batches and files
 
 
 def inspect_dir(
@@ -110,7 +116,7 @@ def inspect_dir(
             check_records_per_chunk(layout, records_per_chunk, record=False)
         except RecordsPerChunkMismatch as exc:
             problems.append(f"--records-per-chunk {records_per_chunk}: a proxy started with it refuses to: {exc}")
-    elif recorded is None and META_FILENAME not in names:
+    elif recorded is None and META_FILENAME not in names and layout.known_ranks():
         given = (
             f"the numbers below use --records-per-chunk {records_per_chunk}"
             if records_per_chunk is not None
@@ -133,7 +139,8 @@ def inspect_dir(
     refused = [f"a restarted proxy refuses every rank: {why}" for folder in shared if (why := _unsafe(folder, True))]
     problems += refused
     reports = [_rank_report(layout.rank(rank), rpc, publisher, refused=bool(refused)) for rank in chosen]
-    return DirReport(root, recorded, reports, problems)
+    api = inspect_batches.inspect_api(layout, _cache_numbers)
+    return DirReport(root, recorded, reports, problems + api.problems, api)
 
 
 def _any_checkpoint(layout: CheckpointsLayout) -> bool:
@@ -166,10 +173,11 @@ def _check_dir(root: str) -> list[str]:
         raise NotACheckpointsDir(f"{root} is a file, not a checkpoints dir") from None
     except OSError as exc:
         raise NotACheckpointsDir(f"cannot read {root}: {exc.strerror}") from None
-    what = "checkpoint_meta.json, last_chunk/, owners/ or rank folders (00000/, ...)"
+    what = "checkpoint_meta.json, last_chunk/, owners/, rank folders (00000/, ...), files/ or batches/"
     if not names:
         raise NotACheckpointsDir(f"{root} is empty: not a checkpoints dir, which holds {what}")
-    if META_FILENAME not in names and not CheckpointsLayout(root).known_ranks():
+    layout = CheckpointsLayout(root)
+    if META_FILENAME not in names and not layout.known_ranks() and not inspect_batches.has_batch_api(layout):
         raise NotACheckpointsDir(f"{root} is not a checkpoints dir: it holds none of {what}")
     return names
 
@@ -293,28 +301,37 @@ def _read_chunks(paths: RankPaths, records_per_chunk: int | None, report: RankRe
 
 def _read_cache(paths: RankPaths, report: RankReport) -> bool:
     """Fill the rank's cache numbers; False where a proxy would refuse to open the cache."""
+    try:
+        numbers = _cache_numbers(paths.cache_file, report.problems)
+    except UnsafeFileError as exc:
+        report.problems.append(f"a restarted proxy refuses this rank: {exc}")
+        return False
+    if numbers is not None:
+        report.cache_entries, report.cache_bytes = numbers
+    return True
+
+
+def _cache_numbers(cache_file: str, problems: list[str]) -> tuple[int | None, int] | None:
+    """`(entries, bytes)` of a request cache file and its WAL (entries None if it cannot be read, a problem
+    line saying why), None without the file; `UnsafeFileError` where a proxy would refuse to open it."""
     for suffix in SQLITE_SUFFIXES:
-        unsafe = _unsafe(paths.cache_file + suffix)
-        if unsafe is not None:
-            report.problems.append(f"a restarted proxy refuses this rank: {unsafe}")
-            return False
+        check_safe(cache_file + suffix)
     try:
-        size = os.lstat(paths.cache_file).st_size
+        size = os.lstat(cache_file).st_size
     except FileNotFoundError:
-        return True
+        return None
     except OSError as exc:
-        report.problems.append(f"cannot read {paths.cache_file}: {exc}")
-        return True
+        problems.append(f"cannot read {cache_file}: {exc}")
+        return None
     try:
-        wal = os.lstat(paths.cache_file + "-wal").st_size
+        wal = os.lstat(cache_file + "-wal").st_size
     except FileNotFoundError:
         wal = 0
-    report.cache_bytes = size + wal
     try:
-        report.cache_entries = count_entries(paths.cache_file)
+        return count_entries(cache_file), size + wal
     except (sqlite3.Error, OSError) as exc:
-        report.problems.append(f"cannot read the request cache {paths.cache_file}: {exc}")
-    return True
+        problems.append(f"cannot read the request cache {cache_file}: {exc}")
+        return None, size + wal
 
 
 # ----------------------------------------------------------------------- output
@@ -362,6 +379,7 @@ def to_json(report: DirReport) -> dict[str, Any]:
             }
             for rank in report.ranks
         ],
+        **inspect_batches.to_json(report.api),
     }
 
 
@@ -372,6 +390,7 @@ def render(report: DirReport) -> str:
         f"checkpoints dir {report.root}: "
         + (f"records_per_chunk {rpc} ({META_FILENAME})" if rpc is not None else "records_per_chunk not recorded")
         + f", {len(report.ranks)} rank{'s' if len(report.ranks) != 1 else ''}"
+        + _counted(report.api)
     ]
     header = ("RANK", "LAST CHUNK", "OPEN CHUNKS: DOCUMENTS", "TORN", "CACHE", "OWNER", "RESUME AFTER A RESTART")
     rows = [header, *(_row(rank) for rank in report.ranks)]
@@ -381,7 +400,8 @@ def render(report: DirReport) -> str:
         lines.extend(
             "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
         )
-    notes = [note for rank in report.ranks for note in _notes(rank)]
+    lines += inspect_batches.tables(report.api, _size)
+    notes = [note for rank in report.ranks for note in _notes(rank)] + inspect_batches.notes(report.api)
     live = [str(rank.rank) for rank in report.ranks if rank.owner is not None and rank.owner.held]
     if live:
         notes.append(
@@ -390,11 +410,20 @@ def render(report: DirReport) -> str:
             else f"ranks {', '.join(live)} are owned by a live proxy: their files move while they are read"
         )
     problems = report.problems + [f"rank {rank.rank}: {problem}" for rank in report.ranks for problem in rank.problems]
+    problems += inspect_batches.problems(report.api)
     if notes or problems:
         lines.append("")
     lines.extend(notes)
     lines.extend(f"problem: {problem}" for problem in problems)
     return "\n".join(printable(line) for line in lines)
+
+
+def _counted(api: ApiReport) -> str:
+    """`, 2 batches, 3 files` for a dir the Batch API has used (every proxy makes its folders)."""
+    if not api.batches and not api.files:
+        return ""
+    batches, files = len(api.batches), len(api.files)
+    return f", {batches} batch{'es' if batches != 1 else ''}, {files} file{'s' if files != 1 else ''}"
 
 
 def _row(rank: RankReport) -> tuple[str, ...]:

@@ -1,5 +1,6 @@
 """`inferproxy inspect` on the checkpoints dir of a real `inferproxy serve`, killed with SIGKILL, then restarted:
-it writes nothing, and the restarted proxy's `GET /resume` answers what it said it would."""
+it writes nothing, and the restarted proxy's `GET /resume` answers what it said it would, and carries a batch
+on from the lines inspect counted."""
 
 from __future__ import annotations
 
@@ -10,15 +11,17 @@ import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import Upstream, start_proxy
+from tests.e2e.conftest import Upstream, running_upstream, start_proxy
 from tests.factories import chat_request, dir_snapshot
 from tests.servers import process, wait_for_http
+from tests.service.test_batches import CHAT, chat_line, put_file, read_file
 
 pytestmark = pytest.mark.e2e
 
@@ -166,3 +169,136 @@ def test_inspect_of_a_killed_proxys_dir_writes_nothing_and_predicts_resume_after
         for owner in (live[0]["owner"], live[1]["owner"]):
             assert (owner["held"], owner["pid"], owner["port"]) == (True, restarted.pid, port)
         assert "held by pid" in inspect(checkpoints, "--rank", "0").stdout
+
+
+# ----------------------------------------------------------------------- the Batch API's batches and files
+
+BATCH_LINES = 200
+BATCH_INFLIGHT = 4
+
+
+def until_batch(url: str, batch_id: str, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while not done(batch := httpx.get(f"{url}/v1/batches/{batch_id}", timeout=10).json()):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.05)
+    answer: dict[str, Any] = batch
+    return answer
+
+
+def create_batch(url: str, file_id: str) -> str:
+    created = httpx.post(f"{url}/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT}, timeout=10)
+    assert created.status_code == 200, created.text
+    batch_id: str = created.json()["id"]
+    return batch_id
+
+
+def lines_done(results: Path) -> tuple[int, int]:
+    """(completed, failed) of results.jsonl's whole lines, each input line's first result, read here apart."""
+    first: dict[int, bool] = {}
+    for raw in results.read_bytes().splitlines(keepends=True):
+        if raw.endswith(b"\n"):
+            item = json.loads(raw)
+            first.setdefault(item["line"], item["ok"])
+    return sum(first.values()), sum(not ok for ok in first.values())
+
+
+def test_inspect_of_a_proxy_killed_mid_batch_reports_its_batches_files_and_damage_writing_nothing(
+    tmp_path: Path,
+) -> None:
+    checkpoints = tmp_path / "checkpoints"
+    lines = [chat_line(f"line-{i}", f"question {i}") for i in range(BATCH_LINES)]
+    big, lost = put_file(checkpoints, lines), put_file(checkpoints, lines)
+    small, broken_input = put_file(checkpoints, lines[:3]), put_file(checkpoints, lines[3:6])
+    with running_upstream(latency_ms=50) as upstream:
+        args, port = start_proxy(upstream.url, tmp_path, f"--max-inflight-per-upstream={BATCH_INFLIGHT}")
+        url = f"http://127.0.0.1:{port}"
+        with process(*args) as killed:
+            wait_for_http(url + "/healthz")
+            done = until_batch(url, create_batch(url, small), lambda b: b["status"] == "completed")
+            broken = until_batch(url, create_batch(url, broken_input), lambda b: b["status"] == "completed")["id"]
+            running, orphan = create_batch(url, big), create_batch(url, lost)
+            until_batch(url, running, lambda b: b["request_counts"]["completed"] >= 12)
+            until_batch(url, orphan, lambda b: b["request_counts"]["completed"] >= 4)
+            live = {batch["id"]: batch for batch in inspect_json(checkpoints)["batches"]}
+            listed = httpx.get(f"{url}/v1/files", params={"order": "asc"}, timeout=10).json()["data"]
+            killed.kill()
+            killed.wait(timeout=10)
+        results = checkpoints / "batches" / running / "results.jsonl"
+        whole = results.stat().st_size
+        torn = b'{"line":%d,"ok":tr' % BATCH_LINES  # a crash mid-append of the last line's result
+        with open(results, "ab") as f:
+            f.write(torn)
+        (checkpoints / "batches" / broken / "batch.json").write_bytes(b'{"id": "batch_')  # a disk gone bad
+        for name in (lost, lost + ".json"):
+            (checkpoints / "files" / name).unlink()  # lost with a node's local disk
+
+        before = dir_snapshot(checkpoints)
+        report = inspect_json(checkpoints)
+        table = inspect(checkpoints)
+        assert dir_snapshot(checkpoints) == before
+
+        assert (live[running]["owner"], live[orphan]["owner"]) == ({"held": True}, {"held": True})
+        assert live[done["id"]]["owner"] == {"held": False}  # released once it completed
+        assert report["problems"] == []
+        batches = {batch["id"]: batch for batch in report["batches"]}
+        assert sorted(batches) == sorted([done["id"], broken, running, orphan])
+
+        assert {key: batches[done["id"]][key] for key in batches[done["id"]] if key != "results"} == {
+            "id": done["id"],
+            "status": "completed",
+            "request_counts": {"total": 3, "completed": 3, "failed": 0},
+            "input_file_id": small,
+            "input_file_exists": True,
+            "output_file_id": done["output_file_id"],
+            "error_file_id": None,
+            "owner": {"held": False},
+            "problems": [],
+        }
+        assert batches[done["id"]]["results"]["completed"] == 3
+
+        mid = batches[running]
+        assert mid["status"] == "in_progress"
+        assert (mid["input_file_id"], mid["input_file_exists"], mid["owner"]) == (big, True, {"held": False})
+        on_disk = lines_done(results)
+        assert 12 <= on_disk[0] < BATCH_LINES
+        assert (mid["results"]["completed"], mid["results"]["failed"]) == on_disk
+        assert mid["results"]["torn"] == {"offset": whole, "bytes": len(torn), "line": BATCH_LINES}
+        counts = mid["request_counts"]  # saved every 2 s: behind the lines on disk, never ahead
+        assert counts["total"] == BATCH_LINES
+        assert counts["completed"] <= on_disk[0]
+        assert mid["problems"] == []
+
+        assert batches[orphan]["input_file_exists"] is False
+        (missing,) = batches[orphan]["problems"]
+        assert missing.startswith(f"it is in_progress but its input file {lost} is missing: ")
+        assert batches[broken]["status"] is None
+        (unparsed,) = batches[broken]["problems"]
+        assert unparsed.startswith("batch.json does not parse (")
+
+        stored = [{key: item[key] for key in ("id", "filename", "purpose", "bytes", "created_at")} for item in listed]
+        assert report["files"] == [item for item in stored if item["id"] != lost]
+        answers = checkpoints / "batches" / "answers" / "00000"
+        assert report["answers"]["entries"] == entries_of_a_copy(answers, tmp_path / "answers")
+        assert report["answers"]["bytes"] == sum(
+            (answers / name).stat().st_size for name in ("replay.sqlite3", "replay.sqlite3-wal")
+        )
+
+        assert (table.returncode, table.stderr) == (0, "")
+        text = table.stdout.splitlines()
+        assert text[0].endswith(", 0 ranks, 4 batches, 5 files")
+        assert (
+            f"{running}: results.jsonl ends in a torn line ({len(torn)} bytes): a restart cuts the file back "
+            f"to {whole} bytes, dropping it, and runs input line {BATCH_LINES} again"
+        ) in text
+        assert f"problem: {orphan}: {missing}" in text
+        assert f"problem: {broken}: {unparsed}" in text
+        assert sum(line.startswith("problem: ") for line in text) == 2
+
+        with process(*args):
+            wait_for_http(url + "/healthz")
+            resumed = httpx.get(f"{url}/v1/batches/{running}", timeout=10).json()["request_counts"]
+            assert resumed["completed"] >= on_disk[0]  # carried on from the lines on disk, not batch.json's
+            finished = until_batch(url, running, lambda b: b["status"] == "completed")
+        output = read_file(checkpoints, finished["output_file_id"])
+        assert sorted(o["custom_id"] for o in output) == sorted(f"line-{i}" for i in range(BATCH_LINES))

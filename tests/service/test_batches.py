@@ -443,3 +443,21 @@ async def test_a_running_batchs_input_is_not_deleted_through_another_proxy_on_th
                 assert batch_id in refused.json()["error"]["message"]
                 await other.post(f"/v1/batches/{batch_id}/cancel")
             assert (await until(owner, batch_id, final))["status"] == "cancelled"
+
+
+@pytest.mark.parametrize("content", [b"[1]", b"{}"], ids=["list", "no-fields"])
+async def test_a_batch_json_that_is_json_but_no_batch_is_skipped_as_a_torn_one_is(
+    settings: Settings, upstream: Any, content: bytes
+) -> None:
+    url, _ = upstream
+    file_id = put_file(settings.checkpoints_dir, [chat_line("only", "q")])
+    bad = settings.checkpoints_dir / "batches" / "batch_000000000000000000000000"
+    bad.mkdir(parents=True)
+    (bad / "batch.json").write_bytes(content)
+    async for client in proxy(settings, url):
+        created = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()
+        assert (await until(client, created["id"], final))["status"] == "completed"
+        listed = await client.get("/v1/batches")
+        assert listed.status_code == 200, listed.text
+        assert [batch["id"] for batch in listed.json()["data"]] == [created["id"]]
+        assert (await client.get(f"/v1/batches/{bad.name}")).status_code == 404

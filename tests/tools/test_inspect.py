@@ -346,7 +346,8 @@ def test_json_has_every_key_and_rank_restricts(tmp_path: Path, capsys: pytest.Ca
     Path(last_chunk_path(root, 2)).write_text("3")
     assert main(["inspect", str(root), "--json"]) == 0
     report = orjson.loads(capsys.readouterr().out)
-    assert set(report) == {"checkpoints_dir", "records_per_chunk", "problems", "ranks"}
+    assert set(report) == {"checkpoints_dir", "records_per_chunk", "problems", "ranks", "batches", "files", "answers"}
+    assert (report["batches"], report["files"], report["answers"]) == ([], [], None)
     assert [rank["rank"] for rank in report["ranks"]] == [0, 2]
     assert set(report["ranks"][0]) == {
         "rank",
