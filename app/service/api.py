@@ -261,6 +261,13 @@ _UPLOAD = {
                 "properties": {
                     "file": {"type": "string", "format": "binary", "description": "the upload, with a filename"},
                     "purpose": {"type": "string", "enum": list(files.PURPOSES)},
+                    "expires_after[anchor]": {"type": "string", "enum": [files.ANCHOR], "description": "with seconds"},
+                    "expires_after[seconds]": {
+                        "type": "integer",
+                        "minimum": files.EXPIRES_AFTER_S[0],
+                        "maximum": files.EXPIRES_AFTER_S[1],
+                        "description": "the file expires this long after `created_at`: 404 from then on",
+                    },
                 },
             }
         }
@@ -338,7 +345,7 @@ async def file_content(request: Request, file_id: FILE_ID) -> Response:
 )
 async def delete_file(request: Request, file_id: FILE_ID) -> Response:
     services = services_of(request)
-    if services.batches is not None:
+    if services.batches is not None and services.files.get(file_id) is not None:  # expired: 404, as if deleted
         services.batches.check_deletable(file_id)
     deleted = await asyncio.to_thread(files.delete, services, file_id)
     if services.batches is not None:
