@@ -312,6 +312,7 @@ async def list_files(request: Request) -> Response:
     return json_answer(orjson.dumps(answer))
 
 
+@route("HEAD", "/v1/files/{file_id:str}", include_in_schema=False)  # as GET: the servers send no body
 @route(
     "GET",
     "/v1/files/{file_id:str}",
@@ -334,6 +335,15 @@ async def retrieve_file(request: Request, file_id: FILE_ID) -> Response:
 async def file_content(request: Request, file_id: FILE_ID) -> Response:
     stored, fd = await asyncio.to_thread(files.opened, services_of(request), file_id)
     return files.FileContent(stored, fd)
+
+
+@route("HEAD", "/v1/files/{file_id:str}/content", include_in_schema=False)
+async def file_content_head(request: Request, file_id: FILE_ID) -> Response:
+    """GET's status and headers, without reading the bytes."""
+    stored, size = await asyncio.to_thread(files.content_size, services_of(request), file_id)
+    response = Response()
+    response.raw_headers = files.content_headers(stored, size)
+    return response
 
 
 @route(

@@ -1,6 +1,6 @@
 """Where `/v1/files` follows OpenAI's Files API beyond the basics (tests/service/test_files.py): a file's
-`expires_after`, told by a clock the test moves. The real `openai` client against a proxy on a loopback port, under both
-HTTP servers."""
+`expires_after`, told by a clock the test moves; HEAD on a file and its content. The real `openai` client
+against a proxy on a loopback port, under both HTTP servers."""
 
 from __future__ import annotations
 
@@ -173,3 +173,22 @@ async def test_the_openai_client_is_told_what_expires_after_allows(proxy: str, t
 
     await asyncio.to_thread(refused)
     assert kept(tmp_path) == []
+
+
+# -- HEAD -----------------------------------------------------------------------------------------
+
+
+async def test_head_on_a_file_and_its_content_answers_as_get_without_a_body(proxy: str) -> None:
+    made = await asyncio.to_thread(lambda: sdk(proxy).files.create(file=("a b.jsonl", b"x" * 3000), purpose="batch"))
+    async with httpx.AsyncClient(base_url=proxy, headers=AUTH, timeout=30) as client:
+        for path in (f"/v1/files/{made.id}", f"/v1/files/{made.id}/content"):
+            got = await client.get(path)
+            head = await client.head(path)
+            assert head.status_code == got.status_code == 200, path
+            assert head.content == b""
+            for name in ("content-type", "content-length", "content-disposition"):
+                assert head.headers.get(name) == got.headers.get(name), (path, name)
+            assert int(head.headers["content-length"]) == len(got.content)
+        missing = await client.head("/v1/files/file-000000000000000000000000/content")
+        assert (missing.status_code, missing.content) == (404, b"")
+        assert (await client.get(f"/v1/files/{made.id}")).json()["id"] == made.id  # the connection goes on

@@ -388,6 +388,24 @@ def opened(services: Services, file_id: str) -> tuple[StoredFile, int]:
         raise no_such_file(file_id) from None
 
 
+def content_size(services: Services, file_id: str) -> tuple[StoredFile, int]:
+    """The file and the size of its bytes, for a HEAD of its content."""
+    stored, fd = opened(services, file_id)
+    try:
+        return stored, os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def content_headers(stored: StoredFile, size: int) -> list[tuple[bytes, bytes]]:
+    """The headers of a file's content, `size` bytes (its GET's and its HEAD's)."""
+    return [
+        (b"content-type", b"application/octet-stream"),
+        (b"content-length", str(size).encode()),
+        (b"content-disposition", f"attachment; filename*=utf-8''{quote(stored.filename)}".encode()),
+    ]
+
+
 class FileContent(Response):
     """A stored file's bytes, read and sent `READ_BYTES` at a time (each read in a thread)."""
 
@@ -399,11 +417,7 @@ class FileContent(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         with os.fdopen(self.fd, "rb", buffering=0) as file:
             size = os.fstat(file.fileno()).st_size
-            headers = [
-                (b"content-type", b"application/octet-stream"),
-                (b"content-length", str(size).encode()),
-                (b"content-disposition", f"attachment; filename*=utf-8''{quote(self.stored.filename)}".encode()),
-            ]
+            headers = content_headers(self.stored, size)
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             left = size
             while left > 0:
