@@ -1,6 +1,7 @@
 """Where `/v1/files` follows OpenAI's Files API beyond the basics (tests/service/test_files.py): a file's
-`expires_after`, told by a clock the test moves; HEAD on a file and its content. The real `openai` client
-against a proxy on a loopback port, under both HTTP servers."""
+`expires_after`, told by a clock the test moves; HEAD on a file and its content; the list's cursor pages as
+the `openai` package follows them. The real `openai` client against a proxy on a loopback port, under both
+HTTP servers."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import pytest
 
 from app.service.app import create_app
 from app.service.settings import Settings
+from app.store.files import FileStore
 from tests.servers import fake_upstream, serve_proxy
 from tests.service.test_batches import CHAT, chat_line, final, until
 from tests.service.test_checkpoint_routes import config
@@ -192,3 +194,65 @@ async def test_head_on_a_file_and_its_content_answers_as_get_without_a_body(prox
         missing = await client.head("/v1/files/file-000000000000000000000000/content")
         assert (missing.status_code, missing.content) == (404, b"")
         assert (await client.get(f"/v1/files/{made.id}")).json()["id"] == made.id  # the connection goes on
+
+
+# -- the list's pages -------------------------------------------------------------------------------
+
+
+async def test_the_openai_client_pages_through_a_list_larger_than_a_page(
+    proxy: str, tmp_path: Path, clock: Clock
+) -> None:
+    store = FileStore(tmp_path / "ckpt" / "files", clock=clock)  # the batches' output files, beside the uploads
+    outputs = []
+    for _ in range(3):
+        clock.now += 1  # each file a second after the one before: the order they are listed in
+        with store.writing("out.jsonl", "batch_output") as writer:
+            writer.write(b"{}\n")
+        outputs.append(writer.id)
+
+    def scenario() -> list[str]:
+        client = sdk(proxy)
+        uploads = []
+        for i in range(23):
+            clock.now += 1
+            uploads.append(client.files.create(file=(f"{i}.jsonl", b"{}\n"), purpose="batch").id)
+        every = outputs + uploads  # in the order they were made
+        assert [f.id for f in client.files.list(limit=5)] == every[::-1]
+        assert [f.id for f in client.files.list(limit=5, order="asc")] == every
+        assert [f.id for f in client.files.list(limit=4, purpose="batch")] == uploads[::-1]
+        assert [f.id for f in client.files.list(limit=2, purpose="batch_output", order="asc")] == outputs
+        first = client.files.list(limit=10)
+        assert (len(first.data), first.has_more, first.has_next_page()) == (10, True, True)
+        second = first.get_next_page()
+        assert [f.id for f in second.data] == every[::-1][10:20]
+        last = client.files.list(limit=6, after=every[::-1][19])
+        assert ([f.id for f in last.data], last.has_more) == (every[::-1][20:], False)
+        assert not last.has_next_page()
+        return every
+
+    every = await asyncio.to_thread(scenario)
+    seen = []
+    async with openai.AsyncOpenAI(base_url=proxy + "/v1", api_key=KEY, max_retries=0) as client:
+        async for listed in client.files.list(limit=4, order="asc"):  # deleting each as it goes: the pages go on
+            seen.append(listed.id)
+            await client.files.delete(listed.id)
+        assert seen == every
+        assert (await client.files.list()).data == []
+    assert kept(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    ("query", "param"),
+    [
+        ("limit=0", "limit"),
+        ("limit=10001", "limit"),
+        ("limit=-1", "limit"),
+        ("order=newest", "order"),
+        ("after=file-nope", "after"),
+    ],
+)
+async def test_a_bad_list_parameter_is_a_400_naming_it(proxy: str, query: str, param: str) -> None:
+    async with httpx.AsyncClient(base_url=proxy, headers=AUTH) as client:
+        answer = await client.get(f"/v1/files?{query}")
+        one_line_error(answer, 400)
+        assert answer.json()["error"]["param"] == param
