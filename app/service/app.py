@@ -390,7 +390,7 @@ async def remove_expired_files(services: Services) -> None:
     while True:
         try:
             await asyncio.to_thread(remove_expired, services)
-        except OSError:  # a checkpoints dir unreadable for a while: the next round tries again
+        except Exception:  # a checkpoints dir unreadable for a while, say: the next round tries again
             logger.exception("removing the expired files failed")
         await asyncio.sleep(EXPIRED_FILES_EVERY_S)
 
