@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import uvicorn
 
-from app.service.app import create_server
+from app.service.app import InferProxy, create_server
 from app.service.settings import Settings
 from app.tools.fake_upstream import FakeUpstream
 
@@ -73,14 +73,15 @@ HTTP_SERVER = {"name": "builtin"}
 
 
 @contextlib.asynccontextmanager
-async def serve_proxy(settings: Settings) -> AsyncIterator[str]:
-    """`inferproxy serve`'s server in this event loop; yield its URL.
+async def serve_proxy(settings: Settings, app: InferProxy | None = None) -> AsyncIterator[str]:
+    """`inferproxy serve`'s server in this event loop (around `app`, if given: `create_app(settings, ...)`);
+    yield its URL.
 
     The built-in one (app.http.server, fast path included) or uvicorn: `settings.http` if given,
     else the `http_server` fixture's.
     """
     http = settings.http if "http" in settings.model_fields_set else HTTP_SERVER["name"]
-    server = create_server(settings.model_copy(update={"host": "127.0.0.1", "port": 0, "http": http}))
+    server = create_server(settings.model_copy(update={"host": "127.0.0.1", "port": 0, "http": http}), app)
     await server.start()
     try:
         yield f"http://127.0.0.1:{server.port}"

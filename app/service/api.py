@@ -261,6 +261,13 @@ _UPLOAD = {
                 "properties": {
                     "file": {"type": "string", "format": "binary", "description": "the upload, with a filename"},
                     "purpose": {"type": "string", "enum": list(files.PURPOSES)},
+                    "expires_after[anchor]": {"type": "string", "enum": [files.ANCHOR], "description": "with seconds"},
+                    "expires_after[seconds]": {
+                        "type": "integer",
+                        "minimum": files.EXPIRES_AFTER_S[0],
+                        "maximum": files.EXPIRES_AFTER_S[1],
+                        "description": "the file expires this long after `created_at`: 404 from then on",
+                    },
                 },
             }
         }
@@ -305,6 +312,7 @@ async def list_files(request: Request) -> Response:
     return json_answer(orjson.dumps(answer))
 
 
+@route("HEAD", "/v1/files/{file_id:str}", include_in_schema=False)  # as GET: the servers send no body
 @route(
     "GET",
     "/v1/files/{file_id:str}",
@@ -329,6 +337,15 @@ async def file_content(request: Request, file_id: FILE_ID) -> Response:
     return files.FileContent(stored, fd)
 
 
+@route("HEAD", "/v1/files/{file_id:str}/content", include_in_schema=False)
+async def file_content_head(request: Request, file_id: FILE_ID) -> Response:
+    """GET's status and headers, without reading the bytes."""
+    stored, size = await asyncio.to_thread(files.content_size, services_of(request), file_id)
+    response = Response()
+    response.raw_headers = files.content_headers(stored, size)
+    return response
+
+
 @route(
     "DELETE",
     "/v1/files/{file_id:str}",
@@ -338,7 +355,7 @@ async def file_content(request: Request, file_id: FILE_ID) -> Response:
 )
 async def delete_file(request: Request, file_id: FILE_ID) -> Response:
     services = services_of(request)
-    if services.batches is not None:
+    if services.batches is not None and services.files.get(file_id) is not None:  # expired: 404, as if deleted
         services.batches.check_deletable(file_id)
     deleted = await asyncio.to_thread(files.delete, services, file_id)
     if services.batches is not None:

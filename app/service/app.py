@@ -28,7 +28,7 @@ import contextlib
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import AsyncExitStack
 from typing import Any, Protocol
 
@@ -56,6 +56,7 @@ from app.service.errors import (
     failure,
 )
 from app.service.limits import default_max_connections, max_connections
+from app.service.routes.files import remove_expired
 from app.service.routes.proxy import CACHEABLE_PATHS, LOOKUP, REPLICA, Lookup, lookup, stored_answer
 from app.service.routing import NEVER_SERVED, Entry, Handler, Index, resolve_dot_segments
 from app.service.services import CheckpointRegistry, RankActivity, Services
@@ -74,6 +75,8 @@ are OpenAI's, cached by `X-Doc-Id`, `X-Rollout-Idx` and `X-Rank`; every other pa
 upstream unchanged. With `--api-key`, every route but `/`, `/healthz` and these docs needs
 `Authorization: Bearer KEY`."""
 
+#: How often the files that expired are looked for, to remove their bytes (a request for one removes them at once).
+EXPIRED_FILES_EVERY_S = 300.0
 #: Scope keys: the route that served the request, and the replica that answered it (set by the handler).
 ROUTE = "inferproxy.route"
 #: The status counted and logged for a request whose client left before an answer was started (nginx's).
@@ -98,14 +101,15 @@ def own_segment(path: str) -> str:
     return "/".join(parts[1:3]) if parts[1] == "v1" else parts[1]
 
 
-def create_app(settings: Settings | None = None) -> InferProxy:
-    return InferProxy(settings or Settings())
+def create_app(settings: Settings | None = None, *, clock: Callable[[], float] = time.time) -> InferProxy:
+    """`clock`: the time the files' expiry is told by (tests move it)."""
+    return InferProxy(settings or Settings(), clock=clock)
 
 
 class InferProxy(FastAPI):
     """The app: lifespan, authentication, then the route table."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, *, clock: Callable[[], float] = time.time) -> None:
         super().__init__(
             title="inferproxy",
             version=__version__,
@@ -122,6 +126,7 @@ class InferProxy(FastAPI):
         raw = {route.path for route in api.RAW_ROUTES}
         self.own_segments = frozenset(own_segment(e.path) for e in self.index.entries if e.path not in raw)
         self.settings = settings
+        self.clock = clock
         self.expected = f"Bearer {settings.api_key}".encode() if settings.api_key else None
         self.services: Services | None = None  # while the lifespan runs
         self.request_log = RequestLog(settings.log_hits_every)
@@ -308,7 +313,7 @@ class InferProxy(FastAPI):
             caches = checkpoints.caches
             stack.push_async_callback(caches.close)  # after the managers, which write through them
             stack.push_async_callback(checkpoints.close)
-            files = FileStore(layout.files_dir, fsync=settings.fsync == "always")
+            files = FileStore(layout.files_dir, fsync=settings.fsync == "always", clock=self.clock)
             await asyncio.to_thread(files.open)
             services = Services(
                 settings=settings,
@@ -325,6 +330,8 @@ class InferProxy(FastAPI):
             services.batches = batches
             ticker = asyncio.create_task(every_few_seconds(services), name="every-few-seconds")
             stack.push_async_callback(cancel, ticker)
+            expiry = asyncio.create_task(remove_expired_files(services), name="remove-expired-files")
+            stack.push_async_callback(cancel, expiry)
             if settings.rank_idle_s > 0:
                 janitor = asyncio.create_task(release_idle_ranks(services), name="release-idle-ranks")
                 stack.push_async_callback(cancel, janitor)
@@ -375,6 +382,17 @@ async def release_idle_ranks(services: Services) -> None:
             continue
         if released:
             logger.info("released ranks %s, unused for %g s: another proxy may take them over", released, idle_s)
+
+
+async def remove_expired_files(services: Services) -> None:
+    """The bytes of the files that expired since (`expires_after`) removed, at the start and every
+    `EXPIRED_FILES_EVERY_S`, for those no request asks for (one that does removes them itself)."""
+    while True:
+        try:
+            await asyncio.to_thread(remove_expired, services)
+        except Exception:  # a checkpoints dir unreadable for a while, say: the next round tries again
+            logger.exception("removing the expired files failed")
+        await asyncio.sleep(EXPIRED_FILES_EVERY_S)
 
 
 async def every_few_seconds(services: Services) -> None:

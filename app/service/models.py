@@ -116,7 +116,10 @@ class FileObject(Strict):
     purpose: str = Field(description="`batch` for an upload")
     status: Literal["processed"] = Field(description="always `processed`: a file exists once it is whole on disk")
     status_details: None = Field(description="always null")
-    expires_at: None = Field(description="always null: files are kept until deleted")
+    expires_at: int | None = Field(
+        description="when it expires (`created_at` + the upload's `expires_after[seconds]`), in seconds since the "
+        "epoch; null: kept until deleted"
+    )
 
 
 class FileList(Strict):

@@ -1,7 +1,8 @@
 """Files kept for the Batch API (`/v1/files`): uploads, and the output and error files batches write.
 
     <root>/<file_id>            the bytes, as uploaded or written
-    <root>/<file_id>.json       what OpenAI's `FileObject` says of it (filename, purpose, bytes, created_at)
+    <root>/<file_id>.json       what OpenAI's `FileObject` says of it (filename, purpose, bytes, created_at,
+                                expires_at)
 
 A file exists once its `.json` does: the bytes are written under a temporary name, fsynced and renamed
 first, then the metadata is written atomically, so that a crash at any point leaves the file whole or
@@ -12,6 +13,10 @@ A file id holds when its file was begun: the second (`created_at`) in its first 
 fraction of it in the next 4, then 12 random ones. Ids sort as `(created_at, id)` does, in the order the
 files were begun, so that a listing resumes after an id (`list(after=...)`) even once that file is
 deleted, and reads the metadata of the page it returns only.
+
+A file uploaded with an expiry (`expires_at`) is gone from then on: `get` and `list` see it no more, at
+once, and `remove_expired` removes its bytes, but those of the files it is told to keep (a running
+batch's input, which the batch goes on reading). The time is the store's `clock` (tests move it).
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import contextlib
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -58,6 +63,10 @@ class StoredFile:
     purpose: str
     bytes: int
     created_at: int
+    expires_at: int | None = None  # none: kept until deleted
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
 
 
 def _half_written(root: Path, name: str) -> bool:
@@ -79,11 +88,13 @@ class FileWriter:
     def __init__(
         self, store: FileStore, filename: str, purpose: str, limit: int | None, file_id: str | None = None
     ) -> None:
-        now = time.time()
+        now = store.clock()
         self.created_at = int(now)
         self.id = file_id or new_file_id(now)
         self.filename = filename
         self.purpose = purpose
+        #: seconds after `created_at` at which the file expires (OpenAI's `expires_after`); None: never
+        self.expires_after: int | None = None
         self.limit = limit
         self.size = 0
         self.part = store.root / (self.id + _PART)
@@ -115,16 +126,17 @@ class FileStore:
     """The files under one folder (`<checkpoints_dir>/files`). Synchronous: callers run it in a thread
     where a write may be long (an upload's pieces are small and written as they come)."""
 
-    def __init__(self, root: str | Path, *, fsync: bool = True) -> None:
+    def __init__(self, root: str | Path, *, fsync: bool = True, clock: Callable[[], float] = time.time) -> None:
         self.root = Path(root)
         self.fsync = fsync
+        self.clock = clock
 
     def open(self) -> None:
         """Create the folder; sweep what a crash left half-written (bytes without metadata) an hour ago or more:
         younger, it may be another proxy's upload or output under way, on a checkpoints dir they share (a
         live upload writes more often than `body_timeout_s`)."""
         make_dirs_durable(str(self.root))
-        stale = time.time() - STALE_AFTER_S
+        stale = self.clock() - STALE_AFTER_S
         for path in self.root.iterdir():
             if _half_written(self.root, path.name):
                 with contextlib.suppress(OSError):
@@ -158,25 +170,58 @@ class FileStore:
             os.replace(writer.part, writer.final)
             if self.fsync:
                 fsync_dir(str(self.root))
-            meta = StoredFile(writer.id, writer.filename, writer.purpose, writer.size, writer.created_at)
+            expires_at = None if writer.expires_after is None else writer.created_at + writer.expires_after
+            meta = StoredFile(writer.id, writer.filename, writer.purpose, writer.size, writer.created_at, expires_at)
             atomic_write_bytes(str(self.root / (writer.id + _META)), orjson.dumps(asdict(meta)))
         except BaseException:
             writer.abandon()
             raise
         return meta
 
-    def get(self, file_id: str) -> StoredFile | None:
+    def get(self, file_id: str, *, expired_too: bool = False) -> StoredFile | None:
+        """The file, if there is one and it has not expired (`expired_too`: even if it has, for the batch
+        that reads it as its input)."""
         if not is_file_id(file_id):
             return None
         try:
-            meta = orjson.loads(read_regular(str(self.root / (file_id + _META))))
+            found = StoredFile(**orjson.loads(read_regular(str(self.root / (file_id + _META)))))
         except (FileNotFoundError, orjson.JSONDecodeError):
             return None
-        return StoredFile(**meta)
+        return found if expired_too or not found.expired(self.clock()) else None
 
     def path(self, file_id: str) -> Path:
         """Where the bytes of a file `get` found are."""
         return self.root / file_id
+
+    def delete(self, file_id: str) -> StoredFile | None:
+        """Remove a file; the one removed, or None if there was none (or it had expired)."""
+        found = self.get(file_id)
+        if found is None:
+            return None
+        self._remove(file_id)
+        return found
+
+    def remove_expired(self, *, keep: Collection[str] = (), file_ids: Collection[str] | None = None) -> list[str]:
+        """Remove the files that have expired (of `file_ids`, or all), but those in `keep`; the ids removed."""
+        now = self.clock()
+        if file_ids is None:
+            file_ids = [name[: -len(_META)] for name in os.listdir(self.root) if name.endswith(_META)]
+        removed = []
+        for file_id in file_ids:
+            found = self.get(file_id, expired_too=True)
+            if found is not None and found.expired(now) and file_id not in keep:
+                self._remove(file_id)
+                removed.append(file_id)
+        return removed
+
+    def _remove(self, file_id: str) -> None:
+        """The metadata first, so that a file is never listed without its bytes."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.root / (file_id + _META))
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.root / file_id)
+        if self.fsync:
+            fsync_dir(str(self.root))
 
     def list(
         self,
@@ -199,20 +244,7 @@ class FileStore:
         for file_id in ids:
             if limit is not None and len(found) >= limit:
                 break
-            stored = self.get(file_id)  # None if deleted meanwhile
+            stored = self.get(file_id)  # None if deleted meanwhile, or expired
             if stored is not None and (purpose is None or stored.purpose == purpose):
                 found.append(stored)
-        return found
-
-    def delete(self, file_id: str) -> StoredFile | None:
-        """Remove a file; the one removed, or None if there was none."""
-        found = self.get(file_id)
-        if found is None:
-            return None
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.root / (file_id + _META))
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.root / file_id)
-        if self.fsync:
-            fsync_dir(str(self.root))
         return found

@@ -1,5 +1,5 @@
 """The Batch API's file store: a file is whole or absent whatever a crash interrupts, and a listing pages by
-`(created_at, id)`, a deleted file's id included."""
+`(created_at, id)`, a deleted file's id included; an expired file is gone but for those told to keep."""
 
 from __future__ import annotations
 
@@ -7,9 +7,6 @@ import os
 import time
 from pathlib import Path
 
-import pytest
-
-import app.store.files
 from app.store.files import STALE_AFTER_S, FileStore, StoredFile
 
 
@@ -39,14 +36,13 @@ def test_a_writer_abandoned_by_a_crash_leaves_nothing_once_the_store_opens_again
     assert again.list() == [kept_file]
 
 
-def test_ids_sort_as_their_files_were_begun_and_a_listing_resumes_after_a_deleted_one(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    store = FileStore(tmp_path / "files", fsync=False)
+def test_ids_sort_as_their_files_were_begun_and_a_listing_resumes_after_a_deleted_one(tmp_path: Path) -> None:
+    now = [0.0]
+    store = FileStore(tmp_path / "files", fsync=False, clock=lambda: now[0])
     store.open()
     made = []
     for second, name in enumerate("abcde"):
-        monkeypatch.setattr(app.store.files.time, "time", lambda t=1_700_000_000.5 + second: t)  # a second apart
+        now[0] = 1_700_000_000.5 + second  # a second apart
         with store.writing(f"{name}.jsonl", "batch" if name != "c" else "batch_output") as writer:
             writer.write(name.encode())
         made.append(writer.id)
@@ -56,3 +52,27 @@ def test_ids_sort_as_their_files_were_begun_and_a_listing_resumes_after_a_delete
     assert [f.id for f in store.list(purpose="batch", after=made[3])] == [made[1], made[0]]
     store.delete(made[2])
     assert [f.id for f in store.list(after=made[2], newest_first=False)] == made[3:]
+
+
+def test_a_store_sweep_removes_the_expired_files_but_those_it_is_told_to_keep(tmp_path: Path) -> None:
+    now = [1_700_000_000.0]
+    store = FileStore(tmp_path / "files", fsync=False, clock=lambda: now[0])
+    store.open()
+    ids = []
+    for expires_after in (3600, 3600, 7200, None):
+        with store.writing("a.jsonl", "batch") as writer:  # the seconds after its start at which it expires
+            writer.expires_after = expires_after
+            writer.write(b"{}\n")
+        ids.append(writer.id)
+        now[0] += 1
+    now[0] += 3600
+    assert [f.id for f in store.list(newest_first=False)] == ids[2:]
+    assert store.get(ids[0]) is None
+    assert store.get(ids[0], expired_too=True) is not None  # for the batch reading it
+    assert store.remove_expired(keep={ids[1]}) == [ids[0]]
+    assert sorted(p.name for p in store.root.iterdir()) == sorted(
+        name for file_id in ids[1:] for name in (file_id, file_id + ".json")
+    )
+    now[0] += 3600
+    assert sorted(store.remove_expired()) == sorted(ids[1:3])
+    assert [f.id for f in store.list()] == [ids[3]]

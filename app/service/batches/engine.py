@@ -85,6 +85,14 @@ def window_seconds(window: str) -> int | None:
     return int(match.group(1)) * 3600
 
 
+def reads_input(record: BatchRecord) -> bool:
+    """The batch reads its input file still: validating or sending it, or writing the error lines of its
+    expired lines."""
+    return record.status in ("validating", "in_progress", "cancelling") or (
+        record.status == "finalizing" and record.ending == "expired"
+    )
+
+
 class FairShare:
     """`capacity` slots shared by the running batches in turn: a slot released goes to the next batch in
     the rotation that waits for one, so each running batch gets its share whatever its size."""
@@ -322,8 +330,9 @@ class BatchEngine:
         """Every batch, newest first."""
         found = []
         for folder in self._folders():
+            running = self.running.get(folder.id)  # one look-up: `inputs_read` calls this in a thread
             try:
-                found.append(self.running[folder.id].record if folder.id in self.running else folder.load())
+                found.append(running.record if running is not None else folder.load())
             except (OSError, ValueError):
                 continue
         return sorted(found, key=lambda r: r.id, reverse=True)  # ids sort as the batches were made
@@ -347,14 +356,16 @@ class BatchEngine:
     def check_deletable(self, file_id: str) -> None:
         """`FileInUse` for the input file of a batch that still reads it."""
         for record in self.all():  # every proxy's on a shared dir, not only this one's
-            reads = record.status in ("validating", "in_progress", "cancelling") or (
-                record.status == "finalizing" and record.ending == "expired"
-            )
-            if record.input_file_id == file_id and reads:
+            if record.input_file_id == file_id and reads_input(record):
                 raise FileInUse(
                     f"file {file_id} is the input of batch {record.id}, which is {record.status}: cancel the batch "
                     f"(POST /v1/batches/{record.id}/cancel) or wait for it to end, then delete the file"
                 )
+
+    def inputs_read(self) -> set[str]:
+        """The input files of the batches that still read them, every proxy's on a shared dir: kept past their
+        expiry until those batches end."""
+        return {record.input_file_id for record in self.all() if reads_input(record)}
 
     async def file_deleted(self, file_id: str) -> None:
         """A batch's output file deleted: the answers of that batch are forgotten (a later batch with the
@@ -404,7 +415,7 @@ class BatchEngine:
 
     async def _validate(self, batch: Running) -> None:
         record = batch.record
-        stored = self.files.get(record.input_file_id)
+        stored = self.files.get(record.input_file_id, expired_too=True)  # accepted before it expired: read
         now = int(time.time())
         if stored is None:
             gone = "the input file was deleted before the batch ran: upload it again and create a new batch"

@@ -1,14 +1,17 @@
 """OpenAI's Files API (docs/contract.md, "Files"): the files batches read, kept in `Services.files`.
 
-- `POST /v1/files`: a multipart/form-data body with the fields `purpose` (`batch`) and `file` (the upload,
-  with a filename), parsed as it arrives by `python_multipart`'s push parser and written to disk piece by
-  piece: an upload is never held whole in memory (`max_body_bytes` does not apply to it, `max_file_bytes`
-  does: 413), and one refused, malformed or cut short leaves nothing behind;
+- `POST /v1/files`: a multipart/form-data body with the fields `purpose` (`batch`), `file` (the upload,
+  with a filename) and, if it expires, `expires_after[anchor]` and `expires_after[seconds]`, parsed as it
+  arrives by `python_multipart`'s push parser and written to disk piece by piece: an upload is never held
+  whole in memory (`max_body_bytes` does not apply to it, `max_file_bytes` does: 413), and one refused,
+  malformed or cut short leaves nothing behind;
 - `GET /v1/files` (`purpose`, `limit`, `order`, `after`), `GET /v1/files/{id}`, `GET /v1/files/{id}/content`
   (the bytes as stored, streamed from disk), `DELETE /v1/files/{id}`.
 
 Answers are OpenAI's shapes (`FileObject`, its list, `{"id", "object", "deleted"}`), errors the proxy's
-envelope: an id that names no file is 404 "No such File object: ID", as OpenAI words it.
+envelope: an id that names no file is 404 "No such File object: ID", as OpenAI words it. So is one that has
+expired: its bytes are removed then (or by `remove_expired`, every few minutes), but those of a running
+batch's input, kept until the batch no longer reads it.
 """
 
 from __future__ import annotations
@@ -44,15 +47,34 @@ WRITE_BYTES = 1 << 20
 #: The pieces a file's content is read and sent in.
 READ_BYTES = 1 << 20
 MAX_LIST = 10_000
+#: OpenAI's `expires_after`: its only anchor, and the seconds after it, 1 hour to 30 days.
+ANCHOR = "created_at"
+EXPIRES_AFTER_S = (3600, 2_592_000)
+EXPIRES_FIELDS = ("expires_after[anchor]", "expires_after[seconds]")
 
 
 def file_object(stored: StoredFile) -> dict[str, Any]:
     """OpenAI's `FileObject` of a stored file."""
-    return {"object": "file", **asdict(stored), "status": "processed", "status_details": None, "expires_at": None}
+    return {"object": "file", **asdict(stored), "status": "processed", "status_details": None}
 
 
 def no_such_file(file_id: str) -> NotFound:
     return NotFound(f"No such File object: {file_id[:100]} (GET /v1/files lists the files there are)", param="file_id")
+
+
+def missing(services: Services, file_id: str) -> NotFound:
+    """The 404 of a file `get` did not find; if it has expired, its bytes are removed now (in a thread)."""
+    if services.files.get(file_id, expired_too=True) is not None:
+        remove_expired(services, [file_id])
+    return no_such_file(file_id)
+
+
+def remove_expired(services: Services, file_ids: list[str] | None = None) -> None:
+    """Remove the files that have expired (of `file_ids`, or all), but the inputs batches still read (in a
+    thread: it reads the metadata of each file and each batch)."""
+    keep = services.batches.inputs_read() if services.batches is not None else set()
+    for file_id in services.files.remove_expired(keep=keep, file_ids=file_ids):
+        logger.info("removed %s: it expired", file_id)
 
 
 # -- POST /v1/files ---------------------------------------------------------------------------
@@ -91,6 +113,7 @@ class Upload:
         self.value = bytearray()
         self.field_bytes = 0
         self.purpose: str | None = None
+        self.expires: dict[str, bytes] = {}  # the `expires_after[...]` fields, as sent
         self.writer: FileWriter | None = None
         self.in_file = False
         self.pending: list[bytes] = []
@@ -155,7 +178,7 @@ class Upload:
         self.field_bytes += end - start
         if self.field_bytes > MAX_FIELD_BYTES:
             raise BadRequest(f"the form's fields but `file` hold over {MAX_FIELD_BYTES} bytes: send `purpose` only")
-        if self.field == "purpose":
+        if self.field == "purpose" or self.field in EXPIRES_FIELDS:
             self.value.extend(data[start:end])
 
     def on_part_end(self) -> None:
@@ -163,7 +186,9 @@ class Upload:
             self.in_file = False
         elif self.field == "purpose":
             self.purpose = check_purpose(bytes(self.value))
-            self.value.clear()
+        elif self.field in EXPIRES_FIELDS:
+            self.expires[self.field] = bytes(self.value)
+        self.value.clear()
         self.field = None
 
     def on_end(self) -> None:
@@ -198,8 +223,10 @@ class Upload:
             raise BadRequest("the form has no `file` field: send the upload as `file`, with a filename")
         if self.purpose is None:
             raise BadRequest(f"the form has no `purpose` field: send purpose={PURPOSES[0]}", param="purpose")
+        expires_after = check_expires_after(self.expires)
         await self.flush()
         self.writer.purpose = self.purpose
+        self.writer.expires_after = expires_after
         self.committing = True  # from here the commit keeps the file or removes it, whatever happens here
         return await asyncio.shield(asyncio.to_thread(self.store.commit, self.writer))
 
@@ -221,6 +248,34 @@ def check_purpose(raw: bytes) -> str:
             f"purpose must be {accepted} (a file for the Batch API), got {purpose[:100]!r}", param="purpose"
         )
     return purpose
+
+
+def check_expires_after(given: dict[str, bytes]) -> int | None:
+    """The seconds after `created_at` at which the upload expires (OpenAI's `expires_after`), None if the form
+    has neither of its fields."""
+    if not given:
+        return None
+    anchor_field, seconds_field = EXPIRES_FIELDS
+    low, high = EXPIRES_AFTER_S
+    for name in EXPIRES_FIELDS:
+        if name not in given:
+            raise BadRequest(
+                f"expires_after needs both {anchor_field}={ANCHOR} and {seconds_field} ({low} to {high}): the form "
+                f"has no {name}",
+                param=name,
+            )
+    anchor = given[anchor_field].decode("utf-8", "replace")
+    if anchor != ANCHOR:
+        raise BadRequest(
+            f"{anchor_field} must be {ANCHOR} (the only anchor there is), got {anchor[:100]!r}", param=anchor_field
+        )
+    seconds = given[seconds_field].decode("utf-8", "replace")
+    if not (seconds.isascii() and seconds.isdigit() and len(seconds) <= 10 and low <= int(seconds) <= high):
+        raise BadRequest(
+            f"{seconds_field} must be an integer from {low} (1 hour) to {high} (30 days), got {seconds[:100]!r}",
+            param=seconds_field,
+        )
+    return int(seconds)
 
 
 async def create(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
@@ -310,14 +365,14 @@ def listing(services: Services, scope: Scope) -> dict[str, Any]:
 def retrieve(services: Services, file_id: str) -> dict[str, Any]:
     stored = services.files.get(file_id)
     if stored is None:
-        raise no_such_file(file_id)
+        raise missing(services, file_id)
     return file_object(stored)
 
 
 def delete(services: Services, file_id: str) -> dict[str, Any]:
     stored = services.files.delete(file_id)
     if stored is None:
-        raise no_such_file(file_id)
+        raise missing(services, file_id)
     logger.info("deleted %s (%r)", stored.id, stored.filename)
     return {"id": stored.id, "object": "file", "deleted": True}
 
@@ -326,11 +381,29 @@ def opened(services: Services, file_id: str) -> tuple[StoredFile, int]:
     """The file and a descriptor of its bytes, open before the answer starts (a delete meanwhile is no matter)."""
     stored = services.files.get(file_id)
     if stored is None:
-        raise no_such_file(file_id)
+        raise missing(services, file_id)
     try:
         return stored, open_regular(str(services.files.path(file_id)), os.O_RDONLY)
     except FileNotFoundError:
         raise no_such_file(file_id) from None
+
+
+def content_size(services: Services, file_id: str) -> tuple[StoredFile, int]:
+    """The file and the size of its bytes, for a HEAD of its content."""
+    stored, fd = opened(services, file_id)
+    try:
+        return stored, os.fstat(fd).st_size
+    finally:
+        os.close(fd)
+
+
+def content_headers(stored: StoredFile, size: int) -> list[tuple[bytes, bytes]]:
+    """The headers of a file's content, `size` bytes (its GET's and its HEAD's)."""
+    return [
+        (b"content-type", b"application/octet-stream"),
+        (b"content-length", str(size).encode()),
+        (b"content-disposition", f"attachment; filename*=utf-8''{quote(stored.filename)}".encode()),
+    ]
 
 
 class FileContent(Response):
@@ -344,11 +417,7 @@ class FileContent(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         with os.fdopen(self.fd, "rb", buffering=0) as file:
             size = os.fstat(file.fileno()).st_size
-            headers = [
-                (b"content-type", b"application/octet-stream"),
-                (b"content-length", str(size).encode()),
-                (b"content-disposition", f"attachment; filename*=utf-8''{quote(self.stored.filename)}".encode()),
-            ]
+            headers = content_headers(self.stored, size)
             await send({"type": "http.response.start", "status": 200, "headers": headers})
             left = size
             while left > 0:
