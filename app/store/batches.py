@@ -30,8 +30,10 @@ from app.store.durable import (
     CorruptFileError,
     JsonlLines,
     atomic_write_bytes,
+    check_safe,
     make_dirs_durable,
     open_regular,
+    open_to_read,
     read_regular,
 )
 
@@ -189,6 +191,8 @@ class BatchDir:
         self.save(record)
 
     def load(self) -> BatchRecord:
+        """The record; `UnsafeFileError` for a folder that is a link (never run nor read through)."""
+        check_safe(str(self.root), folder=True)
         return BatchRecord.from_json(orjson.loads(read_regular(str(self.root / RECORD))))
 
     def save(self, record: BatchRecord) -> None:
@@ -200,7 +204,7 @@ class BatchDir:
         """Take the batch for this process (flock, released when it dies); False if another holds it."""
         if self._lock_fd >= 0:
             return True
-        fd = os.open(self.root / OWNER, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = open_regular(str(self.root / OWNER), os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -243,7 +247,7 @@ class BatchDir:
                 completed, failed = (completed + 1, failed) if done.ok else (completed, failed + 1)
         torn_result = None
         if lines.torn_at is not None:
-            with os.fdopen(open_regular(str(path), os.O_RDONLY), "rb") as f:  # never through a link
+            with open_to_read(path) as f:
                 f.seek(lines.torn_at)
                 head = _TORN_HEAD.match(f.read(64))
             torn_result = int(head.group(1)) if head else None
@@ -255,7 +259,7 @@ class BatchDir:
         path = self.root / RESULTS
         if not path.exists():
             return
-        with path.open("rb") as f:
+        with open_to_read(path) as f:
             for raw in f:
                 if raw.strip():
                     result = _parse_result(raw)
@@ -269,7 +273,7 @@ class BatchDir:
         if not path.exists():
             return
         starts = array.array("q")  # by line number: the offset of its first result, plus one (0: none yet)
-        with path.open("rb") as f:
+        with open_to_read(path) as f:
             offset = 0
             for raw in f:
                 if raw.endswith(b"\n"):

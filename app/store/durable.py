@@ -26,7 +26,7 @@ import stat
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, BinaryIO, TypeGuard
 
 import orjson
 
@@ -376,10 +376,15 @@ def open_regular(path: str, flags: int) -> int:
     return fd
 
 
+def open_to_read(path: str | os.PathLike[str]) -> BinaryIO:
+    """The regular file at `path`, open for reading (`open_regular`: never through a link, never a FIFO)."""
+    return os.fdopen(open_regular(os.fspath(path), os.O_RDONLY), "rb")
+
+
 def read_regular(path: str, *, limit: int | None = None) -> bytes:
     """The content of the regular file at `path` (`open_regular`); with `limit`, `ValueError` for a file
     larger than `limit` bytes, of which no more than that is read."""
-    with os.fdopen(open_regular(path, os.O_RDONLY), "rb") as f:
+    with open_to_read(path) as f:
         data = f.read() if limit is None else f.read(limit + 1)
     if limit is not None and len(data) > limit:
         raise ValueError(f"more than {limit} bytes")
@@ -426,7 +431,7 @@ class JsonlLines:
         # only for a bad line (a million lines a second matter on resume, bench/README.md).
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         torn_at: int | None = None
-        with os.fdopen(open_regular(self.path, os.O_RDONLY), "rb") as f:  # never through a link
+        with open_to_read(self.path) as f:
             for line in f:
                 try:
                     record = loads(line)  # the newline and the blanks around a record are JSON whitespace
@@ -449,7 +454,7 @@ class JsonlLines:
 
     def _line_at(self, offset: int) -> int:
         """The number of the line that starts at `offset`."""
-        with os.fdopen(open_regular(self.path, os.O_RDONLY), "rb") as f:
+        with open_to_read(self.path) as f:
             return f.read(offset).count(b"\n") + 1
 
     def repair(self) -> None:

@@ -22,6 +22,7 @@ batch's input, which the batch goes on reading). The time is the store's `clock`
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import secrets
 import time
@@ -33,6 +34,8 @@ from typing import BinaryIO
 import orjson
 
 from app.store.durable import atomic_write_bytes, fsync_dir, make_dirs_durable, read_regular
+
+logger = logging.getLogger(__name__)
 
 #: What a file id looks like: OpenAI's prefix, then 24 hex digits. Anything else is no file of ours.
 FILE_ID_PREFIX = "file-"
@@ -130,6 +133,7 @@ class FileStore:
         self.root = Path(root)
         self.fsync = fsync
         self.clock = clock
+        self._damaged: set[str] = set()  # the ids whose metadata could not be read, warned of once
 
     def open(self) -> None:
         """Create the folder; sweep what a crash left half-written (bytes without metadata) an hour ago or more:
@@ -185,7 +189,14 @@ class FileStore:
             return None
         try:
             found = StoredFile(**orjson.loads(read_regular(str(self.root / (file_id + _META)))))
-        except (FileNotFoundError, orjson.JSONDecodeError):
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, TypeError) as exc:  # a link, a torn or foreign .json: no file, said once
+            if file_id not in self._damaged:
+                self._damaged.add(file_id)
+                logger.warning(
+                    "files/%s%s is not a file's metadata, so no such file is served (%s)", file_id, _META, exc
+                )
             return None
         return found if expired_too or not found.expired(self.clock()) else None
 

@@ -461,3 +461,30 @@ async def test_a_batch_json_that_is_json_but_no_batch_is_skipped_as_a_torn_one_i
         assert listed.status_code == 200, listed.text
         assert [batch["id"] for batch in listed.json()["data"]] == [created["id"]]
         assert (await client.get(f"/v1/batches/{bad.name}")).status_code == 404
+
+
+async def test_a_linked_batch_folder_or_input_file_is_never_read_through(settings: Settings, upstream: Any) -> None:
+    """Whoever can write in a shared checkpoints dir cannot make a proxy run, list or read through a link
+    (as the ranks' files are never opened through one)."""
+    url, fake = upstream
+    file_id = put_file(settings.checkpoints_dir, [chat_line("a", "q")])
+    async for client in proxy(settings, url):
+        done = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()
+        assert (await until(client, done["id"], final))["status"] == "completed"
+    batches = settings.checkpoints_dir / "batches"
+    elsewhere = settings.checkpoints_dir.parent / "elsewhere"
+    (batches / done["id"]).rename(elsewhere)
+    (batches / done["id"]).symlink_to(elsewhere)
+    files = settings.checkpoints_dir / "files"
+    (files / file_id).rename(settings.checkpoints_dir.parent / "input")
+    (files / file_id).symlink_to(settings.checkpoints_dir.parent / "input")
+    generations = fake.generations
+    async for client in proxy(settings, url):
+        assert (await client.get(f"/v1/batches/{done['id']}")).status_code == 404
+        assert (await client.get("/v1/batches")).json()["data"] == []
+        assert (await client.get(f"/v1/files/{file_id}/content")).status_code == 404
+        created = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()
+        ended = await until(client, created["id"], final)
+        assert ended["status"] == "failed", ended
+        assert "link" in ended["errors"]["data"][0]["message"], ended["errors"]
+    assert fake.generations == generations

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
 
-from app.store.files import STALE_AFTER_S, FileStore, StoredFile
+import pytest
+
+from app.store.files import STALE_AFTER_S, FileStore, StoredFile, new_file_id
 
 
 def test_a_writer_abandoned_by_a_crash_leaves_nothing_once_the_store_opens_again(tmp_path: Path) -> None:
@@ -76,3 +79,29 @@ def test_a_store_sweep_removes_the_expired_files_but_those_it_is_told_to_keep(tm
     now[0] += 3600
     assert sorted(store.remove_expired()) == sorted(ids[1:3])
     assert [f.id for f in store.list()] == [ids[3]]
+
+
+def test_a_damaged_or_linked_metadata_file_is_no_file_said_once_and_the_others_are_still_listed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    store = FileStore(tmp_path / "files", fsync=False)
+    store.open()
+    kept = [store.commit(writer) for writer in (store.start(f"{i}.jsonl", "batch") for i in range(2))]
+    outside = tmp_path / "elsewhere.json"
+    outside.write_bytes((store.root / f"{kept[0].id}.json").read_bytes())
+    damaged = {
+        new_file_id(time.time()): b"[1]",  # JSON, but no file's metadata
+        new_file_id(time.time()): b'{"id": "x"}',  # fields missing
+        new_file_id(time.time()): b'{"id": "x", "torn',
+    }
+    for file_id, data in damaged.items():
+        (store.root / f"{file_id}.json").write_bytes(data)
+    linked = new_file_id(time.time())
+    (store.root / f"{linked}.json").symlink_to(outside)  # never read through
+    with caplog.at_level(logging.WARNING, logger="app.store.files"):
+        for _ in range(3):
+            assert sorted(store.list(), key=lambda f: f.id) == sorted(kept, key=lambda f: f.id)
+        assert all(store.get(file_id) is None for file_id in [*damaged, linked])
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 4, warned  # one line for each, however often it is met
+    assert all("is not a file's metadata" in line for line in warned)

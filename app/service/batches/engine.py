@@ -55,7 +55,7 @@ from app.store.batches import (
     new_batch_id,
 )
 from app.store.cache import RequestCache, StoredResponse
-from app.store.durable import make_dirs_durable
+from app.store.durable import UnsafeFileError, make_dirs_durable, open_to_read
 from app.store.files import FileStore, new_file_id
 from app.store.hashing import payload_hash
 
@@ -279,7 +279,7 @@ class BatchEngine:
     def _folders(self) -> list[BatchDir]:
         if not self.root.is_dir():
             return []
-        return [BatchDir(p) for p in self.root.iterdir() if is_batch_id(p.name) and p.is_dir()]
+        return [BatchDir(p) for p in self.root.iterdir() if is_batch_id(p.name) and p.is_dir() and not p.is_symlink()]
 
     # -- the routes' operations ---------------------------------------------------------------
 
@@ -416,13 +416,21 @@ class BatchEngine:
     async def _validate(self, batch: Running) -> None:
         record = batch.record
         stored = self.files.get(record.input_file_id, expired_too=True)  # accepted before it expired: read
-        now = int(time.time())
-        if stored is None:
-            gone = "the input file was deleted before the batch ran: upload it again and create a new batch"
+        gone = "the input file was deleted before the batch ran: upload it again and create a new batch"
+        try:
+            checked = (
+                None
+                if stored is None
+                else await asyncio.to_thread(check_input, self.files.path(stored.id), record.endpoint)
+            )
+        except FileNotFoundError:  # its bytes removed by hand
+            checked = None
+        except UnsafeFileError as exc:  # a link put in its place: never read through
+            checked, gone = None, str(exc)
+        if checked is None:
             record.errors = [{"code": "missing_input_file", "line": None, "param": "input_file_id", "message": gone}]
-            record.status, record.failed_at = "failed", now
+            record.status, record.failed_at = "failed", int(time.time())
         else:
-            checked = await asyncio.to_thread(check_input, self.files.path(stored.id), record.endpoint)
             if checked.bad or not checked.lines:
                 record.errors = checked.errors or [
                     {"code": "empty_file", "line": None, "param": None, "message": "the input file has no lines"}
@@ -508,7 +516,7 @@ class BatchEngine:
     async def _dispatch(self, batch: Running) -> None:
         record = batch.record
         path = self.files.path(record.input_file_id)
-        with path.open("rb") as f:
+        with open_to_read(path) as f:
             for number, raw in enumerate(f, 1):
                 if batch.stopping.is_set() or time.time() >= record.expires_at:
                     return
@@ -769,7 +777,7 @@ class BatchEngine:
         return wrote[0], wrote[1]
 
     def _expired_lines(self, batch: Running) -> Iterator[bytes]:
-        with self.files.path(batch.record.input_file_id).open("rb") as f:
+        with open_to_read(self.files.path(batch.record.input_file_id)) as f:
             for number, raw in enumerate(f, 1):
                 if raw.strip() and not batch.is_done(number):
                     custom_id = orjson.loads(raw)["custom_id"]

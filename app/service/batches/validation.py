@@ -12,6 +12,8 @@ from typing import Any
 import orjson
 import xxhash
 
+from app.store.durable import open_to_read
+
 #: The errors a failed batch names (OpenAI's `errors.data`), the first ones of the file.
 MAX_ERRORS = 100
 #: As an `X-Doc-Id` may be: a line's answers are kept under its `custom_id`.
@@ -91,7 +93,7 @@ def check_input(path: Path, endpoint: str) -> Checked:
     checked = Checked()
     seen = IdFilter(path.stat().st_size)
     maybe_twice: set[int] = set()
-    with path.open("rb") as f:
+    with open_to_read(path) as f:
         for number, raw in enumerate(f, 1):
             if not raw.strip():
                 continue
@@ -121,7 +123,7 @@ def _name_duplicates(path: Path, digests: set[int], checked: Checked) -> None:
     """A second pass over the lines whose ids' hashes met twice: the ids that really repeat, each at every
     line after its first."""
     first: dict[str, int] = {}
-    with path.open("rb") as f:
+    with open_to_read(path) as f:
         for number, raw in enumerate(f, 1):
             if not raw.strip():
                 continue

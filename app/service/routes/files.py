@@ -30,7 +30,7 @@ from starlette.responses import Response
 from app.service.asgi import ClientGone, Receive, Scope, Send, header
 from app.service.errors import BadRequest, InsufficientStorage, NotFound, PayloadTooLarge, ProxyError
 from app.service.services import UNWRITABLE_ERRNOS, Services, checkpoints_unwritable
-from app.store.durable import is_disk_full, open_regular, refusal_reason
+from app.store.durable import UnsafeFileError, is_disk_full, open_regular, refusal_reason
 from app.store.files import FileStore, FileTooLarge, FileWriter, StoredFile, is_file_id
 
 logger = logging.getLogger(__name__)
@@ -385,6 +385,9 @@ def opened(services: Services, file_id: str) -> tuple[StoredFile, int]:
     try:
         return stored, open_regular(str(services.files.path(file_id)), os.O_RDONLY)
     except FileNotFoundError:
+        raise no_such_file(file_id) from None
+    except UnsafeFileError as exc:  # a link put in its place: never read through, as if it were gone
+        logger.warning("%s", exc)
         raise no_such_file(file_id) from None
 
 
