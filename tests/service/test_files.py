@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import io
+import logging
 import os
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -208,6 +209,33 @@ async def test_a_malformed_or_refused_form_is_a_one_line_400_and_nothing_is_kept
     answer = await upload(proxy, body, {"Authorization": f"Bearer {KEY}", **headers})
     assert says in one_line_error(answer, 400)
     assert kept(tmp_path) == []
+
+
+PART_HEAD = f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"'.encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        pytest.param(b"\x00\xff" * 1000, "not valid multipart", id="garbage"),
+        pytest.param(PART_HEAD + b"\r\n\x01\x02junk\r\n\r\nbatch\r\n", "not valid multipart", id="garbage-header"),
+        pytest.param(PART_HEAD + b"\rX\r\n\r\nbatch\r\n", "not valid multipart", id="header-without-crlf"),
+        pytest.param(f"--{BOUNDARY}\r\n: x\r\n\r\n".encode(), "not valid multipart", id="header-without-name"),
+        pytest.param(f"--{BOUNDARY}X".encode(), "not valid multipart", id="boundary-without-crlf"),
+        pytest.param(f"--{BOUNDARY}\r\nX-Long: {'h' * 100_000}\r\n\r\n".encode(), "header size", id="huge-header"),
+        pytest.param(form(PURPOSE, ("file", "a.jsonl", b"x" * 5000))[:-200], "cut short", id="truncated-part"),
+        pytest.param(form(PURPOSE, ("file", "a.jsonl", b"x"), end=False), "cut short", id="no-closing-boundary"),
+    ],
+)
+async def test_a_hostile_body_is_a_one_line_400_and_the_parser_logs_no_warning_for_it(
+    proxy: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, body: bytes, says: str
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    for _ in range(3):  # a client sending many: as many log lines would fill the log
+        assert says in one_line_error(await upload(proxy, body), 400)
+    assert kept(tmp_path) == []
+    parser = [r for r in caplog.records if r.name.startswith("python_multipart")]
+    assert [r.getMessage() for r in parser if r.levelno >= logging.WARNING] == []
 
 
 async def test_a_client_that_leaves_mid_upload_leaves_nothing(proxy: str, tmp_path: Path) -> None:

@@ -51,6 +51,9 @@ MAX_LIST = 10_000
 ANCHOR = "created_at"
 EXPIRES_AFTER_S = (3600, 2_592_000)
 EXPIRES_FIELDS = ("expires_after[anchor]", "expires_after[seconds]")
+#: python_multipart's logger: it logs a WARNING for each malformed body it is fed, just before it raises the
+#: error the route answers with a 400 that says the same; a client could write the log full with them.
+PARSER_LOG = logging.getLogger("python_multipart.multipart")
 
 
 def file_object(stored: StoredFile) -> dict[str, Any]:
@@ -78,6 +81,11 @@ def remove_expired(services: Services, file_ids: list[str] | None = None) -> Non
 
 
 # -- POST /v1/files ---------------------------------------------------------------------------
+
+
+def parser_errors_only(record: logging.LogRecord) -> bool:
+    """The parser's lines kept: its errors, not its warnings about the body (each one the client's 400)."""
+    return record.levelno >= logging.ERROR
 
 
 def boundary_of(scope: Scope) -> bytes:
@@ -121,6 +129,7 @@ class Upload:
         self.file_bytes = 0
         self.ended = False
         self.committing = False
+        PARSER_LOG.addFilter(parser_errors_only)  # once: the same function is not added again
         try:
             self.parser = MultipartParser(
                 boundary,
