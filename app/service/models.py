@@ -211,6 +211,10 @@ class BatchView(Strict):
     hits: int = Field(description="lines answered from the answers' cache since it started here")
     lines_per_s: float = Field(description="lines done per second since it started here")
     eta_s: float | None = Field(description="at that rate, the seconds left")
+    paused: str | None = Field(
+        default=None,
+        description="why it sends no new line now (its disk is full: what to free), null while it runs",
+    )
 
 
 class Stats(Strict):

@@ -61,7 +61,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from app.store.durable import check_safe, make_dirs_durable
+from app.store.durable import check_safe, is_disk_full, make_dirs_durable, refusal_reason
 from app.store.hashing import payload_hash
 
 logger = logging.getLogger(__name__)
@@ -475,16 +475,30 @@ class RequestCache:
 
     async def _writer_loop(self) -> None:
         backoff = self.flush_interval
+        full = False  # its commits refused by a full disk: said once, then once more when they go through
         while True:
             await self._has_pending.wait()
             await asyncio.sleep(backoff)
             self._has_pending.clear()
             try:
                 await self._commit()
-            except Exception:  # the writer must outlive any one failure
-                logger.exception("request cache commit failed; retrying in %.2f s", backoff)
+            except Exception as exc:  # the writer must outlive any one failure
+                if not is_disk_full(exc.__cause__):
+                    logger.exception("request cache commit failed; retrying in %.2f s", backoff)
+                elif not full:
+                    full = True
+                    logger.warning(
+                        "the cache %s cannot commit its answers: the disk is full (%s); they stay queued and are "
+                        "tried again every few seconds: free space under %s",
+                        self.db_path,
+                        refusal_reason(exc.__cause__),
+                        self.base_dir,
+                    )
                 backoff = min(backoff * 2, 5.0)
             else:
+                if full:
+                    full = False
+                    logger.info("the cache %s commits its answers again", self.db_path)
                 backoff = self.flush_interval
 
 

@@ -1,18 +1,26 @@
 """A real full disk (a small tmpfs): 507, nothing of the request written, the proxy keeps serving,
-and writes succeed again once space is freed. Needs root to mount, as CI and developers run here."""
+and writes succeed again once space is freed; a batch pauses meanwhile, saying so once, and carries on.
+Needs root to mount, as CI and developers run here."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import logging
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from app.service.batches import engine as engine_module
 from app.service.settings import Settings
+from app.store.batches import BatchDir
 from tests import faults
-from tests.servers import proxy_client
+from tests.servers import fake_upstream, proxy_client
+from tests.service.test_batches import CHAT, chat_line, final, put_file, read_file, until
 
 pytestmark = pytest.mark.e2e
 
@@ -127,3 +135,78 @@ async def test_a_released_rank_reopened_on_a_full_disk_gets_507_when_sqlite_cann
         )
         filler.unlink()
         assert (await client.get("/resume")).json()["processed_ids"] == ["a"]
+
+
+async def test_a_batch_on_a_full_disk_pauses_says_so_once_and_finishes_every_line_once_when_space_is_freed(
+    tmp_path: Path, small_disk: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Tried again often, so that many retries pass while the disk is full (each would have logged a traceback)
+    monkeypatch.setattr(engine_module, "DISK_RETRY_S", 0.05)
+    monkeypatch.setattr(engine_module, "SAVE_EVERY_S", 0.05)
+    refused = 0  # the batch's writes the disk refused
+    for name in ("append", "save"):
+        real = getattr(BatchDir, name)
+
+        def spied(self: BatchDir, *args: Any, real: Any = real, **kwargs: Any) -> None:
+            nonlocal refused
+            try:
+                real(self, *args, **kwargs)
+            except OSError as exc:
+                refused += exc.errno == errno.ENOSPC
+                raise
+
+        monkeypatch.setattr(BatchDir, name, spied)
+    caplog.set_level(logging.INFO)
+    checkpoints = small_disk / "ckpt"
+    lines = 300
+    file_id = put_file(checkpoints, [chat_line(f"req-{i}", f"question {i}") for i in range(lines)])
+    slots = 4
+    async with fake_upstream(latency_ms=5) as (url, upstream):
+        settings = Settings(
+            upstream=[url], checkpoints_dir=checkpoints, output=str(tmp_path / "out"), max_inflight_per_upstream=slots
+        )
+        async with proxy_client(settings) as client:
+            created = await client.post(
+                "/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
+            )
+            batch_id = created.json()["id"]
+            await until(client, batch_id, lambda batch: batch["request_counts"]["completed"] >= 20)
+            filler = faults.fill_disk(small_disk)
+
+            async def paused() -> dict[str, Any] | None:
+                running = [b for b in (await client.get("/stats")).json()["batches"] if b["id"] == batch_id]
+                return running[0] if running and running[0]["paused"] else None
+
+            deadline = time.monotonic() + 60
+            while (view := await paused()) is None:
+                assert time.monotonic() < deadline, "/stats never said the batch was paused"
+                await asyncio.sleep(0.01)
+            assert (
+                view["paused"]
+                == f"the checkpoints disk is full (No space left on device): free space under {checkpoints}"
+            )
+            sent = upstream.requests
+            assert sent < lines, "the batch ended before the disk filled up"
+            seen = refused
+            while refused < seen + 20:  # many tries of its writes, every one refused
+                assert time.monotonic() < deadline, f"the batch tried its writes {refused - seen} times only"
+                await asyncio.sleep(0.01)
+            assert upstream.requests <= sent + slots, "lines were sent while their answers could not be kept"
+            assert (await client.get("/healthz")).status_code == 200
+
+            filler.unlink()
+            batch = await until(client, batch_id, final)
+    assert batch["status"] == "completed", batch
+    assert batch["request_counts"] == {"total": lines, "completed": lines, "failed": 0}
+    output = [line["custom_id"] for line in read_file(checkpoints, batch["output_file_id"])]
+    assert sorted(output) == sorted(f"req-{i}" for i in range(lines))  # each line exactly once
+    assert upstream.requests == lines  # none sent twice
+    assert "Traceback" not in caplog.text
+    assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    batch_warnings = [w for w in warnings if w.startswith(f"batch {batch_id}")]
+    assert len(batch_warnings) == 1, warnings
+    assert "the checkpoints disk is full (No space left on device)" in batch_warnings[0]
+    assert f"free space under {checkpoints}" in batch_warnings[0]
+    assert len(warnings) <= 2, warnings  # and at most one of the answers' cache, whose commits failed too
+    assert f"batch {batch_id}: its writes go through again; carrying on" in caplog.messages

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import errno
 import io
+import logging
 import os
+import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ import pytest
 from app.service import models
 from app.store.files import FileStore, FileWriter
 from tests.servers import fake_upstream, serve_proxy
+from tests.service.test_batches import put_file
 from tests.service.test_checkpoint_routes import config
 
 pytestmark = pytest.mark.usefixtures("http_server")
@@ -210,6 +213,33 @@ async def test_a_malformed_or_refused_form_is_a_one_line_400_and_nothing_is_kept
     assert kept(tmp_path) == []
 
 
+PART_HEAD = f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"'.encode()
+
+
+@pytest.mark.parametrize(
+    ("body", "says"),
+    [
+        pytest.param(b"\x00\xff" * 1000, "not valid multipart", id="garbage"),
+        pytest.param(PART_HEAD + b"\r\n\x01\x02junk\r\n\r\nbatch\r\n", "not valid multipart", id="garbage-header"),
+        pytest.param(PART_HEAD + b"\rX\r\n\r\nbatch\r\n", "not valid multipart", id="header-without-crlf"),
+        pytest.param(f"--{BOUNDARY}\r\n: x\r\n\r\n".encode(), "not valid multipart", id="header-without-name"),
+        pytest.param(f"--{BOUNDARY}X".encode(), "not valid multipart", id="boundary-without-crlf"),
+        pytest.param(f"--{BOUNDARY}\r\nX-Long: {'h' * 100_000}\r\n\r\n".encode(), "header size", id="huge-header"),
+        pytest.param(form(PURPOSE, ("file", "a.jsonl", b"x" * 5000))[:-200], "cut short", id="truncated-part"),
+        pytest.param(form(PURPOSE, ("file", "a.jsonl", b"x"), end=False), "cut short", id="no-closing-boundary"),
+    ],
+)
+async def test_a_hostile_body_is_a_one_line_400_and_the_parser_logs_no_warning_for_it(
+    proxy: str, tmp_path: Path, caplog: pytest.LogCaptureFixture, body: bytes, says: str
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    for _ in range(3):  # a client sending many: as many log lines would fill the log
+        assert says in one_line_error(await upload(proxy, body), 400)
+    assert kept(tmp_path) == []
+    parser = [r for r in caplog.records if r.name.startswith("python_multipart")]
+    assert [r.getMessage() for r in parser if r.levelno >= logging.WARNING] == []
+
+
 async def test_a_client_that_leaves_mid_upload_leaves_nothing(proxy: str, tmp_path: Path) -> None:
     head = form(PURPOSE, ("file", "a.jsonl", b""), end=False)[:-2]
     port = int(proxy.rsplit(":", 1)[1])
@@ -264,3 +294,37 @@ async def test_a_full_disk_is_507_and_a_read_only_one_503_and_nothing_is_kept(
     assert "the checkpoints dir cannot be written (Read-only file system" in one_line_error(refused, 503)
     assert refused.headers["retry-after"] == "10"
     assert kept(tmp_path) == []
+
+
+async def test_a_download_the_client_leaves_is_read_no_further(
+    proxy: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="app.service.routes.files")
+    size = 64 << 20
+    file_id = put_file(tmp_path / "ckpt", [], raw=b"x" * size)
+    path = str(tmp_path / "ckpt" / "files" / file_id)
+    port = int(proxy.rsplit(":", 1)[1])
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET /v1/files/{file_id}/content HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n\r\n".encode())
+    got = b""
+    while len(got) < 8192:
+        piece = await reader.read(4096)
+        assert piece, "the answer ended early"
+        got += piece
+    assert got.startswith(b"HTTP/1.1 200")
+    writer.transport.abort()  # gone, having read 8 KiB of 64 MiB
+
+    def said() -> list[str]:
+        return [m for m in caplog.messages if m.startswith(f"{file_id}: the client left after")]
+
+    deadline = time.monotonic() + 30
+    while not said() or opened_by_this_process(path):
+        assert time.monotonic() < deadline, f"still reading {path} after the client left ({said()})"
+        await asyncio.sleep(0.01)
+    read = int(said()[0].split(" after ")[1].split(" of ")[0])
+    assert read < size // 2, said()
+
+
+def opened_by_this_process(path: str) -> bool:
+    fds = Path("/proc/self/fd")
+    return any(os.path.realpath(fd) == path for fd in fds.iterdir() if fd.exists())

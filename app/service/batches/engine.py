@@ -12,7 +12,10 @@ A batch goes `validating` -> `in_progress` -> `finalizing` -> `completed` (or `f
   only then is the line failed; a 4xx is the line's answer (it goes to the error file);
 - a line is done once its result is fsynced in `results.jsonl`: after a crash, the done lines are read
   back from it, and only what was in flight is sent again (its answer, if it came and was stored, is
-  then a hit).
+  then a hit);
+- while the disk refuses the batch's writes (a full disk), it sends no new line, whose answer could not be
+  kept: its answers wait in memory and its writes are tried again every `DISK_RETRY_S`, one WARNING when
+  they start failing and one INFO line once they go through (`Running.refused`, /stats' `paused`).
 
 The lines of all running batches share `max_inflight_per_upstream` x replicas slots in turn (`FairShare`),
 so that a large batch does not starve a small one. A batch is run by the proxy that holds its
@@ -29,6 +32,7 @@ import itertools
 import logging
 import re
 import secrets
+import sqlite3
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,7 +59,7 @@ from app.store.batches import (
     new_batch_id,
 )
 from app.store.cache import RequestCache, StoredResponse
-from app.store.durable import UnsafeFileError, make_dirs_durable, open_to_read
+from app.store.durable import UnsafeFileError, is_disk_full, make_dirs_durable, open_to_read, refusal_reason
 from app.store.files import FileStore, new_file_id
 from app.store.hashing import payload_hash
 
@@ -74,6 +78,8 @@ RESULTS_ROUND_S = 0.0
 SAVE_EVERY_S = 2.0
 #: How often the batches folder is looked through for batches no proxy runs (their owner died).
 ADOPT_EVERY_S = 5.0
+#: How often a batch tries again the writes its disk refused (a full disk: until space is freed).
+DISK_RETRY_S = 2.0
 _RETRIED = frozenset({408, 409, 429, 500, 502, 503, 504})
 
 
@@ -173,6 +179,11 @@ class Running:
         self.completed_at_start = 0
         #: results.jsonl just read back (by `adopt`), not to be read again by the first `_execute`
         self.loaded = False
+        #: the batch's writes its disk refuses now (`results`, `record`, `step`: a step of `_drive`), each with
+        #: why; while there is one, no new line is sent (`resumed` is clear)
+        self.refused: dict[str, str] = {}
+        self.resumed = asyncio.Event()
+        self.resumed.set()
 
     def is_done(self, line: int) -> bool:
         return line in self.done
@@ -389,12 +400,17 @@ class BatchEngine:
                     await self._step(batch)
                 except asyncio.CancelledError:
                     raise
-                except Exception:
+                except Exception as exc:
                     if self._closing:
                         raise
-                    logger.exception("batch %s: %s failed; trying again in 10 s", record.id, record.status)
-                    await asyncio.sleep(10)
+                    if is_disk_full(exc):  # said once (`_refused`), no traceback: tried again until space is freed
+                        self._refused(batch, "step", exc)
+                        await asyncio.sleep(DISK_RETRY_S)
+                    else:
+                        logger.exception("batch %s: %s failed; trying again in 10 s", record.id, record.status)
+                        await asyncio.sleep(10)
                     continue
+                self._written(batch, "step")
                 if record.status not in ACTIVE or self._closing:
                     break
                 if record.status == "in_progress" and batch.stopping.is_set() and record.ending is None:
@@ -445,7 +461,7 @@ class BatchEngine:
             record.cancelling_at, record.ending = fresh.cancelling_at, "cancelled"
         if record.ending == "cancelled":  # cancelled while it was being checked
             record.status = "cancelling" if record.status == "in_progress" else record.status
-        await asyncio.to_thread(batch.dir.save, record)
+        await self._save(batch)
 
     async def _load_results(self, batch: Running) -> None:
         """The lines done so far, from results.jsonl (the counts are its: a crash cannot set them back)."""
@@ -511,7 +527,47 @@ class BatchEngine:
             if not batch.stopping.is_set():  # lines that could not be recorded (a full disk): again, later
                 await asyncio.sleep(5)
             return  # or stopped (shutdown): carries on at the next start
-        await asyncio.to_thread(batch.dir.save, record)
+        await self._save(batch)
+
+    async def _save(self, batch: Running) -> None:
+        try:
+            await asyncio.to_thread(batch.dir.save, batch.record)
+        except OSError as exc:
+            if is_disk_full(exc):
+                self._refused(batch, "record", exc)
+            raise
+        self._written(batch, "record")
+
+    def _refused(self, batch: Running, what: str, exc: OSError | sqlite3.Error) -> None:
+        """A write of the batch refused by a full disk: the batch pauses (no new line) until it goes through.
+        Said once, when the first of its writes starts failing, without a traceback (it is no bug)."""
+        # under the checkpoints dir (run-batch's state dir), which holds the batches' folder and the files'
+        why = f"the checkpoints disk is full ({refusal_reason(exc)}): free space under {self.root.parent}"
+        if not batch.refused:
+            logger.warning(
+                "batch %s: %s; it sends no new line meanwhile (their answers could not be kept), tries again every "
+                "%g s and carries on by itself",
+                batch.record.id,
+                why,
+                DISK_RETRY_S,
+            )
+            batch.resumed.clear()
+        batch.refused[what] = why
+
+    def _written(self, batch: Running, what: str) -> None:
+        if batch.refused.pop(what, None) is not None and not batch.refused:
+            logger.info("batch %s: its writes go through again; carrying on", batch.record.id)
+            batch.resumed.set()
+
+    async def _resumed(self, batch: Running) -> bool:
+        """Wait until the batch's writes go through again (True), or it stops meanwhile (False)."""
+        waits = [asyncio.ensure_future(batch.resumed.wait()), asyncio.ensure_future(batch.stopping.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+        return not batch.stopping.is_set()
 
     async def _dispatch(self, batch: Running) -> None:
         record = batch.record
@@ -522,6 +578,8 @@ class BatchEngine:
                     return
                 if batch.is_done(number) or not raw.strip():
                     continue
+                if not batch.resumed.is_set() and not await self._resumed(batch):
+                    return
                 await self.share.acquire(record.id)
                 if batch.stopping.is_set():
                     self.share.release()
@@ -548,11 +606,12 @@ class BatchEngine:
                     record.status, record.cancelling_at, record.ending = "cancelling", fresh.cancelling_at, "cancelled"
                     batch.stopping.set()
                     counts = (-2, -2)
-                if counts != batch.saved_counts:
-                    await asyncio.to_thread(batch.dir.save, record)
+                if counts != batch.saved_counts:  # also after a save the disk refused: tried again
+                    await self._save(batch)
                     batch.saved_counts = counts
-            except OSError as exc:
-                logger.warning("batch %s: its progress could not be saved (%s)", record.id, exc)
+            except OSError as exc:  # a full disk: said once, by `_refused`
+                if not is_disk_full(exc):
+                    logger.warning("batch %s: its progress could not be saved (%s)", record.id, exc)
 
     async def _line(self, batch: Running, number: int, raw: bytes) -> None:
         try:
@@ -599,12 +658,13 @@ class BatchEngine:
             batch.wake.clear()
             try:
                 await self._write_results(batch)
-            except OSError as exc:  # a full disk: kept, tried again at the next round
-                logger.warning(
-                    "batch %s: %d answers could not be written (%s)", batch.record.id, len(batch.pending), exc
-                )
+            except OSError as exc:  # kept, tried again (a full disk: said once, by `_refused`)
+                if not is_disk_full(exc):
+                    logger.warning(
+                        "batch %s: %d answers could not be written (%s)", batch.record.id, len(batch.pending), exc
+                    )
                 batch.wake.set()
-                await asyncio.sleep(1)
+                await asyncio.sleep(DISK_RETRY_S)
 
     async def _write_results(self, batch: Running) -> None:
         results = batch.pending
@@ -613,9 +673,12 @@ class BatchEngine:
         batch.pending = []
         try:
             await asyncio.to_thread(batch.dir.append, results, fsync=self.fsync)
-        except BaseException:
+        except BaseException as exc:
             batch.pending[:0] = results
+            if is_disk_full(exc):
+                self._refused(batch, "results", exc)
             raise
+        self._written(batch, "results")
         record = batch.record
         for result in results:
             batch.mark_done(result.line)
@@ -694,7 +757,7 @@ class BatchEngine:
             record.ending = "cancelled" if record.status == "cancelling" else "completed"
         if record.output_file_id is None and record.error_file_id is None:
             record.output_file_id, record.error_file_id = new_file_id(time.time()), new_file_id(time.time())
-            await asyncio.to_thread(batch.dir.save, record)
+            await self._save(batch)
         await self._load_results(batch)  # the done lines (for the expired ones' errors) and the counts
         has = await asyncio.to_thread(self._write_files, batch)
         if is_remote(self.settings.output):
@@ -711,7 +774,7 @@ class BatchEngine:
             record.failed = record.total - record.completed  # the lines not run are in the error file
         else:
             record.cancelled_at = now
-        await asyncio.to_thread(batch.dir.save, record)
+        await self._save(batch)
         logger.info(
             "batch %s %s: %d completed, %d failed of %d",
             record.id,
@@ -807,6 +870,7 @@ class BatchEngine:
                     "hits": batch.hits,
                     "lines_per_s": round(rate, 2),
                     "eta_s": round(left / rate) if rate > 0 and left else None,
+                    "paused": next(iter(batch.refused.values()), None),
                 }
             )
         return out

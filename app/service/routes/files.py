@@ -17,10 +17,11 @@ batch's input, kept until the batch no longer reads it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from dataclasses import asdict
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import parse_qsl, quote
 
 from python_multipart.exceptions import FormParserError, MultipartParseError
@@ -51,6 +52,9 @@ MAX_LIST = 10_000
 ANCHOR = "created_at"
 EXPIRES_AFTER_S = (3600, 2_592_000)
 EXPIRES_FIELDS = ("expires_after[anchor]", "expires_after[seconds]")
+#: python_multipart's logger: it logs a WARNING for each malformed body it is fed, just before it raises the
+#: error the route answers with a 400 that says the same; a client could write the log full with them.
+PARSER_LOG = logging.getLogger("python_multipart.multipart")
 
 
 def file_object(stored: StoredFile) -> dict[str, Any]:
@@ -78,6 +82,11 @@ def remove_expired(services: Services, file_ids: list[str] | None = None) -> Non
 
 
 # -- POST /v1/files ---------------------------------------------------------------------------
+
+
+def parser_errors_only(record: logging.LogRecord) -> bool:
+    """The parser's lines kept: its errors, not its warnings about the body (each one the client's 400)."""
+    return record.levelno >= logging.ERROR
 
 
 def boundary_of(scope: Scope) -> bytes:
@@ -121,6 +130,7 @@ class Upload:
         self.file_bytes = 0
         self.ended = False
         self.committing = False
+        PARSER_LOG.addFilter(parser_errors_only)  # once: the same function is not added again
         try:
             self.parser = MultipartParser(
                 boundary,
@@ -410,7 +420,8 @@ def content_headers(stored: StoredFile, size: int) -> list[tuple[bytes, bytes]]:
 
 
 class FileContent(Response):
-    """A stored file's bytes, read and sent `READ_BYTES` at a time (each read in a thread)."""
+    """A stored file's bytes, read and sent `READ_BYTES` at a time (each read in a thread), until the client
+    leaves: then no more is read (neither server fails a `send` to a client gone, `http.disconnect` says it)."""
 
     def __init__(self, stored: StoredFile, fd: int) -> None:
         super().__init__(media_type="application/octet-stream")  # the headers are `__call__`'s
@@ -418,16 +429,38 @@ class FileContent(Response):
         self.fd = fd
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        with os.fdopen(self.fd, "rb", buffering=0) as file:
-            size = os.fstat(file.fileno()).st_size
-            headers = content_headers(self.stored, size)
-            await send({"type": "http.response.start", "status": 200, "headers": headers})
-            left = size
-            while left > 0:
-                piece = await asyncio.to_thread(file.read, min(READ_BYTES, left))
-                if not piece:
-                    break  # shortened since: the server cuts the answer, which the client sees as incomplete
-                left -= len(piece)
+        gone = asyncio.ensure_future(disconnected(receive))
+        try:
+            with os.fdopen(self.fd, "rb", buffering=0) as file:
+                await self.stream(file, send, gone)
+        finally:
+            gone.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await gone
+
+    async def stream(self, file: BinaryIO, send: Send, gone: asyncio.Future[None]) -> None:
+        size = os.fstat(file.fileno()).st_size
+        await send({"type": "http.response.start", "status": 200, "headers": content_headers(self.stored, size)})
+        left = size
+        while left > 0:
+            if gone.done():
+                logger.info(
+                    "%s: the client left after %d of its %d bytes; no more is read", self.stored.id, size - left, size
+                )
+                return
+            piece = await asyncio.to_thread(file.read, min(READ_BYTES, left))
+            if not piece:
+                break  # shortened since: the server cuts the answer, which the client sees as incomplete
+            left -= len(piece)
+            try:
                 await send({"type": "http.response.body", "body": piece, "more_body": left > 0})
-            if left > 0 or size == 0:
-                await send({"type": "http.response.body", "body": b""})
+            except OSError:  # a server of ASGI 2.4 says a client gone so
+                return
+        if left > 0 or size == 0:
+            await send({"type": "http.response.body", "body": b""})
+
+
+async def disconnected(receive: Receive) -> None:
+    """Once the client is gone (what is left of the request's body, if any, ignored)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
