@@ -488,3 +488,33 @@ async def test_a_linked_batch_folder_or_input_file_is_never_read_through(setting
         assert ended["status"] == "failed", ended
         assert "link" in ended["errors"]["data"][0]["message"], ended["errors"]
     assert fake.generations == generations
+
+
+async def test_a_batch_whose_input_is_lost_while_it_runs_fails_keeping_what_finished(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An input's bytes removed by hand (or a link put in their place) while the batch was stopped: its lines
+    not run cannot be, so it fails saying why, with the lines done in its output file, once; not a retry
+    (and a traceback) every 10 s for ever."""
+    async with fake_upstream(latency_ms=50) as (url, fake):
+        file_id = put_file(settings.checkpoints_dir, [chat_line(f"k{i}", f"q{i}") for i in range(200)])
+        slow = settings.model_copy(update={"max_inflight_per_upstream": 8})
+        async for client in proxy(slow, url):
+            batch_id = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()[
+                "id"
+            ]
+            await until(client, batch_id, lambda b: b["request_counts"]["completed"] >= 20)
+        (settings.checkpoints_dir / "files" / file_id).unlink()
+        generations = fake.generations
+        async for client in proxy(slow, url):
+            batch = await until(client, batch_id, final)
+        assert fake.generations == generations  # nothing more sent
+    assert batch["status"] == "failed", batch
+    assert batch["failed_at"] is not None
+    [error] = batch["errors"]["data"]
+    assert error["code"] == "missing_input_file"
+    done = batch["request_counts"]["completed"]
+    assert f"with {done} of 200 lines done" in error["message"]
+    output = read_file(settings.checkpoints_dir, batch["output_file_id"])
+    assert len(output) == done == len({o["custom_id"] for o in output})
+    assert "Traceback" not in caplog.text

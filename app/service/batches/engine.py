@@ -494,8 +494,11 @@ class BatchEngine:
         batch.loaded = False
         saver = asyncio.create_task(self._save_progress(batch))
         writer = asyncio.create_task(self._writer(batch))
+        lost: str | None = None
         try:
             await self._dispatch(batch)
+        except (FileNotFoundError, UnsafeFileError) as exc:  # its bytes removed by hand, or a link put there
+            lost = str(exc) if isinstance(exc, UnsafeFileError) else "its bytes were removed"
         finally:
             # every line sent is recorded (or given up) before the batch goes on, or tries again
             try:
@@ -521,6 +524,15 @@ class BatchEngine:
         now = int(time.time())
         if record.completed + record.failed >= record.total:
             record.status, record.finalizing_at, record.ending = "finalizing", now, "completed"
+        elif lost is not None:  # the lines not run cannot be: what finished goes to the files, the batch fails
+            message = (
+                f"the input file could not be read any more ({lost}) with {record.completed + record.failed} of "
+                f"{record.total} lines done, which are in the output and error files: upload the file again and "
+                f"create a new batch for the rest (the lines done are answered from the cache)"
+            )
+            logger.warning("batch %s failed: %s", record.id, message)
+            record.errors = [{"code": "missing_input_file", "line": None, "param": "input_file_id", "message": message}]
+            record.status, record.finalizing_at, record.ending = "finalizing", now, "failed"
         elif now >= record.expires_at:
             record.status, record.finalizing_at, record.ending = "finalizing", now, "expired"
         else:
@@ -772,6 +784,8 @@ class BatchEngine:
         elif record.ending == "expired":
             record.expired_at = now
             record.failed = record.total - record.completed  # the lines not run are in the error file
+        elif record.ending == "failed":
+            record.failed_at = now
         else:
             record.cancelled_at = now
         await self._save(batch)
@@ -840,7 +854,11 @@ class BatchEngine:
         return wrote[0], wrote[1]
 
     def _expired_lines(self, batch: Running) -> Iterator[bytes]:
-        with open_to_read(self.files.path(batch.record.input_file_id)) as f:
+        try:
+            f = open_to_read(self.files.path(batch.record.input_file_id))
+        except (FileNotFoundError, UnsafeFileError):  # the input lost: its lines not run cannot be named
+            return
+        with f:
             for number, raw in enumerate(f, 1):
                 if raw.strip() and not batch.is_done(number):
                     custom_id = orjson.loads(raw)["custom_id"]
