@@ -135,6 +135,7 @@ class Timed:
     start_s: float = 0.0  # ours: the API server's start (to healthy, and its warm-up)
     generations: float = 0.0  # ours: at the server
     cpu_s: float = 0.0  # ours: inferproxy run-batch's CPU time
+    batch_s: float = 0.0  # vLLM's: its batch alone, without its engine's start (its progress bar's time, in whole s)
 
 
 def time_ours(model: Path, work: Path, round_: int, args: argparse.Namespace) -> Timed:
@@ -154,9 +155,17 @@ def time_ours(model: Path, work: Path, round_: int, args: argparse.Namespace) ->
 def time_vllm(model: Path, work: Path, round_: int, args: argparse.Namespace) -> Timed:
     inp, out = work / f"vllm-{round_}.jsonl", work / f"vllm-{round_}.out.jsonl"
     write_input(inp, f"vllm-{round_}", args)
-    seconds = run_vllm(model, inp, out, work / f"vllm-run-batch-{round_}.log")
+    log = work / f"vllm-run-batch-{round_}.log"
+    seconds = run_vllm(model, inp, out, log)
     check_output(out, args.lines)
-    return Timed("vllm", round_, seconds)
+    return Timed("vllm", round_, seconds, batch_s=progress_seconds(log))
+
+
+def progress_seconds(log: Path) -> float:
+    """The elapsed time of vLLM's run-batch's last progress line (`... | 2000/2000 [01:02<00:00, ...]`)."""
+    bars = [line for line in log.read_text(errors="replace").splitlines() if line.startswith("Running batch:")]
+    minutes, seconds = bars[-1].split("[", 1)[1].split("<", 1)[0].split(":")[-2:]
+    return int(minutes) * 60 + int(seconds)
 
 
 @dataclass
@@ -313,6 +322,8 @@ def main() -> None:
                     f", server start {result.start_s:.1f} s, {result.generations:.0f} generations, "
                     f"run-batch's CPU {result.cpu_s:.1f} s"
                 )
+            else:
+                line += f", its batch alone {result.batch_s:.0f} s (the rest its engine's start)"
             print(line, flush=True)
     ours = [t for t in timed if t.side == "ours"]
     theirs = [t for t in timed if t.side == "vllm"]
