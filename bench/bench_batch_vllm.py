@@ -2,7 +2,7 @@
 run-batch, in wall time and in generations paid when each is killed half way and run again (issue 20 (b)).
 
     make install-vllm
-    PYTHONPATH=$PWD .venv-vllm/bin/python bench/bench_batch_vllm.py [--lines 2000] [--max-tokens 16] [--rounds 2]
+    PYTHONPATH=$PWD .venv-vllm/bin/python bench/bench_batch_vllm.py [--lines 2000] [--max-tokens 128] [--rounds 2]
 
 The vLLM is the CPU build with the tiny model of tests/vllm/tiny_model.py (`--max-model-len 512`, float32,
 `--enforce-eager`, the engine at the default niceness on both sides). The input: `--lines` chat-completion
@@ -302,7 +302,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lines", type=int, default=2000)
     parser.add_argument("--prompt-words", type=int, default=32)
-    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="ours and vLLM's, alternating, this many times")
     parser.add_argument("--no-kill", action="store_true", help="only the wall times")
     args = parser.parse_args()
