@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import hashlib
 import random
 import subprocess
 import sys
@@ -64,14 +63,6 @@ class Replica(VLLM):
             if name in found:
                 found[name] += float(line.rsplit(" ", 1)[1])
         return found[QUERIES], found[HITS]
-
-
-def model_dir() -> Path:
-    """The tiny model, built once per version of its builder (where tests/vllm keeps it)."""
-    builder = Path(tiny_model.__file__)
-    target = Path(sys.prefix) / "tiny-model" / hashlib.sha256(builder.read_bytes()).hexdigest()[:12]
-    subprocess.run([sys.executable, str(builder), str(target)], check=True, stdout=subprocess.DEVNULL)
-    return target
 
 
 @contextlib.contextmanager
@@ -232,7 +223,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     assert args.prompt_tokens + args.max_tokens + 2 <= MAX_MODEL_LEN, "the prompt and answer must fit the context"
-    model = model_dir()
+    model = tiny_model.model_dir()
     logs = Path(tempfile.mkdtemp(prefix="bench-routing-logs-"))
     replicas = [Replica(model, free_port(), logs / f"vllm-{i}.log") for i in range(2)]
     print(f"{' '.join(sys.argv)}: {vars(args)}", flush=True)

