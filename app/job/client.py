@@ -24,6 +24,9 @@ from app.http.client import ConnectError, ConnectionLost, HTTPClient
 
 logger = logging.getLogger(__name__)
 
+#: How long `close()` waits for the answer to the documents on their way (datatrove's own cleanup waits as long).
+CLOSE_GRACE_S = 30.0
+
 
 class ProxyJobError(RuntimeError):
     """The checkpoint service refused a request; `status` and the service's message say why."""
@@ -107,6 +110,7 @@ class ProxyJob:
         self._lookups: list[tuple[bytes, asyncio.Future[dict[str, Any] | None]]] = []
         self._lookup_sender: asyncio.Task[None] | None = None
         self._lookup_route = True
+        self._closing = False
 
     def declare_total(self, total_documents: int) -> None:
         """The rank's input size, learnt after the job began: declared with its next request (the next
@@ -160,6 +164,9 @@ class ProxyJob:
         try:
             while pending := self._pending.pop(chunk_index, None):
                 for batch in _batches(pending):
+                    if self._closing:  # close() awaits only the batch on its way
+                        _settle(batch, asyncio.CancelledError())
+                        continue
                     await self._send_batch(batch, chunk_index)
         finally:
             del self._senders[chunk_index]
@@ -261,11 +268,23 @@ class ProxyJob:
         total = [(b"x-total-documents", str(total_documents).encode())] if total_documents is not None else self._total
         return await self._call("POST", f"/chunks/{chunk_index}/complete", extra=[*total, *self._ranks])
 
-    async def close(self) -> None:
-        for sender in [*self._senders.values(), *([self._lookup_sender] if self._lookup_sender else [])]:
-            sender.cancel()
-        if self._owns_client:
-            await self._client.close()
+    async def close(self, *, grace_s: float = CLOSE_GRACE_S) -> None:
+        """Stop sending; the documents already on their way get their answer first (for up to `grace_s`).
+
+        Cancelling their request would not unsend it: the proxy, which has it, would write them all the
+        same, later, unseen by this job, perhaps after the `GET /resume` of the rank's next run, which
+        would then take them for documents still to do. Documents not yet sent are not sent (their
+        callers' futures are cancelled), lookups waiting are cancelled.
+        """
+        self._closing = True
+        try:
+            if self._senders:
+                await asyncio.wait(list(self._senders.values()), timeout=grace_s)
+        finally:
+            for sender in [*self._senders.values(), *([self._lookup_sender] if self._lookup_sender else [])]:
+                sender.cancel()
+            if self._owns_client:
+                await self._client.close()
 
     async def _call(self, method: str, path: str, body: bytes = b"", extra: Sequence[tuple[bytes, bytes]] = ()) -> Any:
         """One checkpoint call, retried while the proxy restarts; while another proxy still owns the rank

@@ -212,6 +212,60 @@ async def test_a_400_is_a_bad_request_that_skip_bad_requests_skips_fresh_or_cach
     assert env.upstream.generations - generations <= 2  # doc-0's and doc-2's answers were cached already
 
 
+async def test_a_failed_run_ends_only_once_the_proxy_has_answered_the_documents_it_sent(tmp_path: Path) -> None:
+    # The proxy holds doc-0's POST /documents until the run has failed and cancelled its documents. A run
+    # that ended before the answer left the write to land later, after the next run's GET /resume: that
+    # run then did doc-0 again, and missed its answers (a document written is complete to the cache).
+    write_arrived, release = asyncio.Event(), asyncio.Event()
+    events: list[str] = []
+    async with fake_upstream() as (url, upstream):
+        app = create_app(
+            Settings(
+                upstream=[url], checkpoints_dir=tmp_path / "ckpt", output=str(tmp_path / "out"), records_per_chunk=4
+            )
+        )
+
+        async def holding_writes(scope: Any, receive: Any, send: Any) -> None:
+            if scope["type"] != "http" or scope["path"] != "/documents":
+                await app(scope, receive, send)
+                return
+            write_arrived.set()
+            await release.wait()
+
+            async def noting_the_answer(message: Any) -> None:
+                if message["type"] == "http.response.body" and not message.get("more_body"):
+                    events.append("documents answered")
+                await send(message)
+
+            await app(scope, receive, noting_the_answer)
+
+        async def dies_once_doc_0_is_sent(
+            document: Document, generate: Callable[[dict[str, Any]], Awaitable[Any]]
+        ) -> str:
+            if document.id == "doc-1":
+                await write_arrived.wait()
+                raise RuntimeError("the task dies")
+            return await ask(document, generate)
+
+        async with serve_in_loop(holding_writes) as proxy:
+            env = Env(proxy, upstream, tmp_path)
+            runner = env.runner(dies_once_doc_0_is_sent)
+            cleanup = runner._cleanup
+
+            async def cleanup_then_release(*args: Any, **kwargs: Any) -> None:
+                await cleanup(*args, **kwargs)  # datatrove's: the run's documents are cancelled
+                release.set()
+
+            runner._cleanup = cleanup_then_release
+            with pytest.raises(InferenceError, match="the task dies"):
+                await runner.run_async(documents(2), rank=0)
+            events.append("run returned")
+            assert events == ["documents answered", "run returned"]
+            await env.runner().run_async(documents(2), rank=0)
+            assert sorted(d["id"] for d in env.published()) == ["doc-0", "doc-1"]
+            assert upstream.generations == 4  # doc-0's two in the first run, skipped in the second
+
+
 async def test_502_503_504_429_and_a_dropped_connection_are_retried_honouring_retry_after(tmp_path: Path) -> None:
     script: list[bytes | None] = [
         http_answer(503, {"error": {"message": "busy"}}, retry_after="0.05"),

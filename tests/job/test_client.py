@@ -119,3 +119,61 @@ async def test_a_call_whose_answer_stops_midway_closes_its_connection_on_the_rea
             await job.resume()
         await asyncio.wait_for(upstream.until_open(0), 5)
         await job.close()
+
+
+@contextlib.asynccontextmanager
+async def proxy_holding_writes(tmp_path: Path) -> AsyncIterator[tuple[str, asyncio.Event, asyncio.Event, list[str]]]:
+    """A proxy whose POST /documents waits for `release` once `arrived`; `answered` notes each answer sent."""
+    arrived, release = asyncio.Event(), asyncio.Event()
+    answered: list[str] = []
+    settings = Settings(
+        upstream=["http://127.0.0.1:9"], checkpoints_dir=tmp_path / "ckpt", output=str(tmp_path / "out")
+    )
+    app = create_app(settings)
+
+    async def holding(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] == "/documents":
+            arrived.set()
+            await release.wait()
+            await app(scope, receive, send)
+            answered.append("documents")
+            return
+        await app(scope, receive, send)
+
+    async with serve_in_loop(holding) as proxy:
+        try:
+            yield proxy, arrived, release, answered
+        finally:
+            release.set()  # or the server's shutdown waits for the held request
+
+
+async def test_close_waits_for_the_documents_on_their_way_and_sends_no_more(tmp_path: Path) -> None:
+    async with proxy_holding_writes(tmp_path) as (proxy, arrived, release, answered):
+        job = ProxyJob(proxy)
+        sent = asyncio.create_task(job.write_document({"id": "sent", "text": "t"}, 0))
+        await arrived.wait()
+        queued = asyncio.create_task(job.write_document({"id": "queued", "text": "t"}, 0))
+        await asyncio.sleep(0)  # queued behind the batch on its way
+        closing = asyncio.create_task(job.close())
+        await asyncio.sleep(0)
+        release.set()
+        await closing
+        # answered before close() returned: nothing of this job reaches the proxy after it
+        assert answered == ["documents"]
+        assert sent.done()
+        assert sent.exception() is None
+        assert queued.cancelled()
+        later = ProxyJob(proxy)
+        assert (await later.resume()).processed_ids == {"sent"}
+        await later.close()
+
+
+async def test_close_gives_up_on_documents_unanswered_after_its_grace(tmp_path: Path) -> None:
+    async with proxy_holding_writes(tmp_path) as (proxy, arrived, _, answered):
+        job = ProxyJob(proxy)
+        sent = asyncio.create_task(job.write_document({"id": "sent", "text": "t"}, 0))
+        await arrived.wait()
+        await job.close(grace_s=0.05)
+        with pytest.raises(asyncio.CancelledError):
+            await sent
+        assert answered == []

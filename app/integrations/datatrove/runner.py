@@ -217,6 +217,10 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
             stop_counting.set()
             if counting is not None:
                 counting.cancel()  # its thread may outlive this loop: it must not call back into it
+            # A failed run's documents on their way are answered before it ends: one the proxy wrote after
+            # the next run's GET /resume would be done again, its answers no longer replayed (a document
+            # written is complete to the proxy's cache).
+            await manager.close()
             manager.use_client(None)
             await self._lookups.close()
             self._client = self._lookups = None
