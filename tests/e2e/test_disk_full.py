@@ -137,6 +137,17 @@ async def test_a_released_rank_reopened_on_a_full_disk_gets_507_when_sqlite_cann
         assert (await client.get("/resume")).json()["processed_ids"] == ["a"]
 
 
+async def until_paused(client: httpx.AsyncClient, batch_id: str) -> dict[str, Any]:
+    """The batch's view in /stats once it says the batch is paused."""
+    deadline = time.monotonic() + 60
+    while True:
+        running = [b for b in (await client.get("/stats")).json()["batches"] if b["id"] == batch_id]
+        if running and running[0]["paused"]:
+            return running[0]
+        assert time.monotonic() < deadline, "/stats never said the batch was paused"
+        await asyncio.sleep(0.01)
+
+
 async def test_a_batch_on_a_full_disk_pauses_says_so_once_and_finishes_every_line_once_when_space_is_freed(
     tmp_path: Path, small_disk: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -172,15 +183,8 @@ async def test_a_batch_on_a_full_disk_pauses_says_so_once_and_finishes_every_lin
             batch_id = created.json()["id"]
             await until(client, batch_id, lambda batch: batch["request_counts"]["completed"] >= 20)
             filler = faults.fill_disk(small_disk)
-
-            async def paused() -> dict[str, Any] | None:
-                running = [b for b in (await client.get("/stats")).json()["batches"] if b["id"] == batch_id]
-                return running[0] if running and running[0]["paused"] else None
-
+            view = await until_paused(client, batch_id)
             deadline = time.monotonic() + 60
-            while (view := await paused()) is None:
-                assert time.monotonic() < deadline, "/stats never said the batch was paused"
-                await asyncio.sleep(0.01)
             assert (
                 view["paused"]
                 == f"the checkpoints disk is full (No space left on device): free space under {checkpoints}"
@@ -210,3 +214,34 @@ async def test_a_batch_on_a_full_disk_pauses_says_so_once_and_finishes_every_lin
     assert f"free space under {checkpoints}" in batch_warnings[0]
     assert len(warnings) <= 2, warnings  # and at most one of the answers' cache, whose commits failed too
     assert f"batch {batch_id}: its writes go through again; carrying on" in caplog.messages
+
+
+async def test_a_proxy_stopped_while_a_batch_waits_for_disk_stops_without_a_traceback_and_the_next_finishes_it(
+    tmp_path: Path, small_disk: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The shutdown of a proxy whose disk is full: the answers' cache cannot keep its last answers, which is
+    one WARNING line (they are generated again if asked again), not "failed to shut down cleanly"."""
+    monkeypatch.setattr(engine_module, "DISK_RETRY_S", 0.05)
+    caplog.set_level(logging.INFO)
+    checkpoints = small_disk / "ckpt"
+    lines, slots = 200, 4
+    file_id = put_file(checkpoints, [chat_line(f"req-{i}", f"question {i}") for i in range(lines)])
+    async with fake_upstream(latency_ms=5) as (url, upstream):
+        settings = Settings(
+            upstream=[url], checkpoints_dir=checkpoints, output=str(tmp_path / "out"), max_inflight_per_upstream=slots
+        )
+        async with proxy_client(settings) as client:
+            created = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})
+            batch_id = created.json()["id"]
+            await until(client, batch_id, lambda batch: batch["request_counts"]["completed"] >= 20)
+            filler = faults.fill_disk(small_disk)
+            await until_paused(client, batch_id)
+        assert "Traceback" not in caplog.text
+        assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
+        filler.unlink()
+        async with proxy_client(settings) as client:
+            batch = await until(client, batch_id, final)
+    assert batch["request_counts"] == {"total": lines, "completed": lines, "failed": 0}
+    output = [line["custom_id"] for line in read_file(checkpoints, batch["output_file_id"])]
+    assert sorted(output) == sorted(f"req-{i}" for i in range(lines))  # each line exactly once
+    assert upstream.requests <= lines + slots  # those in flight at the stop, at most, sent again

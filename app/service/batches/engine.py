@@ -58,7 +58,7 @@ from app.store.batches import (
     is_batch_id,
     new_batch_id,
 )
-from app.store.cache import RequestCache, StoredResponse
+from app.store.cache import CacheWriteError, RequestCache, StoredResponse
 from app.store.durable import UnsafeFileError, is_disk_full, make_dirs_durable, open_to_read, refusal_reason
 from app.store.files import FileStore, new_file_id
 from app.store.hashing import payload_hash
@@ -251,7 +251,14 @@ class BatchEngine:
                 await asyncio.to_thread(batch.dir.save, batch.record)
             batch.dir.release()
         self.running.clear()
-        await self.answers.close()
+        try:
+            await self.answers.close()
+        except CacheWriteError as exc:  # a full disk: the batches' results are durable, only the reuse is lost
+            logger.warning(
+                "the batches' answers cache could not keep its last answers (%s): a later batch asking the same "
+                "lines generates them again",
+                exc.__cause__ or exc,
+            )
 
     async def adopt(self) -> None:
         """Run every active batch no proxy runs: this one's after a restart, a dead proxy's."""
@@ -496,24 +503,30 @@ class BatchEngine:
         writer = asyncio.create_task(self._writer(batch))
         lost: str | None = None
         try:
-            await self._dispatch(batch)
-        except (FileNotFoundError, UnsafeFileError) as exc:  # its bytes removed by hand, or a link put there
-            lost = str(exc) if isinstance(exc, UnsafeFileError) else "its bytes were removed"
-        finally:
-            # every line sent is recorded (or given up) before the batch goes on, or tries again
             try:
-                await asyncio.gather(*batch.in_flight, return_exceptions=True)
-            except asyncio.CancelledError:  # shutdown: the lines in flight run again at the next start
-                for task in batch.in_flight:
-                    task.cancel()
-                await asyncio.gather(*batch.in_flight, return_exceptions=True)
-                raise
+                await self._dispatch(batch)
+            except (FileNotFoundError, UnsafeFileError) as exc:  # its bytes removed by hand, or a link put there
+                lost = str(exc) if isinstance(exc, UnsafeFileError) else "its bytes were removed"
             finally:
-                for task in (saver, writer):
-                    task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await task
+                if not _cancelling():
+                    # every line sent is recorded (or given up) before the batch goes on, or tries again
+                    await asyncio.gather(*batch.in_flight, return_exceptions=True)
+        except asyncio.CancelledError:  # shutdown: the lines in flight (or waiting for a full disk) run again
+            for task in batch.in_flight:
+                task.cancel()
+            await asyncio.gather(*batch.in_flight, return_exceptions=True)
+            raise
+        finally:
+            for task in (saver, writer):
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            try:
                 await self._write_results(batch)  # every answer in, before the counts are looked at
+            except OSError:
+                if not self._closing:
+                    raise
+                # stopping on a full disk: these lines run again at the next start
         if self._closing:
             return
         fresh = await asyncio.to_thread(batch.dir.load)
@@ -956,6 +969,12 @@ def _tokens(body: Any) -> tuple[int, int]:
     return (max(prompt, 0) if isinstance(prompt, int) else 0), (
         max(completion, 0) if isinstance(completion, int) else 0
     )
+
+
+def _cancelling() -> bool:
+    """Whether the running task is being cancelled (a `finally` that must not wait for more)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 def _add_tokens(usage: dict[str, int], tokens: tuple[int, int]) -> None:
