@@ -377,7 +377,7 @@ def _batch_table(batches: list[dict[str, Any]]) -> list[str]:
     rows = [
         [
             printable(b["id"]),
-            printable(b["status"]),
+            printable(b["status"] + (" PAUSED" if b.get("paused") else "")),
             f"{count(b['completed'] + b['failed'])} / {count(b['total'])}"
             + (f" ({percent((b['completed'] + b['failed']) / b['total'])})" if b["total"] else ""),
             count(b["failed"]),
@@ -389,7 +389,8 @@ def _batch_table(batches: list[dict[str, Any]]) -> list[str]:
         for b in batches
     ]
     header = ["batch", "status", "done", "failed", "in flight", "from cache", "lines/s", "ETA"]
-    return _table(header, rows, left=2) if rows else []
+    paused = [f"  {printable(b['id'])} is paused: {printable(b['paused'])}" for b in batches if b.get("paused")]
+    return [*_table(header, rows, left=2), *paused] if rows else []
 
 
 def _output_cell(r: Rank) -> str:

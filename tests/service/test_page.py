@@ -489,6 +489,10 @@ async def test_the_batches_a_proxy_runs_are_a_table_as_inferproxy_status_shows_t
         cells = await page.evaluate("[...document.querySelector('#batches tbody tr').cells].map(c => c.textContent)")
         assert cells == [hostile, "in_progress", "500 / 2k · 25.0%", "20", "16", "7", status.rate(12.5), "2m 00s"]
         assert await page.evaluate(text_of("batches-summary")) == "1 running here · 2k lines"
+        why = "the checkpoints disk is full (No space left on device): free space under /ckpt"
+        stats["batches"][0]["paused"] = why
+        shown = await page.wait_for("document.querySelector('#batches tbody td.paused')?.textContent")
+        assert shown == f"in_progress · paused: {why}"
         assert await page.evaluate("document.querySelectorAll('#batches img').length") == 0
         assert await page.evaluate("document.title") == "inferproxy"
         assert page.errors == []

@@ -664,6 +664,10 @@ def test_the_batches_the_proxy_runs_are_a_table_of_their_own_and_an_older_proxy_
         "00s",
     ]
     assert not any("no job has talked" in line for line in lines)  # the proxy is busy: with a batch
+    why = "the checkpoints disk is full (No space left on device): free space under /ckpt"
+    lines = status.render(status.decode(orjson.dumps({**STATS, "batches": [{**batch, "paused": why}]}), "u"), "u")
+    assert next(line for line in lines if "batch_0123" in line).split()[1:3] == ["in_progress", "PAUSED"]
+    assert f"  batch_0123 is paused: {why}" in lines
     assert not any("lines/s" in line for line in status.render(status.decode(orjson.dumps(STATS), "u"), "u"))
     with pytest.raises(status.StatusError, match=r"batches\[0\].total"):
         status.decode(orjson.dumps({**STATS, "batches": [{**batch, "total": -1}]}), "u")
