@@ -243,6 +243,8 @@ class HTTPServer:
 
 
 _UNLIMITED = 1 << 62
+#: A SIGTERM this soon after the first is the same stop, not a second one that cuts the requests in flight.
+_SAME_STOP_S = 1.0
 
 
 class ExitSignal:
@@ -253,17 +255,26 @@ class ExitSignal:
     def __init__(self, *, force: Callable[[], None]) -> None:
         self.force = force
         self._event: asyncio.Event | None = None
+        self._first_at = -_SAME_STOP_S
 
     def request_exit(self) -> None:
         if self._event is not None:
             self._event.set()
 
     def on_signal(self, signum: int) -> None:
+        name = signal.Signals(signum).name
         if self._event is not None and self._event.is_set():
-            logger.warning("%s again: not waiting for requests in flight", signal.Signals(signum).name)
+            if signum == signal.SIGTERM and time.monotonic() - self._first_at < _SAME_STOP_S:
+                # one stop sent twice: to the process and to its group (`timeout`, Slurm's scancel)
+                logger.info(
+                    "%s again within %g s: the same stop, still finishing requests in flight", name, _SAME_STOP_S
+                )
+                return
+            logger.warning("%s again: not waiting for requests in flight", name)
             self.force()
             return
-        logger.info("%s: finishing requests in flight, then stopping", signal.Signals(signum).name)
+        self._first_at = time.monotonic()
+        logger.info("%s: finishing requests in flight, then stopping", name)
         self.request_exit()
 
     async def serve(

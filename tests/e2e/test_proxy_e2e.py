@@ -181,6 +181,41 @@ def test_sigterm_finishes_in_flight_requests_flushes_and_exits_0(upstream: Upstr
     assert upstream.stats()["generations"] == 2
 
 
+def test_two_sigterms_at_once_are_one_stop_and_a_later_one_cuts_the_requests_in_flight(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    """`timeout` and Slurm's scancel signal the process and then its group: the two SIGTERMs of one stop
+    must not cut the requests in flight (it read as an impatient operator's second signal)."""
+    args, port = start_proxy(upstream.url, tmp_path, "--log-level=info")
+    with process(*args, read_stderr=True) as proc, concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert proc.stderr is not None
+        proxy = Proxy(f"http://127.0.0.1:{port}", args, proc)
+        wait_for_http(proxy.url + "/healthz")
+        stuck = pool.submit(chat, client(proxy), "stuck-doc", extra_body={"fake_upstream": {"latency_ms": 600_000}})
+        while not upstream.stats()["by_path"].get("POST /v1/chat/completions"):  # until it is in flight upstream
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        log = []
+        while not log or "finishing requests in flight" not in log[-1]:
+            log.append(proc.stderr.readline().decode())
+            assert log[-1], "".join(log)
+        proc.send_signal(signal.SIGTERM)  # the group's, just after (two at once would be delivered as one)
+        while "the same stop" not in log[-1]:
+            log.append(proc.stderr.readline().decode())
+            assert log[-1], "".join(log)
+        assert proc.poll() is None  # still finishing the request in flight
+        assert not stuck.done()
+        time.sleep(1.1)  # past the window: a SIGTERM now is a second stop (a wait, not a barrier)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        log.append(proc.stderr.read().decode())
+        assert code == 0, "".join(log)
+        with pytest.raises((openai.APIStatusError, openai.APIConnectionError)):
+            stuck.result(timeout=30)
+    assert "SIGTERM again: not waiting for requests in flight" in log[-1]
+    assert "Traceback" not in "".join(log)
+
+
 @pytest.mark.parametrize("http", ["builtin", "uvicorn"])
 def test_a_second_sigint_cuts_the_requests_in_flight_and_exits_without_a_traceback(
     upstream: Upstream, tmp_path: Path, http: str
