@@ -17,8 +17,9 @@ A batch goes `validating` -> `in_progress` -> `finalizing` -> `completed` (or `f
   kept: its answers wait in memory and its writes are tried again every `DISK_RETRY_S`, one WARNING when
   they start failing and one INFO line once they go through (`Running.refused`, /stats' `paused`).
 
-The lines of all running batches share `max_inflight_per_upstream` x replicas slots in turn (`FairShare`),
-so that a large batch does not starve a small one. A batch is run by the proxy that holds its
+The lines of all running batches share `max_inflight_per_upstream` x replicas slots at the upstream, and
+twice that until their answers are on disk, in turn (`FairShare`), so that a large batch does not starve a
+small one. A batch is run by the proxy that holds its
 `owner.lock`; a proxy sharing the checkpoints dir takes over the batches of one that died.
 """
 
@@ -71,8 +72,8 @@ ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
 BATCH_RANK = -1
 _WINDOW = re.compile(r"([1-9][0-9]{1,5})h")  # ASCII digits, no leading zero, nothing after
 #: How long a round of answers gathers before it is written and fsynced, beyond the answers that come
-#: while the last round is fsynced (group commit). A line holds its slot until it is on disk, so any wait
-#: here is a wait per line: 20 ms halved the rate against a fast upstream, 2 ms cost 5-10% (bench/README.md).
+#: while the last round is fsynced (group commit). A line keeps its place in the share until it is on disk,
+#: so any wait here is a wait per line (bench/README.md).
 RESULTS_ROUND_S = 0.0
 #: How often a running batch's counts are saved to its batch.json (for other proxies, and `status`).
 SAVE_EVERY_S = 2.0
@@ -166,7 +167,8 @@ class Running:
         self.record = record
         self.done = Lines()
         self.task: asyncio.Task[None] | None = None
-        self.in_flight: set[asyncio.Task[None]] = set()
+        self.in_flight: set[asyncio.Task[None]] = set()  # its lines not yet on disk (their tasks)
+        self.sending = 0  # of those, the lines at the upstream (or its cache) now
         self.stopping = asyncio.Event()
         #: answered, not yet on disk: the writer's next round
         self.pending: list[Result] = []
@@ -205,8 +207,12 @@ class BatchEngine:
         self.flights = flights
         self.files = files
         self.root = Path(root)
-        per_replica = settings.max_inflight_per_upstream or 256
-        self.share = FairShare(per_replica * len(pool.replicas))
+        slots = (settings.max_inflight_per_upstream or 256) * len(pool.replicas)
+        # Lines at the upstream at once: `slots`. Lines not yet on disk (sent, or answered and waiting for
+        # their write): twice that, so that the writes' fsyncs never leave the upstream short of lines; it
+        # is what a kill can make the next start pay for again.
+        self.upstream_slots = asyncio.Semaphore(slots)
+        self.share = FairShare(2 * slots)
         self.answers = RequestCache(
             str(self.root / ANSWERS), flush_interval_ms=settings.flush_interval_ms, replay_same_run=True
         )
@@ -640,7 +646,14 @@ class BatchEngine:
 
     async def _line(self, batch: Running, number: int, raw: bytes) -> None:
         try:
-            queued = await self._answer_line(batch, number, raw)
+            async with self.upstream_slots:
+                if batch.stopping.is_set():
+                    return  # stopped (cancelled, shutdown) while it waited: nothing sent, it runs again
+                batch.sending += 1
+                try:
+                    queued = await self._answer_line(batch, number, raw)
+                finally:
+                    batch.sending -= 1
         except Exception as exc:  # never a line left unanswered for ever: it goes to the error file, saying why
             logger.exception("batch %s: line %d could not be run", batch.record.id, number)
             custom_id = orjson.loads(raw).get("custom_id", "")
@@ -648,7 +661,7 @@ class BatchEngine:
             batch.pending.append(_failed(batch.record.serial, number, custom_id, "internal_error", message[:1000]))
             batch.wake.set()
             queued = True
-        if queued:  # its slot is held until its answer is on disk: a kill loses no more than the slots
+        if queued:  # its place is kept until its answer is on disk: a kill loses no more than the share
             async with batch.written:
                 await batch.written.wait_for(lambda: batch.is_done(number))
 
@@ -896,7 +909,7 @@ class BatchEngine:
                     "total": record.total,
                     "completed": record.completed,
                     "failed": record.failed,
-                    "in_flight": len(batch.in_flight),
+                    "in_flight": batch.sending,
                     "usage": dict(record.usage),
                     "hits": batch.hits,
                     "lines_per_s": round(rate, 2),
