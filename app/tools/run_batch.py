@@ -42,7 +42,16 @@ from typing import IO, Any, Protocol, TextIO
 import orjson
 import xxhash
 
-from app.checkpoints.output import FolderError, OutputError, check_folder, check_output, is_remote, redact_url, scrub
+from app.checkpoints.output import (
+    FolderError,
+    OutputError,
+    check_folder,
+    check_output,
+    install_hint,
+    is_remote,
+    redact_url,
+    scrub,
+)
 from app.job.progress import duration
 from app.service.app import upstream_pool
 from app.service.batches.engine import ENDPOINTS, BatchEngine, BatchNotFound
@@ -115,11 +124,44 @@ def open_input(url: str) -> Iterator[IO[bytes]]:
         raise RunBatchError(f"-i {shown}: no such file") from None
     except IsADirectoryError:
         raise RunBatchError(f"-i {shown} is a folder: give the batch file (JSONL) in it") from None
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # OSError, or an object store client's own (botocore's ClientError, ...)
         reason = scrub(f"{type(exc).__name__}: {exc}".replace("\n", " "), url)
         raise RunBatchError(f"-i {shown} cannot be read ({reason})") from None
     with stream:
         yield stream
+
+
+def check_remote_input(url: str, *, timeout_s: float = 30.0) -> None:
+    """An object-store INPUT must be there and readable with the credentials at hand, said in one line
+    before anything else: fsspec's clients raise their own errors (botocore's NoCredentialsError, ...), after
+    retrying for a while, hence a daemon thread and a bound (as `check_output` does for an output)."""
+    shown = redact_url(url)
+    outcome: list[Any] = []
+
+    def probe() -> None:
+        try:
+            import fsspec
+
+            fs, path = fsspec.core.url_to_fs(url)
+            outcome.append(fs.info(path))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=probe, name="check-input", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        raise RunBatchError(f"-i {shown} did not answer within {timeout_s:g} s: check the URL and the endpoint")
+    found = outcome[0]
+    if isinstance(found, ImportError):
+        raise RunBatchError(f"-i {shown} is a URL: {install_hint(url)}")
+    if isinstance(found, FileNotFoundError):
+        raise RunBatchError(f"-i {shown}: no such object (check the URL and the endpoint)")
+    if isinstance(found, BaseException):
+        reason = scrub(f"{type(found).__name__}: {found}".replace("\n", " "), url)
+        raise RunBatchError(f"-i {shown} cannot be reached ({reason}): check the URL, the endpoint and the credentials")
+    if isinstance(found, dict) and found.get("type") == "directory":
+        raise RunBatchError(f"-i {shown} is a folder: give the batch file (JSONL) in it")
 
 
 @dataclass(frozen=True)
@@ -542,7 +584,10 @@ class Runner:
 
 
 def check_locations(options: Options) -> None:
-    """OUTPUT's folder (or bucket) and the state's folder must take files: said before anything is sent."""
+    """An object-store INPUT must be readable, OUTPUT's folder (or bucket) and the state's folder must take
+    files: said before anything is sent."""
+    if is_remote(options.input):
+        check_remote_input(options.input)
     output = options.output
     if is_remote(output):
         check_output(output.rstrip("/").rsplit("/", 1)[0])

@@ -20,7 +20,7 @@ from app.store.batches import BatchDir, Result
 from app.tools import run_batch as run_batch_module
 from tests.e2e.conftest import Upstream, running_upstream
 from tests.e2e.test_s3_output import S3, s3, s3_server  # noqa: F401 - the fixtures
-from tests.servers import process, run_cli
+from tests.servers import free_port, process, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -334,3 +334,43 @@ def test_progress_is_a_bar_redrawn_in_place_on_a_terminal_and_a_line_every_30_s_
                 "run-batch 500/1,000 lines 50%, 5 failed, 10.0 lines/s ETA 50s",
                 "run-batch 1,000/1,000 lines 100%, 5 failed, 22.5 lines/s",
             ]
+
+
+def test_an_s3_input_that_cannot_be_reached_is_refused_in_one_line_naming_why(
+    upstream: Upstream,
+    tmp_path: Path,
+    s3: S3,  # noqa: F811
+) -> None:
+    s3.client.put_object(Bucket=s3.bucket, Key="in.jsonl", Body=orjson.dumps(chat_line("a", "question")) + b"\n")
+    url = f"s3://{s3.bucket}/in.jsonl"
+    no_credentials = {k: v for k, v in s3.env.items() if not k.startswith("AWS_ACCESS") and "SECRET" not in k}
+    unreachable = {**s3.env, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{free_port()}"}  # nothing listens there
+    cases = {
+        "no-credentials": (no_credentials, f"-i {url} cannot be reached (NoCredentialsError: "),
+        "unreachable": (unreachable, f"-i {url} cannot be reached (EndpointConnectionError: "),
+        "missing": (s3.env, f"-i s3://{s3.bucket}/missing.jsonl: no such object"),
+    }
+    for name, (env, expected) in cases.items():
+        output = tmp_path / f"{name}.jsonl"
+        source = url if name != "missing" else f"s3://{s3.bucket}/missing.jsonl"
+        args = [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "run-batch",
+            f"--upstream={upstream.url}",
+            "-i",
+            source,
+            "-o",
+            str(output),
+        ]
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | env
+        result = subprocess.run(args, capture_output=True, text=True, timeout=60, env=environ, check=False)
+        assert result.returncode == 2, (name, result.stderr)
+        assert result.stderr.count("\n") == 1, (name, result.stderr)  # one line, no traceback
+        assert result.stderr.startswith(f"inferproxy run-batch: {expected}"), (name, result.stderr)
+        if name != "missing":
+            assert result.stderr.endswith(": check the URL, the endpoint and the credentials\n"), result.stderr
+        assert not output.exists(), name
+        assert not (tmp_path / f"{name}.jsonl.inferproxy").exists(), name  # no state left either
+    assert list(upstream.stats()["by_path"]) == ["GET /v1/models"]  # the fixture's readiness wait, nothing else
