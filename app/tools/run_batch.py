@@ -477,11 +477,7 @@ class Runner:
         else:
             identity = await asyncio.to_thread(scan_input, options.input, None, self.stop)
             if (identity.bytes, identity.xxh128) != (data["bytes"], data["xxh128"]):
-                raise RunBatchError(
-                    f"{options.state} holds the run of another input ({redact_url(str(data.get('input')))}, "
-                    f"{data['bytes']:,} bytes): -i {self.shown} is not it ({identity.bytes:,} bytes). Give another "
-                    f"-o or --checkpoints-dir, or delete {options.state} to start over"
-                )
+                raise RunBatchError(self._not_this_input(input_id, identity))
         settings = options.settings
         pool = upstream_pool(settings)
         await pool.start()
@@ -492,6 +488,22 @@ class Runner:
         finally:
             await engine.close()
             await pool.close()
+
+    def _not_this_input(self, input_id: str, identity: Identity) -> str:
+        """Why the state, recorded for another input or for this one before it changed, cannot be used."""
+        data, state = self.state.data, self.options.state
+        what_to_do = f"give another -o or --checkpoints-dir, or delete {state} to start over"
+        if data.get("input") == input_id:
+            then = (
+                "same path and size, other content"
+                if identity.bytes == data["bytes"]
+                else f"{data['bytes']:,} bytes then, {identity.bytes:,} now"
+            )
+            return f"-i {self.shown} has changed since this run began ({then}): {what_to_do}"
+        return (
+            f"{state} holds the run of another input ({redact_url(str(data.get('input')))}, {data['bytes']:,} "
+            f"bytes), not of -i {self.shown}: {what_to_do}"
+        )
 
     async def _first_run(self, input_id: str) -> None:
         """Copy the input into the state's file store (streamed), check it, and record it: its ids first."""

@@ -245,8 +245,30 @@ def test_another_input_on_the_same_state_is_refused(upstream: Upstream, tmp_path
     assert run_batch(upstream, "-i", str(first), "-o", str(output)).returncode == 0
     result = run_batch(upstream, "-i", str(second), "-o", str(output))
     assert result.returncode == 2
-    assert f"{output}.inferproxy holds the run of another input ({first}, " in result.stderr
+    assert last_line(result) == (
+        f"inferproxy run-batch: {output}.inferproxy holds the run of another input ({first}, {first.stat().st_size} "
+        f"bytes), not of -i {second}: give another -o or --checkpoints-dir, or delete {output}.inferproxy to start over"
+    )
     assert output_of(output)[0]["custom_id"] == "a"
+
+
+def test_an_input_edited_in_place_is_refused_saying_it_changed(upstream: Upstream, tmp_path: Path) -> None:
+    source = write_input(tmp_path / "edit.jsonl", [chat_line("a", "question 1")])
+    output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
+    assert run_batch(upstream, "-i", str(source), "-o", str(output)).returncode == 0
+    to_start_over = f"give another -o or --checkpoints-dir, or delete {state} to start over"
+    for edited, then in (
+        ([chat_line("a", "question 2")], "same path and size, other content"),
+        ([chat_line("a", "question 22")], f"{source.stat().st_size} bytes then, {source.stat().st_size + 1} now"),
+    ):
+        write_input(source, edited)
+        result = run_batch(upstream, "-i", str(source), "-o", str(output))
+        assert result.returncode == 2, result.stderr
+        assert last_line(result) == f"inferproxy run-batch: -i {source} has changed since this run began ({then}): " + (
+            to_start_over
+        )
+    assert output_of(output)[0]["response"]["status_code"] == 200  # the first run's output, untouched
+    assert upstream.stats()["generations"] == 1
 
 
 def test_an_object_store_output_needs_a_checkpoints_dir(tmp_path: Path) -> None:
