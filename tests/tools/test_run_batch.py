@@ -3,6 +3,7 @@ killed (SIGKILL, SIGTERM) part-way and run again, bad inputs refused before anyt
 
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import signal
@@ -396,3 +397,19 @@ def test_an_s3_input_that_cannot_be_reached_is_refused_in_one_line_naming_why(
         assert not output.exists(), name
         assert not (tmp_path / f"{name}.jsonl.inferproxy").exists(), name  # no state left either
     assert list(upstream.stats()["by_path"]) == ["GET /v1/models"]  # the fixture's readiness wait, nothing else
+
+
+def test_a_state_another_run_batch_works_on_is_refused_with_exit_2(upstream: Upstream, tmp_path: Path) -> None:
+    source = write_input(tmp_path / "in.jsonl", [chat_line("a", "question")])
+    output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
+    state.mkdir()
+    with (state / "run-batch.lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a run-batch at work on it holds it
+        result = run_batch(upstream, "-i", str(source), "-o", str(output))
+    assert result.returncode == 2, result.stderr
+    assert last_line(result) == (
+        f"inferproxy run-batch: another inferproxy run-batch works on {state} (it holds run-batch.lock): wait for "
+        f"it, or stop it"
+    )
+    assert not output.exists()
+    assert upstream.stats()["generations"] == 0
