@@ -55,7 +55,7 @@ from app.checkpoints.output import (
 from app.job.progress import duration
 from app.service.app import upstream_pool
 from app.service.batches.engine import ENDPOINTS, BatchEngine, BatchNotFound
-from app.service.batches.validation import check_input
+from app.service.batches.validation import ARRAY, check_input
 from app.service.coalescing import Flights
 from app.service.settings import Settings
 from app.store.batches import FINAL, BatchDir, new_batch_id
@@ -200,20 +200,24 @@ def scan_input(url: str, into: Sink | None, stop: threading.Event) -> Identity:
 
 def refusal(shown: str, identity: Identity, path: Path) -> str | None:
     """Why the input copied to `path` cannot run (one line naming its first bad lines), or None."""
+    known = identity.endpoint in ENDPOINTS
+    # with no endpoint to check against, checked against any: the bad lines named all the same, the url aside
+    checked = check_input(path, identity.endpoint if identity.endpoint is not None and known else ENDPOINTS[0])
+    if checked.not_json_lines == ARRAY:
+        return f"-i {shown} {ARRAY}"
+    if checked.not_json_lines is not None:
+        return f"-i {shown} {checked.not_json_lines} (run-batch reads plain JSON Lines)"
     if identity.endpoint is None:
-        # no line names a url: the bad lines named all the same (checked against any endpoint, the url aside)
-        checked = check_input(path, ENDPOINTS[0])
         problems = [e for e in checked.errors if e["code"] != "mismatched_url"]
         if problems:
             shown_errors = "; ".join(f"line {e['line']}: {e['message']}" for e in problems[:SHOWN_ERRORS])
             return f"-i {shown} holds no request, nothing was sent: {shown_errors}"
         return f"-i {shown} holds no request: one JSON object per line, {{custom_id, method, url, body}}"
-    if identity.endpoint not in ENDPOINTS:
+    if not known:
         return (
             f"-i {shown}: line {identity.endpoint_line} asks for url {identity.endpoint!r}: run-batch sends "
             f"{', '.join(ENDPOINTS)}"
         )
-    checked = check_input(path, identity.endpoint)
     mixed = next((e for e in checked.errors if e["code"] == "mismatched_url"), None)
     if mixed is not None:
         other = str(mixed["message"]).rpartition(", got ")[2]

@@ -4,7 +4,9 @@ killed (SIGKILL, SIGTERM) part-way and run again, bad inputs refused before anyt
 from __future__ import annotations
 
 import fcntl
+import gzip
 import io
+import json
 import os
 import signal
 import subprocess
@@ -224,11 +226,32 @@ def test_a_bad_input_is_refused_naming_its_first_bad_lines_and_nothing_is_sent_o
             "/v1/embeddings",
         ),
         "empty": ("\n\n", "holds no request"),
+        "gzip": (
+            gzip.compress((good + "\n").encode()),
+            "-i {path} is gzip-compressed: gunzip it (run-batch reads plain JSON Lines)",
+        ),
+        "binary": (bytes(range(1, 256)) * 8, "-i {path} is not UTF-8 text (its first KB is not): give the batch file"),
+        "nul": (b"\0" * 2000, "-i {path} is not text: its first KB holds NUL bytes"),
+        "pretty-array": (
+            json.dumps([chat_line("a", "q"), chat_line("b", "q")], indent=2),
+            "-i {path} looks like one JSON array, not one request per line: write one JSON object per line "
+            "(jq -c '.[]' does)",
+        ),
+        "one-line-array": (json.dumps([chat_line("a", "q")]), "-i {path} looks like one JSON array"),
+        "latin-1-line": (
+            # a byte that is not UTF-8 past the first KB: the line is bad, not the file
+            "".join(orjson.dumps(chat_line(f"{i}", "question")).decode() + "\n" for i in range(20))
+            + json.dumps(chat_line("b", "caf\u00e9"), ensure_ascii=False).replace("\u00e9", "\udce9")
+            + "\n",
+            "-i {path} has 1 bad line, nothing was sent: line 21: the line is not UTF-8 text",
+        ),
     }
     for name, (text, expected) in cases.items():
         path = tmp_path / f"{name}.jsonl"
-        if text is not None:
-            path.write_text(text)
+        if isinstance(text, bytes):
+            path.write_bytes(text)
+        elif text is not None:
+            path.write_bytes(text.encode("utf-8", "surrogateescape"))
         output = tmp_path / f"{name}.out.jsonl"
         result = run_batch(upstream, "-i", str(path), "-o", str(output))
         assert result.returncode == 2, (name, result.stderr)
