@@ -58,10 +58,12 @@ from app.service.batches.engine import ENDPOINTS, BatchEngine, BatchNotFound
 from app.service.batches.validation import ARRAY, check_input
 from app.service.coalescing import Flights
 from app.service.settings import Settings
+from app.service.upstream import UpstreamPool
 from app.store.batches import FINAL, BatchDir, new_batch_id
 from app.store.durable import atomic_write_bytes, fsync_dir, make_dirs_durable, read_regular
 from app.store.files import FileStore, new_file_id
 from app.store.layout import CheckpointsLayout
+from app.tools.terminal import printable
 
 #: The completion window of run-batch's batches: the engine's longest (~114 years), i.e. none.
 WINDOW = "999999h"
@@ -295,6 +297,7 @@ class Written:
     lines: int = 0
     errors: int = 0  # answered with a 4xx (or a 2xx body that is an error)
     upstream_errors: int = 0  # no answer after every retry
+    last_error: str = ""  # the message of the last of those, in input order
 
 
 def _write_lines(folder: BatchDir, out: IO[bytes]) -> Written:
@@ -302,24 +305,28 @@ def _write_lines(folder: BatchDir, out: IO[bytes]) -> Written:
     for result in folder.results_in_order():
         written.lines += 1
         if not result.ok:
-            if _unanswered(result.out):
+            why = _unanswered(result.out)
+            if why is not None:
                 written.upstream_errors += 1
+                written.last_error = why
             else:
                 written.errors += 1
         out.write(result.out + b"\n")
     return written
 
 
-def _unanswered(out: bytes) -> bool:
-    """Whether an error line says the upstream never answered (every retry failed)."""
+def _unanswered(out: bytes) -> str | None:
+    """Why the upstream never answered the line (every retry failed), if that is what its error says."""
     if b'"upstream_error"' not in out:
-        return False
+        return None
     error = orjson.loads(out).get("error")
-    return isinstance(error, dict) and error.get("code") == "upstream_error"
+    if not isinstance(error, dict) or error.get("code") != "upstream_error":
+        return None
+    return str(error.get("message") or "no reason given")
 
 
 def upstream_errors(folder: BatchDir) -> int:
-    return sum(1 for r in folder.results_in_order() if not r.ok and _unanswered(r.out))
+    return sum(1 for r in folder.results_in_order() if not r.ok and _unanswered(r.out) is not None)
 
 
 def write_output(folder: BatchDir, output: str, state: Path, fsync: bool) -> Written:
@@ -407,12 +414,19 @@ class Progress:
 # -- the run ------------------------------------------------------------------------------------
 
 
+#: How long a run with lines to send waits for the first answer of `GET /v1/models` (`--upstream-wait-s`):
+#: an upstream being started (vLLM loading its model) is waited for, a mistyped one fails the run.
+UPSTREAM_WAIT_S = 60.0
+PROBE_EVERY_S = 1.0
+
+
 @dataclass(frozen=True)
 class Options:
     input: str
     output: str
     settings: Settings
     state: Path
+    upstream_wait_s: float = UPSTREAM_WAIT_S
 
 
 def main(options: Options, stream: TextIO = sys.stderr) -> int:
@@ -482,11 +496,14 @@ class Runner:
             identity = await asyncio.to_thread(scan_input, options.input, None, self.stop)
             if (identity.bytes, identity.xxh128) != (data["bytes"], data["xxh128"]):
                 raise RunBatchError(self._not_this_input(input_id, identity))
+        sends = await asyncio.to_thread(self._outlook)
         settings = options.settings
         pool = upstream_pool(settings)
         await pool.start()
         engine = BatchEngine(settings, pool, Flights(), self.files, self.batches_dir)
         try:
+            if sends:
+                await self._wait_for_upstream(pool)
             await engine.start()
             return await self._drive(engine)
         finally:
@@ -508,6 +525,66 @@ class Runner:
             f"{state} holds the run of another input ({redact_url(str(data.get('input')))}, {data['bytes']:,} "
             f"bytes), not of -i {self.shown}: {what_to_do}"
         )
+
+    def say(self, message: str) -> None:
+        self.stream.write(f"inferproxy run-batch: {message}\n")
+        self.stream.flush()
+
+    def _outlook(self) -> bool:
+        """Say what this run does with the batch the state names (resume it, run its unanswered lines
+        again, only write OUTPUT again); whether it has lines to send."""
+        try:
+            record = BatchDir(Path(self.batches_dir) / self.state.data["batch_id"]).load()
+        except (OSError, ValueError):  # not created yet (a first run, or killed before it was): run it all
+            return True
+        if record.status not in FINAL:
+            done = record.completed + record.failed
+            self.say(f"resuming: {done:,} of {record.total:,} lines already done" if record.total else "resuming")
+            return True
+        if record.status == "failed":
+            return False
+        unanswered = upstream_errors(BatchDir(Path(self.batches_dir) / record.id))
+        if record.status == "completed" and not unanswered:
+            self.say(f"already complete: nothing sent, {redact_url(self.options.output)} written again from the state")
+            return False
+        left = unanswered if record.status == "completed" else record.total - record.completed
+        self.say(
+            f"{left:,} of {record.total:,} lines got no answer last time: sending those again (the others are "
+            f"answered from the state)"
+        )
+        return True
+
+    async def _wait_for_upstream(self, pool: UpstreamPool) -> None:
+        """Until one replica answers `GET /v1/models`, for at most `upstream_wait_s`; said in one line when
+        none does at first, and a `RunBatchError` (exit 2, nothing sent) when none has by then."""
+        wait_s = self.options.upstream_wait_s
+        deadline = time.monotonic() + wait_s
+        urls = ", ".join(r.url for r in pool.replicas)
+        check = "check --upstream, --upstream-api-key and that the server is up"
+        waited = False
+        while True:
+            timeout_s = min(5.0, max(deadline - time.monotonic(), 1.0))
+            reasons = await asyncio.gather(*(pool.why_not_answering(r, timeout_s) for r in pool.replicas))
+            if any(reason is None for reason in reasons):
+                if waited:
+                    self.say(f"the upstream answers at {urls}: starting")
+                return
+            reason = next(r for r in reasons if r is not None)
+            if time.monotonic() >= deadline:
+                after = f" after {wait_s:g} s" if waited else ""
+                raise RunBatchError(
+                    f"no upstream answers GET /v1/models at {urls} ({reason}){after}: {check}; nothing was sent"
+                )
+            if not waited:
+                self.say(
+                    f"no upstream answers GET /v1/models at {urls} yet ({reason}): waiting up to {wait_s:g} s for "
+                    f"one (--upstream-wait-s); {check}"
+                )
+                waited = True
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), min(PROBE_EVERY_S, deadline - time.monotonic()))
+            if self._stopping.is_set():
+                raise Stopped
 
     async def _first_run(self, input_id: str) -> None:
         """Copy the input into the state's file store (streamed), check it, and record it: its ids first."""
@@ -593,10 +670,16 @@ class Runner:
         if written.upstream_errors:
             return UNANSWERED, (
                 f"{written.upstream_errors:,} of {written.lines:,} lines got no answer from the upstream after every "
-                f"retry (error.code upstream_error in {output}); rerun the same command to retry only those"
+                f"retry (the last: {shorten(printable(written.last_error))}; error.code upstream_error in "
+                f"{output}); rerun the same command to retry only those"
             )
         errors = f" ({written.errors:,} answered with an error)" if written.errors else ""
         return OK, f"{written.lines:,} lines answered{errors}, written to {output}"
+
+
+def shorten(text: str, most: int = 240) -> str:
+    """`text` cut to `most` characters: an upstream's error may carry a whole page."""
+    return text if len(text) <= most else text[: most - 1] + "…"
 
 
 def check_locations(options: Options) -> None:

@@ -29,6 +29,11 @@ pytestmark = pytest.mark.e2e
 
 CHAT = "/v1/chat/completions"
 INFLIGHT = 8
+#: What a line answered 500 every time says in its `error.message`.
+REASON_500 = (
+    'the upstream answered 500: {"error":{"message":"injected failure 500","type":"InternalServerError","param":null,'
+    '"code":500}} (2 times)'
+)
 
 
 def chat_line(custom_id: str, text: str, url: str = CHAT, **body: Any) -> dict[str, Any]:
@@ -94,9 +99,15 @@ def test_every_line_is_answered_in_input_order_in_vllms_format(upstream: Upstrea
     assert upstream.stats()["generations"] == 29
     assert (tmp_path / "out.jsonl.inferproxy" / "run-batch.json").exists()  # the state, beside the output
 
-    # run again: nothing is sent, the output is the same answers
-    again = run_batch(upstream, "-i", str(source), "-o", str(tmp_path / "out.jsonl"))
+    # run again: nothing is sent, the output is the same answers; no upstream is needed for that
+    (tmp_path / "out.jsonl").unlink()
+    again = run_cli(
+        "run-batch", f"--upstream=http://127.0.0.1:{free_port()}", "-i", str(source), "-o", str(tmp_path / "out.jsonl")
+    )
     assert again.returncode == 0, again.stderr
+    assert again.stderr.startswith(
+        f"inferproxy run-batch: already complete: nothing sent, {tmp_path / 'out.jsonl'} written again from the state\n"
+    )
     assert upstream.stats()["generations"] == 29
     bodies = [o["response"]["body"] for o in output]
     assert [o["response"]["body"] for o in output_of(tmp_path / "out.jsonl")] == bodies
@@ -175,6 +186,7 @@ def test_sigterm_stops_it_cleanly_and_a_rerun_carries_on(slow_upstream: Upstream
     stopped_at = results_so_far(state)
     result = run_cli(*args, timeout=120)
     assert result.returncode == 0, result.stderr
+    assert f"inferproxy run-batch: resuming: {stopped_at} of 300 lines already done\n" in result.stderr
     assert [o["custom_id"] for o in output_of(output)] == [line["custom_id"] for line in lines]
     generations = slow_upstream.stats()["generations"]
     assert generations <= len(lines) + INFLIGHT, generations
@@ -191,8 +203,8 @@ def test_lines_the_upstream_never_answers_exit_1_and_a_rerun_retries_only_those(
     result = run_batch(upstream, "-i", str(source), "-o", str(output))
     assert result.returncode == 1, result.stderr
     assert last_line(result) == (
-        f"inferproxy run-batch: 1 of 20 lines got no answer from the upstream after every retry "
-        f"(error.code upstream_error in {output}); rerun the same command to retry only those"
+        f"inferproxy run-batch: 1 of 20 lines got no answer from the upstream after every retry (the last: "
+        f"{REASON_500}; error.code upstream_error in {output}); rerun the same command to retry only those"
     )
     out = output_of(output)
     assert [o["custom_id"] for o in out] == [line["custom_id"] for line in lines]
@@ -203,9 +215,84 @@ def test_lines_the_upstream_never_answers_exit_1_and_a_rerun_retries_only_those(
 
     again = run_batch(upstream, "-i", str(source), "-o", str(output))
     assert again.returncode == 1, again.stderr
+    assert again.stderr.startswith(
+        "inferproxy run-batch: 1 of 20 lines got no answer last time: sending those again (the others are answered "
+        "from the state)\n"
+    )
     after = upstream.stats()
     assert after["generations"] == 19  # the answered lines were not paid again
     assert after["requests"] - before["requests"] == 2  # the broken line, tried twice (--batch-retries=1)
+
+
+def test_an_upstream_that_never_answers_fails_the_run_at_once_in_one_line_and_sends_nothing(tmp_path: Path) -> None:
+    source = write_input(tmp_path / "in.jsonl", [chat_line(f"line-{i}", "question") for i in range(3)])
+    nobody = f"http://127.0.0.1:{free_port()}"  # a mistyped port: nothing listens there
+    check = "check --upstream, --upstream-api-key and that the server is up"
+    for wait_s, said in (
+        ("0", [f"no upstream answers GET /v1/models at {nobody} ("]),
+        (
+            "1",
+            [
+                f"no upstream answers GET /v1/models at {nobody} yet (",
+                f"no upstream answers GET /v1/models at {nobody} (",
+            ],
+        ),
+    ):
+        output = tmp_path / f"out-{wait_s}.jsonl"
+        result = run_cli(
+            "run-batch", f"--upstream={nobody}", f"--upstream-wait-s={wait_s}", "-i", str(source), "-o", str(output)
+        )
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.splitlines()
+        assert len(lines) == len(said), result.stderr
+        shown = [
+            line.removeprefix("inferproxy run-batch: ")[: len(start)] for line, start in zip(lines, said, strict=True)
+        ]
+        assert shown == said
+        assert "refused" in lines[-1].lower(), lines[-1]  # the reason: connection refused
+        if wait_s == "1":
+            assert lines[0].endswith(f"): waiting up to 1 s for one (--upstream-wait-s); {check}"), lines[0]
+            assert lines[-1].endswith(f") after 1 s: {check}; nothing was sent"), lines[-1]
+        else:
+            assert lines[-1].endswith(f"): {check}; nothing was sent"), lines[-1]
+        assert not output.exists()
+        assert not Path(f"{output}.inferproxy").exists()  # a fresh run leaves no state
+
+
+def test_an_upstream_that_is_starting_is_waited_for(tmp_path: Path) -> None:
+    source = write_input(tmp_path / "in.jsonl", [chat_line(f"line-{i}", "question") for i in range(3)])
+    output, port = tmp_path / "out.jsonl", free_port()
+    args = ("run-batch", f"--upstream=http://127.0.0.1:{port}", *fast(), "-i", str(source), "-o", str(output))
+    with process(*args, read_stderr=True) as proc:
+        assert proc.stderr is not None
+        first = proc.stderr.readline().decode()  # said before it waits: the upstream is started after it
+        assert first.startswith(
+            f"inferproxy run-batch: no upstream answers GET /v1/models at http://127.0.0.1:{port} yet"
+        )
+        assert "waiting up to 60 s" in first, first
+        with process("fake-upstream", f"--port={port}"):
+            assert proc.wait(timeout=60) == 0
+        said = proc.stderr.read().decode()
+    assert f"inferproxy run-batch: the upstream answers at http://127.0.0.1:{port}: starting\n" in said
+    assert said.endswith(f"inferproxy run-batch: 3 lines answered, written to {output}\n"), said
+    assert len(output_of(output)) == 3
+
+
+def test_lines_the_upstream_stops_answering_name_the_last_error_in_the_final_line(
+    slow_upstream: Upstream, tmp_path: Path
+) -> None:
+    lines = [chat_line(f"line-{i}", f"question {i}") for i in range(200)]
+    source = write_input(tmp_path / "in.jsonl", lines)
+    output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
+    args = ("run-batch", f"--upstream={slow_upstream.url}", *fast(), "--upstream-retries=0", "-i", str(source))
+    with process(*args, "-o", str(output), read_stderr=True) as proc:
+        wait_for_results(state, 20, proc)
+        slow_upstream.proc.kill()  # gone mid-run: the lines left get no answer
+        assert proc.wait(timeout=60) == 1
+        assert proc.stderr is not None
+        said = proc.stderr.read().decode().strip().splitlines()[-1]
+    assert " lines got no answer from the upstream after every retry (the last: " in said, said
+    assert "refused" in said.lower(), said
 
 
 def test_a_bad_input_is_refused_naming_its_first_bad_lines_and_nothing_is_sent_or_written(
