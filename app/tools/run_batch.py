@@ -52,7 +52,7 @@ from app.checkpoints.output import (
     redact_url,
     scrub,
 )
-from app.job.progress import duration
+from app.job.progress import InPlace, duration
 from app.service.app import upstream_pool
 from app.service.batches.engine import ENDPOINTS, BatchEngine, BatchNotFound
 from app.service.batches.validation import ARRAY, check_input
@@ -375,7 +375,15 @@ class Progress:
         self.interactive = stream.isatty()
         self._first: tuple[float, int] | None = None
         self._last = 0.0
-        self._width = 0
+        self._bar = InPlace(stream)  # a log record clears it first: never written into its middle
+
+    def __enter__(self) -> Progress:
+        if self.interactive:
+            self._bar.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.close()
 
     def line(self, done: int, failed: int, total: int, now: float) -> str:
         if self._first is None:
@@ -404,11 +412,10 @@ class Progress:
             return
         self._last = now
         if self.interactive:
-            self.stream.write("\r" + line.ljust(self._width) + ("\n" if final else ""))
-            self._width = len(line)
+            self._bar.draw(line, end=final)
         else:
             self.stream.write(line + "\n")
-        self.stream.flush()
+            self.stream.flush()
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -640,19 +647,19 @@ class Runner:
                 f"stop that process (an inferproxy serve on this folder?), then rerun",
                 UNANSWERED,
             )
-        progress = Progress(self.stream)
-        while record.status not in FINAL:
-            progress.update(record.completed + record.failed, record.failed, record.total)
-            if self._stopping.is_set():
-                await engine.close()
+        with Progress(self.stream) as progress:
+            while record.status not in FINAL:
+                progress.update(record.completed + record.failed, record.failed, record.total)
+                if self._stopping.is_set():
+                    await engine.close()
+                    record = engine.get(batch_id)
+                    done = record.completed + record.failed
+                    progress.update(done, record.failed, record.total, final=True)
+                    return self._stopped(f"with {done:,} of {record.total:,} lines done")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), REDRAW_S)
                 record = engine.get(batch_id)
-                done = record.completed + record.failed
-                progress.update(done, record.failed, record.total, final=True)
-                return self._stopped(f"with {done:,} of {record.total:,} lines done")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), REDRAW_S)
-            record = engine.get(batch_id)
-        progress.update(record.completed + record.failed, record.failed, record.total, final=True)
+            progress.update(record.completed + record.failed, record.failed, record.total, final=True)
         if record.status != "completed":
             return UNANSWERED, f"the batch ended {record.status}: rerun the same command to run its lines again"
         folder = BatchDir(Path(self.batches_dir) / batch_id)

@@ -23,6 +23,7 @@ from app.store.batches import BatchDir, Result
 from app.tools import run_batch as run_batch_module
 from tests.e2e.conftest import Upstream, running_upstream
 from tests.e2e.test_s3_output import S3, s3, s3_server  # noqa: F401 - the fixtures
+from tests.job.test_progress import logging_to, screen
 from tests.servers import free_port, process, run_cli
 
 pytestmark = pytest.mark.e2e
@@ -523,3 +524,23 @@ def test_a_state_another_run_batch_works_on_is_refused_with_exit_2(upstream: Ups
     )
     assert not output.exists()
     assert upstream.stats()["generations"] == 0
+
+
+def test_a_log_record_written_while_the_bar_is_shown_gets_a_line_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(run_batch_module.time, "monotonic", lambda: clock[0])
+    terminal = Terminal(True)
+    with logging_to(terminal) as logger:
+        with run_batch_module.Progress(terminal) as progress:
+            progress.update(1, 0, 3)
+            logger.warning("batch batch_x: completed")  # as the engine logs while the bar is shown
+            clock[0] += 1
+            progress.update(3, 0, 3, final=True)
+        logger.warning("after the run")
+    rows = screen(terminal.getvalue())
+    assert rows == [
+        "WARNING batch batch_x: completed",
+        "run-batch [########################] 3/3 lines 100%, 0 failed, 2.0 lines/s",
+        "WARNING after the run",
+        "",
+    ], rows
