@@ -72,6 +72,16 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _wait_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
+
+
 def _int(text: str) -> int:
     try:
         return int(text)
@@ -220,6 +230,12 @@ def build_parser() -> argparse.ArgumentParser:
         required=True,
         metavar="OUTPUT",
         help="where the answers go: a local path or an fsspec URL",
+    )
+    batch_parser.add_argument(
+        "--upstream-wait-s",
+        type=_wait_seconds,
+        help="how long to wait for an upstream to answer GET /v1/models before sending (one being started); "
+        "none by then: exit 2, nothing sent (0: fail at once; default: 60)",
     )
     _settings_arguments(batch_parser, skip=RUN_BATCH_SKIPS, helps={"checkpoints_dir": RUN_BATCH_STATE_HELP})
 
@@ -481,7 +497,7 @@ def check_checkpoints_dir(settings: Settings) -> None:
 
 
 def run_batch(args: argparse.Namespace) -> int:
-    from app.tools.run_batch import Options, RunBatchError, main, state_dir
+    from app.tools.run_batch import UPSTREAM_WAIT_S, Options, RunBatchError, main, state_dir
 
     flags = {name: getattr(args, name, None) for name in Settings.model_fields}
     config_file = config_file_path(args.config)
@@ -496,7 +512,8 @@ def run_batch(args: argparse.Namespace) -> int:
         print(f"inferproxy run-batch: {exc}", file=sys.stderr)
         return 2
     logs.configure(settings.log_level, settings.log_format)
-    return main(Options(args.input_file, args.output_file, settings, state))
+    wait_s = UPSTREAM_WAIT_S if args.upstream_wait_s is None else args.upstream_wait_s
+    return main(Options(args.input_file, args.output_file, settings, state, wait_s))
 
 
 def inspect(args: argparse.Namespace) -> int:

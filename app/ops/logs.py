@@ -62,6 +62,9 @@ def configure(level: str, log_format: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JSONFormatter() if log_format == "json" else TextFormatter(TEXT_FORMAT))
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+    if level != "debug":  # botocore says at INFO where it found its endpoint and keys, on every client it makes
+        for chatty in ("botocore", "aiobotocore"):
+            logging.getLogger(chatty).setLevel(logging.WARNING)
 
 
 class RequestLog:

@@ -42,17 +42,28 @@ from typing import IO, Any, Protocol, TextIO
 import orjson
 import xxhash
 
-from app.checkpoints.output import FolderError, OutputError, check_folder, check_output, is_remote, redact_url, scrub
-from app.job.progress import duration
+from app.checkpoints.output import (
+    FolderError,
+    OutputError,
+    check_folder,
+    check_output,
+    install_hint,
+    is_remote,
+    redact_url,
+    scrub,
+)
+from app.job.progress import InPlace, duration
 from app.service.app import upstream_pool
 from app.service.batches.engine import ENDPOINTS, BatchEngine, BatchNotFound
-from app.service.batches.validation import check_input
+from app.service.batches.validation import ARRAY, check_input
 from app.service.coalescing import Flights
 from app.service.settings import Settings
+from app.service.upstream import UpstreamPool
 from app.store.batches import FINAL, BatchDir, new_batch_id
 from app.store.durable import atomic_write_bytes, fsync_dir, make_dirs_durable, read_regular
 from app.store.files import FileStore, new_file_id
 from app.store.layout import CheckpointsLayout
+from app.tools.terminal import printable
 
 #: The completion window of run-batch's batches: the engine's longest (~114 years), i.e. none.
 WINDOW = "999999h"
@@ -115,11 +126,44 @@ def open_input(url: str) -> Iterator[IO[bytes]]:
         raise RunBatchError(f"-i {shown}: no such file") from None
     except IsADirectoryError:
         raise RunBatchError(f"-i {shown} is a folder: give the batch file (JSONL) in it") from None
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # OSError, or an object store client's own (botocore's ClientError, ...)
         reason = scrub(f"{type(exc).__name__}: {exc}".replace("\n", " "), url)
         raise RunBatchError(f"-i {shown} cannot be read ({reason})") from None
     with stream:
         yield stream
+
+
+def check_remote_input(url: str, *, timeout_s: float = 30.0) -> None:
+    """An object-store INPUT must be there and readable with the credentials at hand, said in one line
+    before anything else: fsspec's clients raise their own errors (botocore's NoCredentialsError, ...), after
+    retrying for a while, hence a daemon thread and a bound (as `check_output` does for an output)."""
+    shown = redact_url(url)
+    outcome: list[Any] = []
+
+    def probe() -> None:
+        try:
+            import fsspec
+
+            fs, path = fsspec.core.url_to_fs(url)
+            outcome.append(fs.info(path))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=probe, name="check-input", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if not outcome:
+        raise RunBatchError(f"-i {shown} did not answer within {timeout_s:g} s: check the URL and the endpoint")
+    found = outcome[0]
+    if isinstance(found, ImportError):
+        raise RunBatchError(f"-i {shown} is a URL: {install_hint(url)}")
+    if isinstance(found, FileNotFoundError):
+        raise RunBatchError(f"-i {shown}: no such object (check the URL and the endpoint)")
+    if isinstance(found, BaseException):
+        reason = scrub(f"{type(found).__name__}: {found}".replace("\n", " "), url)
+        raise RunBatchError(f"-i {shown} cannot be reached ({reason}): check the URL, the endpoint and the credentials")
+    if isinstance(found, dict) and found.get("type") == "directory":
+        raise RunBatchError(f"-i {shown} is a folder: give the batch file (JSONL) in it")
 
 
 @dataclass(frozen=True)
@@ -158,20 +202,24 @@ def scan_input(url: str, into: Sink | None, stop: threading.Event) -> Identity:
 
 def refusal(shown: str, identity: Identity, path: Path) -> str | None:
     """Why the input copied to `path` cannot run (one line naming its first bad lines), or None."""
+    known = identity.endpoint in ENDPOINTS
+    # with no endpoint to check against, checked against any: the bad lines named all the same, the url aside
+    checked = check_input(path, identity.endpoint if identity.endpoint is not None and known else ENDPOINTS[0])
+    if checked.not_json_lines == ARRAY:
+        return f"-i {shown} {ARRAY}"
+    if checked.not_json_lines is not None:
+        return f"-i {shown} {checked.not_json_lines} (run-batch reads plain JSON Lines)"
     if identity.endpoint is None:
-        # no line names a url: the bad lines named all the same (checked against any endpoint, the url aside)
-        checked = check_input(path, ENDPOINTS[0])
         problems = [e for e in checked.errors if e["code"] != "mismatched_url"]
         if problems:
             shown_errors = "; ".join(f"line {e['line']}: {e['message']}" for e in problems[:SHOWN_ERRORS])
             return f"-i {shown} holds no request, nothing was sent: {shown_errors}"
         return f"-i {shown} holds no request: one JSON object per line, {{custom_id, method, url, body}}"
-    if identity.endpoint not in ENDPOINTS:
+    if not known:
         return (
             f"-i {shown}: line {identity.endpoint_line} asks for url {identity.endpoint!r}: run-batch sends "
             f"{', '.join(ENDPOINTS)}"
         )
-    checked = check_input(path, identity.endpoint)
     mixed = next((e for e in checked.errors if e["code"] == "mismatched_url"), None)
     if mixed is not None:
         other = str(mixed["message"]).rpartition(", got ")[2]
@@ -249,6 +297,7 @@ class Written:
     lines: int = 0
     errors: int = 0  # answered with a 4xx (or a 2xx body that is an error)
     upstream_errors: int = 0  # no answer after every retry
+    last_error: str = ""  # the message of the last of those, in input order
 
 
 def _write_lines(folder: BatchDir, out: IO[bytes]) -> Written:
@@ -256,24 +305,28 @@ def _write_lines(folder: BatchDir, out: IO[bytes]) -> Written:
     for result in folder.results_in_order():
         written.lines += 1
         if not result.ok:
-            if _unanswered(result.out):
+            why = _unanswered(result.out)
+            if why is not None:
                 written.upstream_errors += 1
+                written.last_error = why
             else:
                 written.errors += 1
         out.write(result.out + b"\n")
     return written
 
 
-def _unanswered(out: bytes) -> bool:
-    """Whether an error line says the upstream never answered (every retry failed)."""
+def _unanswered(out: bytes) -> str | None:
+    """Why the upstream never answered the line (every retry failed), if that is what its error says."""
     if b'"upstream_error"' not in out:
-        return False
+        return None
     error = orjson.loads(out).get("error")
-    return isinstance(error, dict) and error.get("code") == "upstream_error"
+    if not isinstance(error, dict) or error.get("code") != "upstream_error":
+        return None
+    return str(error.get("message") or "no reason given")
 
 
 def upstream_errors(folder: BatchDir) -> int:
-    return sum(1 for r in folder.results_in_order() if not r.ok and _unanswered(r.out))
+    return sum(1 for r in folder.results_in_order() if not r.ok and _unanswered(r.out) is not None)
 
 
 def write_output(folder: BatchDir, output: str, state: Path, fsync: bool) -> Written:
@@ -322,7 +375,15 @@ class Progress:
         self.interactive = stream.isatty()
         self._first: tuple[float, int] | None = None
         self._last = 0.0
-        self._width = 0
+        self._bar = InPlace(stream)  # a log record clears it first: never written into its middle
+
+    def __enter__(self) -> Progress:
+        if self.interactive:
+            self._bar.open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._bar.close()
 
     def line(self, done: int, failed: int, total: int, now: float) -> str:
         if self._first is None:
@@ -351,14 +412,19 @@ class Progress:
             return
         self._last = now
         if self.interactive:
-            self.stream.write("\r" + line.ljust(self._width) + ("\n" if final else ""))
-            self._width = len(line)
+            self._bar.draw(line, end=final)
         else:
             self.stream.write(line + "\n")
-        self.stream.flush()
+            self.stream.flush()
 
 
 # -- the run ------------------------------------------------------------------------------------
+
+
+#: How long a run with lines to send waits for the first answer of `GET /v1/models` (`--upstream-wait-s`):
+#: an upstream being started (vLLM loading its model) is waited for, a mistyped one fails the run.
+UPSTREAM_WAIT_S = 60.0
+PROBE_EVERY_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -367,6 +433,7 @@ class Options:
     output: str
     settings: Settings
     state: Path
+    upstream_wait_s: float = UPSTREAM_WAIT_S
 
 
 def main(options: Options, stream: TextIO = sys.stderr) -> int:
@@ -435,21 +502,96 @@ class Runner:
         else:
             identity = await asyncio.to_thread(scan_input, options.input, None, self.stop)
             if (identity.bytes, identity.xxh128) != (data["bytes"], data["xxh128"]):
-                raise RunBatchError(
-                    f"{options.state} holds the run of another input ({redact_url(str(data.get('input')))}, "
-                    f"{data['bytes']:,} bytes): -i {self.shown} is not it ({identity.bytes:,} bytes). Give another "
-                    f"-o or --checkpoints-dir, or delete {options.state} to start over"
-                )
+                raise RunBatchError(self._not_this_input(input_id, identity))
+        sends = await asyncio.to_thread(self._outlook)
         settings = options.settings
         pool = upstream_pool(settings)
         await pool.start()
         engine = BatchEngine(settings, pool, Flights(), self.files, self.batches_dir)
         try:
+            if sends:
+                await self._wait_for_upstream(pool)
             await engine.start()
             return await self._drive(engine)
         finally:
             await engine.close()
             await pool.close()
+
+    def _not_this_input(self, input_id: str, identity: Identity) -> str:
+        """Why the state, recorded for another input or for this one before it changed, cannot be used."""
+        data, state = self.state.data, self.options.state
+        what_to_do = f"give another -o or --checkpoints-dir, or delete {state} to start over"
+        if data.get("input") == input_id:
+            then = (
+                "same path and size, other content"
+                if identity.bytes == data["bytes"]
+                else f"{data['bytes']:,} bytes then, {identity.bytes:,} now"
+            )
+            return f"-i {self.shown} has changed since this run began ({then}): {what_to_do}"
+        return (
+            f"{state} holds the run of another input ({redact_url(str(data.get('input')))}, {data['bytes']:,} "
+            f"bytes), not of -i {self.shown}: {what_to_do}"
+        )
+
+    def say(self, message: str) -> None:
+        self.stream.write(f"inferproxy run-batch: {message}\n")
+        self.stream.flush()
+
+    def _outlook(self) -> bool:
+        """Say what this run does with the batch the state names (resume it, run its unanswered lines
+        again, only write OUTPUT again); whether it has lines to send."""
+        try:
+            record = BatchDir(Path(self.batches_dir) / self.state.data["batch_id"]).load()
+        except (OSError, ValueError):  # not created yet (a first run, or killed before it was): run it all
+            return True
+        if record.status not in FINAL:
+            done = record.completed + record.failed
+            self.say(f"resuming: {done:,} of {record.total:,} lines already done" if record.total else "resuming")
+            return True
+        if record.status == "failed":
+            return False
+        unanswered = upstream_errors(BatchDir(Path(self.batches_dir) / record.id))
+        if record.status == "completed" and not unanswered:
+            self.say(f"already complete: nothing sent, {redact_url(self.options.output)} written again from the state")
+            return False
+        left = unanswered if record.status == "completed" else record.total - record.completed
+        self.say(
+            f"{left:,} of {record.total:,} lines got no answer last time: sending those again (the others are "
+            f"answered from the state)"
+        )
+        return True
+
+    async def _wait_for_upstream(self, pool: UpstreamPool) -> None:
+        """Until one replica answers `GET /v1/models`, for at most `upstream_wait_s`; said in one line when
+        none does at first, and a `RunBatchError` (exit 2, nothing sent) when none has by then."""
+        wait_s = self.options.upstream_wait_s
+        deadline = time.monotonic() + wait_s
+        urls = ", ".join(r.url for r in pool.replicas)
+        check = "check --upstream, --upstream-api-key and that the server is up"
+        waited = False
+        while True:
+            timeout_s = min(5.0, max(deadline - time.monotonic(), 1.0))
+            reasons = await asyncio.gather(*(pool.why_not_answering(r, timeout_s) for r in pool.replicas))
+            if any(reason is None for reason in reasons):
+                if waited:
+                    self.say(f"the upstream answers at {urls}: starting")
+                return
+            reason = next(r for r in reasons if r is not None)
+            if time.monotonic() >= deadline:
+                after = f" after {wait_s:g} s" if waited else ""
+                raise RunBatchError(
+                    f"no upstream answers GET /v1/models at {urls} ({reason}){after}: {check}; nothing was sent"
+                )
+            if not waited:
+                self.say(
+                    f"no upstream answers GET /v1/models at {urls} yet ({reason}): waiting up to {wait_s:g} s for "
+                    f"one (--upstream-wait-s); {check}"
+                )
+                waited = True
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), min(PROBE_EVERY_S, deadline - time.monotonic()))
+            if self._stopping.is_set():
+                raise Stopped
 
     async def _first_run(self, input_id: str) -> None:
         """Copy the input into the state's file store (streamed), check it, and record it: its ids first."""
@@ -505,19 +647,19 @@ class Runner:
                 f"stop that process (an inferproxy serve on this folder?), then rerun",
                 UNANSWERED,
             )
-        progress = Progress(self.stream)
-        while record.status not in FINAL:
-            progress.update(record.completed + record.failed, record.failed, record.total)
-            if self._stopping.is_set():
-                await engine.close()
+        with Progress(self.stream) as progress:
+            while record.status not in FINAL:
+                progress.update(record.completed + record.failed, record.failed, record.total)
+                if self._stopping.is_set():
+                    await engine.close()
+                    record = engine.get(batch_id)
+                    done = record.completed + record.failed
+                    progress.update(done, record.failed, record.total, final=True)
+                    return self._stopped(f"with {done:,} of {record.total:,} lines done")
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._stopping.wait(), REDRAW_S)
                 record = engine.get(batch_id)
-                done = record.completed + record.failed
-                progress.update(done, record.failed, record.total, final=True)
-                return self._stopped(f"with {done:,} of {record.total:,} lines done")
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._stopping.wait(), REDRAW_S)
-            record = engine.get(batch_id)
-        progress.update(record.completed + record.failed, record.failed, record.total, final=True)
+            progress.update(record.completed + record.failed, record.failed, record.total, final=True)
         if record.status != "completed":
             return UNANSWERED, f"the batch ended {record.status}: rerun the same command to run its lines again"
         folder = BatchDir(Path(self.batches_dir) / batch_id)
@@ -535,14 +677,23 @@ class Runner:
         if written.upstream_errors:
             return UNANSWERED, (
                 f"{written.upstream_errors:,} of {written.lines:,} lines got no answer from the upstream after every "
-                f"retry (error.code upstream_error in {output}); rerun the same command to retry only those"
+                f"retry (the last: {shorten(printable(written.last_error))}; error.code upstream_error in "
+                f"{output}); rerun the same command to retry only those"
             )
         errors = f" ({written.errors:,} answered with an error)" if written.errors else ""
         return OK, f"{written.lines:,} lines answered{errors}, written to {output}"
 
 
+def shorten(text: str, most: int = 240) -> str:
+    """`text` cut to `most` characters: an upstream's error may carry a whole page."""
+    return text if len(text) <= most else text[: most - 1] + "…"
+
+
 def check_locations(options: Options) -> None:
-    """OUTPUT's folder (or bucket) and the state's folder must take files: said before anything is sent."""
+    """An object-store INPUT must be readable, OUTPUT's folder (or bucket) and the state's folder must take
+    files: said before anything is sent."""
+    if is_remote(options.input):
+        check_remote_input(options.input)
     output = options.output
     if is_remote(output):
         check_output(output.rstrip("/").rsplit("/", 1)[0])

@@ -3,7 +3,10 @@ killed (SIGKILL, SIGTERM) part-way and run again, bad inputs refused before anyt
 
 from __future__ import annotations
 
+import fcntl
+import gzip
 import io
+import json
 import os
 import signal
 import subprocess
@@ -20,7 +23,8 @@ from app.store.batches import BatchDir, Result
 from app.tools import run_batch as run_batch_module
 from tests.e2e.conftest import Upstream, running_upstream
 from tests.e2e.test_s3_output import S3, s3, s3_server  # noqa: F401 - the fixtures
-from tests.servers import process, run_cli
+from tests.job.test_progress import logging_to, screen
+from tests.servers import free_port, process, run_cli
 
 pytestmark = pytest.mark.e2e
 
@@ -28,6 +32,11 @@ CHAT = "/v1/chat/completions"
 INFLIGHT = 8
 #: a kill's cost: lines sent, or answered and not yet on disk (twice `max_inflight_per_upstream`, contract §12)
 UNWRITTEN = 2 * INFLIGHT
+#: What a line answered 500 every time says in its `error.message`.
+REASON_500 = (
+    'the upstream answered 500: {"error":{"message":"injected failure 500","type":"InternalServerError","param":null,'
+    '"code":500}} (2 times)'
+)
 
 
 def chat_line(custom_id: str, text: str, url: str = CHAT, **body: Any) -> dict[str, Any]:
@@ -93,9 +102,15 @@ def test_every_line_is_answered_in_input_order_in_vllms_format(upstream: Upstrea
     assert upstream.stats()["generations"] == 29
     assert (tmp_path / "out.jsonl.inferproxy" / "run-batch.json").exists()  # the state, beside the output
 
-    # run again: nothing is sent, the output is the same answers
-    again = run_batch(upstream, "-i", str(source), "-o", str(tmp_path / "out.jsonl"))
+    # run again: nothing is sent, the output is the same answers; no upstream is needed for that
+    (tmp_path / "out.jsonl").unlink()
+    again = run_cli(
+        "run-batch", f"--upstream=http://127.0.0.1:{free_port()}", "-i", str(source), "-o", str(tmp_path / "out.jsonl")
+    )
     assert again.returncode == 0, again.stderr
+    assert again.stderr.startswith(
+        f"inferproxy run-batch: already complete: nothing sent, {tmp_path / 'out.jsonl'} written again from the state\n"
+    )
     assert upstream.stats()["generations"] == 29
     bodies = [o["response"]["body"] for o in output]
     assert [o["response"]["body"] for o in output_of(tmp_path / "out.jsonl")] == bodies
@@ -174,6 +189,7 @@ def test_sigterm_stops_it_cleanly_and_a_rerun_carries_on(slow_upstream: Upstream
     stopped_at = results_so_far(state)
     result = run_cli(*args, timeout=120)
     assert result.returncode == 0, result.stderr
+    assert f"inferproxy run-batch: resuming: {stopped_at} of 300 lines already done\n" in result.stderr
     assert [o["custom_id"] for o in output_of(output)] == [line["custom_id"] for line in lines]
     generations = slow_upstream.stats()["generations"]
     assert generations <= len(lines) + INFLIGHT, generations
@@ -190,8 +206,8 @@ def test_lines_the_upstream_never_answers_exit_1_and_a_rerun_retries_only_those(
     result = run_batch(upstream, "-i", str(source), "-o", str(output))
     assert result.returncode == 1, result.stderr
     assert last_line(result) == (
-        f"inferproxy run-batch: 1 of 20 lines got no answer from the upstream after every retry "
-        f"(error.code upstream_error in {output}); rerun the same command to retry only those"
+        f"inferproxy run-batch: 1 of 20 lines got no answer from the upstream after every retry (the last: "
+        f"{REASON_500}; error.code upstream_error in {output}); rerun the same command to retry only those"
     )
     out = output_of(output)
     assert [o["custom_id"] for o in out] == [line["custom_id"] for line in lines]
@@ -202,9 +218,84 @@ def test_lines_the_upstream_never_answers_exit_1_and_a_rerun_retries_only_those(
 
     again = run_batch(upstream, "-i", str(source), "-o", str(output))
     assert again.returncode == 1, again.stderr
+    assert again.stderr.startswith(
+        "inferproxy run-batch: 1 of 20 lines got no answer last time: sending those again (the others are answered "
+        "from the state)\n"
+    )
     after = upstream.stats()
     assert after["generations"] == 19  # the answered lines were not paid again
     assert after["requests"] - before["requests"] == 2  # the broken line, tried twice (--batch-retries=1)
+
+
+def test_an_upstream_that_never_answers_fails_the_run_at_once_in_one_line_and_sends_nothing(tmp_path: Path) -> None:
+    source = write_input(tmp_path / "in.jsonl", [chat_line(f"line-{i}", "question") for i in range(3)])
+    nobody = f"http://127.0.0.1:{free_port()}"  # a mistyped port: nothing listens there
+    check = "check --upstream, --upstream-api-key and that the server is up"
+    for wait_s, said in (
+        ("0", [f"no upstream answers GET /v1/models at {nobody} ("]),
+        (
+            "1",
+            [
+                f"no upstream answers GET /v1/models at {nobody} yet (",
+                f"no upstream answers GET /v1/models at {nobody} (",
+            ],
+        ),
+    ):
+        output = tmp_path / f"out-{wait_s}.jsonl"
+        result = run_cli(
+            "run-batch", f"--upstream={nobody}", f"--upstream-wait-s={wait_s}", "-i", str(source), "-o", str(output)
+        )
+        assert result.returncode == 2, result.stderr
+        lines = result.stderr.splitlines()
+        assert len(lines) == len(said), result.stderr
+        shown = [
+            line.removeprefix("inferproxy run-batch: ")[: len(start)] for line, start in zip(lines, said, strict=True)
+        ]
+        assert shown == said
+        assert "refused" in lines[-1].lower(), lines[-1]  # the reason: connection refused
+        if wait_s == "1":
+            assert lines[0].endswith(f"): waiting up to 1 s for one (--upstream-wait-s); {check}"), lines[0]
+            assert lines[-1].endswith(f") after 1 s: {check}; nothing was sent"), lines[-1]
+        else:
+            assert lines[-1].endswith(f"): {check}; nothing was sent"), lines[-1]
+        assert not output.exists()
+        assert not Path(f"{output}.inferproxy").exists()  # a fresh run leaves no state
+
+
+def test_an_upstream_that_is_starting_is_waited_for(tmp_path: Path) -> None:
+    source = write_input(tmp_path / "in.jsonl", [chat_line(f"line-{i}", "question") for i in range(3)])
+    output, port = tmp_path / "out.jsonl", free_port()
+    args = ("run-batch", f"--upstream=http://127.0.0.1:{port}", *fast(), "-i", str(source), "-o", str(output))
+    with process(*args, read_stderr=True) as proc:
+        assert proc.stderr is not None
+        first = proc.stderr.readline().decode()  # said before it waits: the upstream is started after it
+        assert first.startswith(
+            f"inferproxy run-batch: no upstream answers GET /v1/models at http://127.0.0.1:{port} yet"
+        )
+        assert "waiting up to 60 s" in first, first
+        with process("fake-upstream", f"--port={port}"):
+            assert proc.wait(timeout=60) == 0
+        said = proc.stderr.read().decode()
+    assert f"inferproxy run-batch: the upstream answers at http://127.0.0.1:{port}: starting\n" in said
+    assert said.endswith(f"inferproxy run-batch: 3 lines answered, written to {output}\n"), said
+    assert len(output_of(output)) == 3
+
+
+def test_lines_the_upstream_stops_answering_name_the_last_error_in_the_final_line(
+    slow_upstream: Upstream, tmp_path: Path
+) -> None:
+    lines = [chat_line(f"line-{i}", f"question {i}") for i in range(200)]
+    source = write_input(tmp_path / "in.jsonl", lines)
+    output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
+    args = ("run-batch", f"--upstream={slow_upstream.url}", *fast(), "--upstream-retries=0", "-i", str(source))
+    with process(*args, "-o", str(output), read_stderr=True) as proc:
+        wait_for_results(state, 20, proc)
+        slow_upstream.proc.kill()  # gone mid-run: the lines left get no answer
+        assert proc.wait(timeout=60) == 1
+        assert proc.stderr is not None
+        said = proc.stderr.read().decode().strip().splitlines()[-1]
+    assert " lines got no answer from the upstream after every retry (the last: " in said, said
+    assert "refused" in said.lower(), said
 
 
 def test_a_bad_input_is_refused_naming_its_first_bad_lines_and_nothing_is_sent_or_written(
@@ -225,11 +316,32 @@ def test_a_bad_input_is_refused_naming_its_first_bad_lines_and_nothing_is_sent_o
             "/v1/embeddings",
         ),
         "empty": ("\n\n", "holds no request"),
+        "gzip": (
+            gzip.compress((good + "\n").encode()),
+            "-i {path} is gzip-compressed: gunzip it (run-batch reads plain JSON Lines)",
+        ),
+        "binary": (bytes(range(1, 256)) * 8, "-i {path} is not UTF-8 text (its first KB is not): give the batch file"),
+        "nul": (b"\0" * 2000, "-i {path} is not text: its first KB holds NUL bytes"),
+        "pretty-array": (
+            json.dumps([chat_line("a", "q"), chat_line("b", "q")], indent=2),
+            "-i {path} looks like one JSON array, not one request per line: write one JSON object per line "
+            "(jq -c '.[]' does)",
+        ),
+        "one-line-array": (json.dumps([chat_line("a", "q")]), "-i {path} looks like one JSON array"),
+        "latin-1-line": (
+            # a byte that is not UTF-8 past the first KB: the line is bad, not the file
+            "".join(orjson.dumps(chat_line(f"{i}", "question")).decode() + "\n" for i in range(20))
+            + json.dumps(chat_line("b", "caf\u00e9"), ensure_ascii=False).replace("\u00e9", "\udce9")
+            + "\n",
+            "-i {path} has 1 bad line, nothing was sent: line 21: the line is not UTF-8 text",
+        ),
     }
     for name, (text, expected) in cases.items():
         path = tmp_path / f"{name}.jsonl"
-        if text is not None:
-            path.write_text(text)
+        if isinstance(text, bytes):
+            path.write_bytes(text)
+        elif text is not None:
+            path.write_bytes(text.encode("utf-8", "surrogateescape"))
         output = tmp_path / f"{name}.out.jsonl"
         result = run_batch(upstream, "-i", str(path), "-o", str(output))
         assert result.returncode == 2, (name, result.stderr)
@@ -247,8 +359,30 @@ def test_another_input_on_the_same_state_is_refused(upstream: Upstream, tmp_path
     assert run_batch(upstream, "-i", str(first), "-o", str(output)).returncode == 0
     result = run_batch(upstream, "-i", str(second), "-o", str(output))
     assert result.returncode == 2
-    assert f"{output}.inferproxy holds the run of another input ({first}, " in result.stderr
+    assert last_line(result) == (
+        f"inferproxy run-batch: {output}.inferproxy holds the run of another input ({first}, {first.stat().st_size} "
+        f"bytes), not of -i {second}: give another -o or --checkpoints-dir, or delete {output}.inferproxy to start over"
+    )
     assert output_of(output)[0]["custom_id"] == "a"
+
+
+def test_an_input_edited_in_place_is_refused_saying_it_changed(upstream: Upstream, tmp_path: Path) -> None:
+    source = write_input(tmp_path / "edit.jsonl", [chat_line("a", "question 1")])
+    output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
+    assert run_batch(upstream, "-i", str(source), "-o", str(output)).returncode == 0
+    to_start_over = f"give another -o or --checkpoints-dir, or delete {state} to start over"
+    for edited, then in (
+        ([chat_line("a", "question 2")], "same path and size, other content"),
+        ([chat_line("a", "question 22")], f"{source.stat().st_size} bytes then, {source.stat().st_size + 1} now"),
+    ):
+        write_input(source, edited)
+        result = run_batch(upstream, "-i", str(source), "-o", str(output))
+        assert result.returncode == 2, result.stderr
+        assert last_line(result) == f"inferproxy run-batch: -i {source} has changed since this run began ({then}): " + (
+            to_start_over
+        )
+    assert output_of(output)[0]["response"]["status_code"] == 200  # the first run's output, untouched
+    assert upstream.stats()["generations"] == 1
 
 
 def test_an_object_store_output_needs_a_checkpoints_dir(tmp_path: Path) -> None:
@@ -336,3 +470,79 @@ def test_progress_is_a_bar_redrawn_in_place_on_a_terminal_and_a_line_every_30_s_
                 "run-batch 500/1,000 lines 50%, 5 failed, 10.0 lines/s ETA 50s",
                 "run-batch 1,000/1,000 lines 100%, 5 failed, 22.5 lines/s",
             ]
+
+
+def test_an_s3_input_that_cannot_be_reached_is_refused_in_one_line_naming_why(
+    upstream: Upstream,
+    tmp_path: Path,
+    s3: S3,  # noqa: F811
+) -> None:
+    s3.client.put_object(Bucket=s3.bucket, Key="in.jsonl", Body=orjson.dumps(chat_line("a", "question")) + b"\n")
+    url = f"s3://{s3.bucket}/in.jsonl"
+    no_credentials = {k: v for k, v in s3.env.items() if not k.startswith("AWS_ACCESS") and "SECRET" not in k}
+    unreachable = {**s3.env, "AWS_ENDPOINT_URL_S3": f"http://127.0.0.1:{free_port()}"}  # nothing listens there
+    cases = {
+        "no-credentials": (no_credentials, f"-i {url} cannot be reached (NoCredentialsError: "),
+        "unreachable": (unreachable, f"-i {url} cannot be reached (EndpointConnectionError: "),
+        "missing": (s3.env, f"-i s3://{s3.bucket}/missing.jsonl: no such object"),
+    }
+    for name, (env, expected) in cases.items():
+        output = tmp_path / f"{name}.jsonl"
+        source = url if name != "missing" else f"s3://{s3.bucket}/missing.jsonl"
+        args = [
+            sys.executable,
+            "-m",
+            "app.cli",
+            "run-batch",
+            f"--upstream={upstream.url}",
+            "-i",
+            source,
+            "-o",
+            str(output),
+        ]
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | env
+        result = subprocess.run(args, capture_output=True, text=True, timeout=60, env=environ, check=False)
+        assert result.returncode == 2, (name, result.stderr)
+        assert result.stderr.count("\n") == 1, (name, result.stderr)  # one line, no traceback
+        assert result.stderr.startswith(f"inferproxy run-batch: {expected}"), (name, result.stderr)
+        if name != "missing":
+            assert result.stderr.endswith(": check the URL, the endpoint and the credentials\n"), result.stderr
+        assert not output.exists(), name
+        assert not (tmp_path / f"{name}.jsonl.inferproxy").exists(), name  # no state left either
+    assert list(upstream.stats()["by_path"]) == ["GET /v1/models"]  # the fixture's readiness wait, nothing else
+
+
+def test_a_state_another_run_batch_works_on_is_refused_with_exit_2(upstream: Upstream, tmp_path: Path) -> None:
+    source = write_input(tmp_path / "in.jsonl", [chat_line("a", "question")])
+    output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
+    state.mkdir()
+    with (state / "run-batch.lock").open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)  # as a run-batch at work on it holds it
+        result = run_batch(upstream, "-i", str(source), "-o", str(output))
+    assert result.returncode == 2, result.stderr
+    assert last_line(result) == (
+        f"inferproxy run-batch: another inferproxy run-batch works on {state} (it holds run-batch.lock): wait for "
+        f"it, or stop it"
+    )
+    assert not output.exists()
+    assert upstream.stats()["generations"] == 0
+
+
+def test_a_log_record_written_while_the_bar_is_shown_gets_a_line_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [100.0]
+    monkeypatch.setattr(run_batch_module.time, "monotonic", lambda: clock[0])
+    terminal = Terminal(True)
+    with logging_to(terminal) as logger:
+        with run_batch_module.Progress(terminal) as progress:
+            progress.update(1, 0, 3)
+            logger.warning("batch batch_x: completed")  # as the engine logs while the bar is shown
+            clock[0] += 1
+            progress.update(3, 0, 3, final=True)
+        logger.warning("after the run")
+    rows = screen(terminal.getvalue())
+    assert rows == [
+        "WARNING batch batch_x: completed",
+        "run-batch [########################] 3/3 lines 100%, 0 failed, 2.0 lines/s",
+        "WARNING after the run",
+        "",
+    ], rows

@@ -5,6 +5,7 @@ hashes, then a second pass over the few lines it flags."""
 
 from __future__ import annotations
 
+import codecs
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ from app.store.durable import open_to_read
 MAX_ERRORS = 100
 #: As an `X-Doc-Id` may be: a line's answers are kept under its `custom_id`.
 MAX_CUSTOM_ID_BYTES = 1024
+#: The start of a file that tells whether it is text at all.
+HEAD_BYTES = 1024
+GZIP_MAGIC = b"\x1f\x8b"
 
 
 @dataclass
@@ -27,6 +31,8 @@ class Checked:
     lines: int = 0
     bad: int = 0
     errors: list[dict[str, Any]] = field(default_factory=list)
+    #: Why the file is no JSON Lines at all, to follow its name (`is gzip-compressed: gunzip it`), or None.
+    not_json_lines: str | None = None
 
     def error(self, line: int, code: str, message: str, param: str | None = None) -> None:
         self.bad += 1
@@ -53,6 +59,28 @@ class IdFilter:
         bits[a >> 3] |= 1 << (a & 7)
         bits[b >> 3] |= 1 << (b & 7)
         return seen
+
+
+def not_text(head: bytes) -> str | None:
+    """Why a file starting with `head` (its first `HEAD_BYTES`) is no JSON Lines at all, or None."""
+    if head.startswith(GZIP_MAGIC):
+        return "is gzip-compressed: gunzip it"
+    if b"\0" in head:
+        return "is not text: its first KB holds NUL bytes"
+    try:  # a character cut at the end of the head is no error, one cut at the end of the file is
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < HEAD_BYTES)
+    except UnicodeDecodeError:
+        return "is not UTF-8 text (its first KB is not): give the batch file, in UTF-8"
+    return None
+
+
+def looks_like_an_array(raw: bytes, record: Any) -> bool:
+    """Whether the first line that is not blank opens one JSON array of the requests (a file written with
+    `json.dump(requests, f)`, pretty-printed or not) rather than holding one request."""
+    return raw.lstrip().startswith(b"[") and (record is None or isinstance(record, list))
+
+
+ARRAY = "looks like one JSON array, not one request per line: write one JSON object per line (jq -c '.[]' does)"
 
 
 def line_problem(record: Any, endpoint: str) -> tuple[str, str, str | None] | None:
@@ -94,16 +122,31 @@ def check_input(path: Path, endpoint: str) -> Checked:
     seen = IdFilter(path.stat().st_size)
     maybe_twice: set[int] = set()
     with open_to_read(path) as f:
+        checked.not_json_lines = not_text(f.read(HEAD_BYTES))
+        f.seek(0)
+        first = True
         for number, raw in enumerate(f, 1):
+            if checked.not_json_lines is not None:
+                # every line would be bad, each for the same reason: the file's is the one said
+                checked.error(number, "invalid_json_line", f"the file {checked.not_json_lines}")
+                break
             if not raw.strip():
                 continue
             try:
                 record = orjson.loads(raw)
             except orjson.JSONDecodeError as exc:
-                checked.error(
-                    number, "invalid_json_line", f"the line is not valid JSON: {exc.msg} at column {exc.colno}"
-                )
+                if first and looks_like_an_array(raw, None):
+                    checked.not_json_lines = ARRAY
+                    checked.error(number, "invalid_json_line", f"the file {ARRAY}")
+                    break
+                checked.error(number, "invalid_json_line", _not_json(exc))
+                first = False
                 continue
+            if first and looks_like_an_array(raw, record):
+                checked.not_json_lines = ARRAY
+                checked.error(number, "invalid_json_line", f"the file {ARRAY}")
+                break
+            first = False
             problem = line_problem(record, endpoint)
             if problem is not None:
                 checked.error(number, *problem)
@@ -117,6 +160,12 @@ def check_input(path: Path, endpoint: str) -> Checked:
     checked.errors.sort(key=lambda e: e["line"])
     del checked.errors[MAX_ERRORS:]
     return checked
+
+
+def _not_json(exc: orjson.JSONDecodeError) -> str:
+    if "UTF-8" in exc.msg:  # orjson's "str is not valid UTF-8: surrogates not allowed" for any bad byte
+        return "the line is not UTF-8 text"
+    return f"the line is not valid JSON: {exc.msg} at column {exc.colno}"
 
 
 def _name_duplicates(path: Path, digests: set[int], checked: Checked) -> None:
