@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 
@@ -638,6 +639,34 @@ async def test_an_openai_route_without_v1_is_forwarded_and_its_404_says_the_rout
     by_path = (await env.upstream_stats())["by_path"]
     assert all(f"POST {path}" in by_path for path in ("/chat/completions", "/completions", "/embeddings"))
     assert (await env.client.post("/nope")).json()["error"]["message"] == "Not Found: POST /nope"  # untouched
+
+
+async def test_the_openai_client_without_v1_in_its_base_url_is_told_where_the_routes_are(env: Env) -> None:
+    """What a newcomer's `OpenAI(base_url="http://HOST:PORT")` meets on each API it calls, and on a base_url
+    ending in /v1 twice: the 404 names the base_url to use, not only the path that was missing."""
+    root = str(env.client.base_url).rstrip("/")
+    under = f"the OpenAI routes are under /v1 (a client's base_url ends in /v1: {root}/v1)"
+    twice = f"the base_url ends in /v1 twice (the OpenAI routes are under one: {root}/v1)"
+    async with (
+        openai.AsyncOpenAI(base_url=root, api_key="unused", max_retries=0) as bare,
+        openai.AsyncOpenAI(base_url=root + "/v1/v1", api_key="unused", max_retries=0) as doubled,
+    ):
+        calls: dict[str, tuple[Callable[[], Awaitable[object]], str]] = {
+            "POST /files": (lambda: bare.files.create(file=("in.jsonl", b"{}\n"), purpose="batch"), under),
+            "GET /files/file-abc/content": (lambda: bare.files.content("file-abc"), under),
+            "GET /batches": (lambda: bare.batches.list(), under),
+            "GET /batches/batch_abc": (lambda: bare.batches.retrieve("batch_abc"), under),
+            "GET /models": (lambda: bare.models.list(), under),
+            "GET /models/fake-model": (lambda: bare.models.retrieve("fake-model"), under),
+            "GET /v1/v1/batches": (lambda: doubled.batches.list(), twice),
+            "POST /v1/v1/chat/completions": (lambda: doubled.chat.completions.create(model="m", messages=[]), twice),
+        }
+        for where, (call, hint) in calls.items():
+            with pytest.raises(openai.NotFoundError) as missing:
+                await call()
+            assert isinstance(missing.value.body, dict), where
+            assert missing.value.body["message"] == f"Not Found: {where}: {hint}", where
+    assert (await env.client.get("/filesystem")).json()["error"]["message"] == "Not Found: GET /filesystem"
 
 
 def test_a_404_without_the_openai_envelope_to_a_route_without_v1_gets_the_proxys_saying_the_same() -> None:
