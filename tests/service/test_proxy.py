@@ -328,6 +328,26 @@ async def test_api_key_guards_everything_but_healthz_and_is_not_forwarded(tmp_pa
         assert "x-doc-id" not in upstream.last_headers
 
 
+async def test_a_401_says_whether_the_key_was_missing_malformed_or_not_the_proxys(tmp_path: Path) -> None:
+    """The openai client with the wrong api_key did send `Bearer <key>`: its 401 names the key, not the header."""
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url, api_key="s3cret")) as proxy:
+        async with openai.AsyncOpenAI(base_url=proxy + "/v1", api_key="wrong", max_retries=0) as client:
+            with pytest.raises(openai.AuthenticationError) as refused:
+                await client.chat.completions.create(model="fake-model", messages=[])
+        assert isinstance(refused.value.body, dict)
+        assert refused.value.body["message"] == (
+            "the API key sent is not this proxy's: send the one it was started with (--api-key / INFERPROXY_API_KEY)"
+        )
+        async with httpx.AsyncClient(base_url=proxy) as c:
+            missing = await c.get("/stats")
+            malformed = await c.get("/stats", headers={"Authorization": "s3cret"})
+            assert (await c.get("/stats", headers={"Authorization": "Bearer s3cret"})).status_code == 200
+    assert missing.json()["error"]["message"] == "the Authorization header is missing: send Bearer <api key>"
+    assert malformed.json()["error"]["message"] == (
+        "the Authorization header is not Bearer <api key>: send Bearer <api key>"
+    )
+
+
 async def test_every_error_the_proxy_makes_is_the_openai_envelope(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     async with proxy_client(settings(tmp_path, dead, upstream_retries=0, max_body_bytes=50, api_key="k")) as c:
