@@ -191,6 +191,13 @@ async def _fetch(url: str, api_key: str | None, timeout_s: float) -> bytes:
             f"give the proxy's own URL",
             final=True,
         )
+    root = url.rstrip("/")
+    if status == 404 and root.endswith("/v1"):  # the OpenAI clients' base_url, given as the proxy's
+        raise StatusError(
+            f"GET {target} answered 404: status takes the proxy's root, not the /v1 base_url: "
+            f"try {root.removesuffix('/v1')}",
+            final=True,
+        )
     raise StatusError(f"GET {target} answered {status}: is {url} an inferproxy?")
 
 

@@ -119,6 +119,20 @@ async def test_an_unreachable_proxy_is_one_line_and_exit_code_1() -> None:
     assert len(err.splitlines()) == 1
 
 
+async def test_the_v1_base_url_given_for_the_proxys_root_says_which_url_to_give(tmp_path: Path) -> None:
+    # It said "GET .../v1/stats answered 404: is .../v1 an inferproxy?", as of something that is not one.
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url)) as proxy:
+        for given in (f"{proxy}/v1", f"{proxy}/v1/"):
+            code, out, err = await status_of(given)
+            assert (code, out) == (1, ""), given
+            assert err == (
+                f"inferproxy status: GET {proxy}/v1/stats answered 404: status takes the proxy's root, "
+                f"not the /v1 base_url: try {proxy}\n"
+            ), given
+        code, out, _ = await status_of(proxy)
+        assert code == 0
+
+
 def read_until(master: int, wanted: bytes, output: bytearray, times: int = 1) -> None:
     """Read the pty until `wanted` has appeared `times` times in all that was read, or the terminal is closed."""
     deadline = time.monotonic() + 30
