@@ -685,3 +685,20 @@ def test_the_batches_the_proxy_runs_are_a_table_of_their_own_and_an_older_proxy_
     assert not any("lines/s" in line for line in status.render(status.decode(orjson.dumps(STATS), "u"), "u"))
     with pytest.raises(status.StatusError, match=r"batches\[0\].total"):
         status.decode(orjson.dumps({**STATS, "batches": [{**batch, "total": -1}]}), "u")
+
+
+def test_the_batches_that_ended_are_a_line_instead_of_no_job_and_an_older_proxy_still_says_no_job() -> None:
+    def shown(**extra: Any) -> list[str]:
+        return status.render(status.decode(orjson.dumps({**STATS, **extra}), "u"), "u")
+
+    done = {"completed": 3, "failed": 0, "cancelled": 1, "expired": 0}
+    lines = shown(batches=[], batches_done=done)
+    assert "batches: 3 completed, 1 cancelled (GET /v1/batches)" in lines
+    assert not any("no job" in line for line in lines)
+    for older in ({}, {"batches": []}, {"batches": [], "batches_done": {}}):  # before the Batch API; batches off
+        lines = shown(**older)
+        assert "no job yet" in lines
+        assert "no job has talked to this proxy since it started" in lines
+        assert not any(line.startswith("batches:") for line in lines)
+    with pytest.raises(status.StatusError, match=r"batches_done.failed is \"1\", not a number >= 0"):
+        status.decode(orjson.dumps({**STATS, "batches_done": {**done, "failed": "1"}}), "u")
