@@ -7,14 +7,15 @@ and datatrove, with paths every node sees (a shared filesystem)::
         --input /shared/input --output /shared/output --checkpoints /shared/checkpoints \\
         --logs /shared/logs
 
-It submits the job array and returns (`squeue` shows it; `inferproxy status --url ...` on a node
-shows the proxy there). Each Slurm job holds one node (`--exclusive`) and runs one task: its job
-script starts that node's proxy (`examples/slurm_node_proxy.sh`, as datatrove's `env_command`),
-pointed at the node's vLLM or SGLang server (`--upstream`), and the task sends its generations and
-documents to `http://127.0.0.1:PORT`. A task cancelled, preempted or out of time: run the same
-command again. datatrove skips the finished tasks, and the rerun one resumes after its last
-published chunk, its cached generations replayed from the shared checkpoints dir; only what was in
-flight when it stopped is generated again, and the output holds every document once.
+It submits the job array and returns (`squeue` shows it; `inferproxy status http://127.0.0.1:8080`
+run on a node shows the proxy there: it listens on the node's loopback only, on `--port`). Each
+Slurm job holds one node (`--exclusive`) and runs one task: its job script starts that node's proxy
+(`examples/slurm_node_proxy.sh`, as datatrove's `env_command`), pointed at the node's vLLM or SGLang
+server (`--upstream`), and the task sends its generations and documents to `http://127.0.0.1:PORT`.
+A task cancelled, preempted or out of time: run the same command again. datatrove skips the finished
+tasks, and the rerun one resumes after its last published chunk, its cached generations replayed
+from the shared checkpoints dir; only what was in flight when it stopped is generated again, and the
+output holds every document once.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,6 +25,36 @@ def test_every_option_of_every_subcommand_has_a_help_text_and_no_none_default(co
     for action in parser._actions:
         assert action.help, f"{command} {action.option_strings} has no help text"
     assert "None" not in parser.format_help()
+
+
+ROOT = Path(__file__).parent.parent
+#: `inferproxy SUBCOMMAND ARGS` in prose or a shell line (a line's `\\`-continuations joined), up to what
+#: ends a command in them: a backquote, a quote, a pipe, `;`, `&`, `#`, `)`.
+COMMAND = re.compile(r"inferproxy ([a-z][a-z-]+)((?: +[^\s`\"'|;&#)]+)*)")
+
+
+def documented_commands() -> list[tuple[str, str, str]]:
+    """`(file, subcommand, its arguments)` of every `inferproxy ...` command line of the README, docs/,
+    bench/ and examples/."""
+    files = [ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("bench/**/*.md"), *ROOT.glob("examples/*")]
+    found = []
+    for path in files:
+        text = re.sub(r"\\{1,2}\n\s*", " ", path.read_text())
+        found += [(path.name, m[1], m[2]) for m in COMMAND.finditer(text) if m[1] in subcommands()]
+    return found
+
+
+def test_every_flag_of_a_documented_command_line_is_one_the_command_takes() -> None:
+    # examples/datatrove_slurm.py said `inferproxy status --url ...`: status takes the URL as its argument.
+    commands = documented_commands()
+    assert {subcommand for _, subcommand, _ in commands} >= {"serve", "status", "inspect", "run-batch", "demo"}
+    wrong = [
+        f"{name}: inferproxy {subcommand}{args}: no {flag}"
+        for name, subcommand, args in commands
+        for flag in re.findall(r"(?<![\w-])(--?[a-zA-Z][\w-]*)", args)
+        if flag.split("=")[0] not in subcommands()[subcommand]._option_string_actions
+    ]
+    assert wrong == []
 
 
 def test_the_help_lists_the_users_commands_and_not_the_demos_internal_job() -> None:

@@ -14,6 +14,8 @@ A block that cannot run says why just before it: `<!-- not run: REASON -->`, or
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
 import os
 import re
 import shutil
@@ -22,6 +24,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,6 +105,32 @@ def readme_blocks() -> Iterator[Block]:
         before = README[: fence.start()]
         marker = re.search(r"<!-- not run: (.*?) -->\n\Z", before)
         yield Block(fence.group(1), fence.group(2), before.count("\n") + 1, marker.group(1) if marker else None)
+
+
+def test_every_import_of_the_readmes_python_is_covered_by_the_install_line_it_gives() -> None:
+    # `pip install -e '.[s3,datatrove]'`, then the client example: "No module named 'openai'" (a dev extra).
+    [line] = re.findall(r"in another\s+environment, .*?`(pip install -e '\.\[[^`]*)`", README, re.DOTALL)
+    parsed = re.fullmatch(r"pip install -e '\.\[([\w,]+)\]'((?: [\w-]+)*)", line)
+    assert parsed is not None, line
+    extras, packages = parsed.groups()
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + [r for e in extras.split(",") for r in project["optional-dependencies"][e]]
+    installed = {canonical(re.split(r"[\[<>=!~;\s]", requirement, maxsplit=1)[0]) for requirement in wanted}
+    installed |= {canonical(package) for package in packages.split()}
+    by_module = importlib.metadata.packages_distributions()
+    missing = []
+    for fence in re.finditer(r"^ *```python\n(.*?)^ *```$", README, re.MULTILINE | re.DOTALL):
+        for node in ast.walk(ast.parse(textwrap.dedent(fence.group(1)))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module] if isinstance(node, ast.ImportFrom) and node.module and not node.level else []
+            for top in {name.split(".")[0] for name in names} - set(sys.stdlib_module_names) - {"app"}:
+                if not {canonical(d) for d in by_module.get(top, [top])} & installed:
+                    missing.append(top)
+    assert missing == [], f"the README's python imports {missing}, which `{line}` does not install"
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
 
 
 def test_every_code_block_says_its_language_and_every_block_not_run_says_why() -> None:

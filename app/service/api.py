@@ -130,7 +130,7 @@ def errors(*statuses: int) -> dict[int | str, dict[str, Any]]:
 
 _STATUS = {
     400: "a header or the body is malformed; nothing was written",
-    401: "the `Authorization` header is missing or wrong (`--api-key` is set)",
+    401: "the `Authorization` header is missing, or its key is not the proxy's `--api-key`",
     404: "no such batch or file: the id names none",
     409: "the chunk is complete already, the rank is owned by another proxy, chunks left the output, or the "
     "file is the input of a running batch",

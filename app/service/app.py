@@ -157,8 +157,13 @@ class InferProxy(FastAPI):
         given = next((value for name, value in headers if name == b"authorization"), b"")
         if hmac.compare_digest(given, self.expected):
             return None
-        reason = "missing" if not given else "wrong"
-        return Unauthorized(f"the Authorization header is {reason}: send Bearer <api key>")
+        if not given:
+            return Unauthorized("the Authorization header is missing: send Bearer <api key>")
+        if given[:7].lower() != b"bearer ":
+            return Unauthorized("the Authorization header is not Bearer <api key>: send Bearer <api key>")
+        return Unauthorized(
+            "the API key sent is not this proxy's: send the one it was started with (--api-key / INFERPROXY_API_KEY)"
+        )
 
     # -- the fast path ------------------------------------------------------------
 

@@ -238,3 +238,7 @@ class Stats(Strict):
     forgotten: dict[str, int] = Field(description="the counts of ranks no longer shown one by one")
     history: list[dict[str, float]] = Field(description="the totals sampled every few seconds, `t` their time")
     batches: list[BatchView] = Field(description="the batches this proxy runs now (`/v1/batches` has them all)")
+    batches_done: dict[str, int] = Field(
+        description="how many batches ended `completed`, `failed`, `cancelled`, `expired` of those this proxy "
+        "saw end or found ended in its dir since it started (`/v1/batches` has them)"
+    )

@@ -265,7 +265,7 @@ def kill_moments(options: DemoOptions, rng: random.Random) -> list[int]:
     slack = options.documents - 2 - (kills - 1) * spacing
     if kills and slack < 0:
         raise SystemExit(
-            f"inferproxy demo: {options.documents} documents are too few to kill the job {kills} times at "
+            f"inferproxy demo: {options.documents} documents are too few to kill the job {times(kills)} at "
             f"--concurrency {spacing} (a killed job may leave up to that many documents done with it): give at "
             f"least --documents {options.documents - slack}, or fewer --kills, or a lower --concurrency"
         )
@@ -398,16 +398,29 @@ def describe_run(number: int, run: RunReport) -> str:
     )
 
 
+def banner(options: DemoOptions) -> str:
+    """The first line: what the demo is about to do."""
+    where = options.upstream or "the built-in fake upstream"
+    kills = (
+        f"the job is killed {times(options.kills)} with SIGKILL ({PROXY_KILLS[options.kill_proxy]}) and restarted"
+        if options.kills
+        else "the job runs once, never killed"
+    )
+    return (
+        f"inferproxy demo: {options.documents} documents x {options.rollouts} rollouts through inferproxy serve "
+        f"and {where}, chunks of {options.records_per_chunk}; {kills}"
+    )
+
+
+def times(n: int) -> str:
+    """`once`, `2 times`: how often, as a person says it."""
+    return "once" if n == 1 else f"{n} times"
+
+
 def main(options: DemoOptions) -> int:
     moments = kill_moments(options, random.Random(options.seed))
     prepare_workdir(options.workdir)  # a refusal is the only line printed, as for the other bad inputs
-    where = options.upstream or "the built-in fake upstream"
-    print(
-        f"inferproxy demo: {options.documents} documents x {options.rollouts} rollouts through inferproxy serve "
-        f"and {where}, chunks of {options.records_per_chunk}; the job is killed {options.kills} times with "
-        f"SIGKILL ({PROXY_KILLS[options.kill_proxy]}) and restarted",
-        flush=True,
-    )
+    print(banner(options), flush=True)
     report = run_demo(options, moments)
     documents, files = verify_output(options)
     replayed = sum(run.replayed for run in report.runs)

@@ -86,6 +86,8 @@ class DirReport:
     ranks: list[RankReport]
     problems: list[str]
     api: ApiReport = field(default_factory=lambda: ApiReport(False))  # the Batch API's batches and files
+    notes: list[str] = field(default_factory=list)  # what is so of the dir, nothing wrong
+    checkpointed: bool = True  # whether any rank has a chunk or last_chunk file (else no records_per_chunk yet)
 
 
 def inspect_dir(
@@ -106,6 +108,8 @@ def inspect_dir(
     layout = CheckpointsLayout(root)
     names = _check_dir(root)
     problems: list[str] = []
+    notes: list[str] = []
+    checkpointed = _any_checkpoint(layout)
     try:
         recorded = recorded_records_per_chunk(layout)
     except (CorruptFileError, OSError) as exc:
@@ -116,20 +120,22 @@ def inspect_dir(
             check_records_per_chunk(layout, records_per_chunk, record=False)
         except RecordsPerChunkMismatch as exc:
             problems.append(f"--records-per-chunk {records_per_chunk}: a proxy started with it refuses to: {exc}")
+    elif recorded is None and META_FILENAME not in names and layout.known_ranks() and not checkpointed:
+        # A proxy records it with the first document it checkpoints: before, its ranks hold caches only,
+        # and every rank resumes at its start whatever the value.
+        notes.append(
+            f"{META_FILENAME} is not written yet: no document checkpointed yet, the ranks hold request caches "
+            f"only (a proxy records records_per_chunk with the first one)"
+        )
     elif recorded is None and META_FILENAME not in names and layout.known_ranks():
         given = (
             f"the numbers below use --records-per-chunk {records_per_chunk}"
             if records_per_chunk is not None
             else "pass --records-per-chunk N (the value the job was run with) to see what /resume will answer"
         )
-        # A proxy records it with the first document it checkpoints: before, its ranks hold caches only.
-        cause = (
-            "checkpoints written by datatrove or an older inferproxy"
-            if _any_checkpoint(layout)
-            else "no document checkpointed yet: the ranks hold request caches only"
-        )
         problems.append(
-            f"{layout.meta_file} is missing, so records_per_chunk is unknown ({cause}): "
+            f"{layout.meta_file} is missing, so records_per_chunk is unknown (checkpoints written by datatrove "
+            f"or an older inferproxy): "
             f"a restarted proxy trusts and records its own --records-per-chunk; {given}"
         )
     publisher = ChunkPublisher(output, root, output_filename or DEFAULT_OUTPUT_FILENAME) if output else None
@@ -140,7 +146,7 @@ def inspect_dir(
     problems += refused
     reports = [_rank_report(layout.rank(rank), rpc, publisher, refused=bool(refused)) for rank in chosen]
     api = inspect_batches.inspect_api(layout, _cache_numbers)
-    return DirReport(root, recorded, reports, problems + api.problems, api)
+    return DirReport(root, recorded, reports, problems + api.problems, api, notes, checkpointed)
 
 
 def _any_checkpoint(layout: CheckpointsLayout) -> bool:
@@ -176,10 +182,29 @@ def _check_dir(root: str) -> list[str]:
     what = "checkpoint_meta.json, last_chunk/, owners/, rank folders (00000/, ...), files/ or batches/"
     if not names:
         raise NotACheckpointsDir(f"{root} is empty: not a checkpoints dir, which holds {what}")
-    layout = CheckpointsLayout(root)
-    if META_FILENAME not in names and not layout.known_ranks() and not inspect_batches.has_batch_api(layout):
+    if not _is_checkpoints_dir(root, names):
+        children = [name for name in sorted(names) if _child_is_checkpoints_dir(os.path.join(root, name))]
+        if children:  # `inferproxy-data`, the parent of the default `inferproxy-data/checkpoints`
+            held = " and ".join(f"{name}/" for name in children)
+            meant = " or ".join(os.path.join(root, name) for name in children)
+            raise NotACheckpointsDir(f"{root} is not a checkpoints dir: it holds {held}: did you mean {meant}?")
         raise NotACheckpointsDir(f"{root} is not a checkpoints dir: it holds none of {what}")
     return names
+
+
+def _is_checkpoints_dir(root: str, names: list[str]) -> bool:
+    layout = CheckpointsLayout(root)
+    return META_FILENAME in names or bool(layout.known_ranks()) or inspect_batches.has_batch_api(layout)
+
+
+def _child_is_checkpoints_dir(path: str) -> bool:
+    """Whether `path` is a real folder (not a link: not followed) that is a checkpoints dir."""
+    if os.path.islink(path) or not os.path.isdir(path):
+        return False
+    try:
+        return _is_checkpoints_dir(path, os.listdir(path))
+    except OSError:
+        return False
 
 
 def _rank_report(
@@ -213,7 +238,8 @@ def _rank_report(
         report.problems.append(f"cannot read {paths.owner_file}: {exc}")
     else:
         report.owner = None if owner is None else _checked_owner(paths.owner_file, owner, report)
-    if records_per_chunk is None or restorable is None or refused:
+    checkpoints = paths.has_checkpoints() if restorable is not None and not refused else True
+    if restorable is None or refused or (records_per_chunk is None and checkpoints):
         return report
     start = report.last_chunk_index
     if publisher is not None and start >= 0:
@@ -230,7 +256,7 @@ def _rank_report(
                     f"{redact_url(publisher.output)}: a restarted proxy refuses the rank (409 output_lost_error) "
                     f"until they are put back, or {missing[0] - 1} is written into {paths.last_chunk_file}"
                 )
-    if not paths.has_checkpoints():
+    if not checkpoints:
         # A restarted proxy first recovers such a rank's last chunk from the output's listing.
         report.resume_source = "unchecked_output"
         if publisher is not None:
@@ -239,6 +265,10 @@ def _rank_report(
                 report.resume_source = "output"
             except Exception as exc:  # an object store's errors are its own
                 report.problems.append(f"cannot list the output {publisher.output}: {exc}")
+    if records_per_chunk is None:
+        if start >= 0:  # chunks in the output, of a size unknown
+            return report
+        records_per_chunk = 1  # nothing to skip, whatever the size: the rank resumes at its start
     report.resume = resume_after_restore(start, restorable, records_per_chunk)
     return report
 
@@ -343,6 +373,7 @@ def to_json(report: DirReport) -> dict[str, Any]:
         "checkpoints_dir": report.root,
         "records_per_chunk": report.records_per_chunk,
         "problems": [printable(problem) for problem in report.problems],
+        "notes": [printable(note) for note in report.notes],
         "ranks": [
             {
                 "rank": rank.rank,
@@ -386,12 +417,16 @@ def to_json(report: DirReport) -> dict[str, Any]:
 def render(report: DirReport) -> str:
     """The report as a person reads it: one row per rank, then notes and problems, one line each."""
     rpc = report.records_per_chunk
-    lines = [
-        f"checkpoints dir {report.root}: "
-        + (f"records_per_chunk {rpc} ({META_FILENAME})" if rpc is not None else "records_per_chunk not recorded")
-        + f", {len(report.ranks)} rank{'s' if len(report.ranks) != 1 else ''}"
-        + _counted(report.api)
-    ]
+    # not recorded: said only where a rank has checkpoints (a dir of caches and batches has no use for it)
+    recorded = (
+        [f"records_per_chunk {rpc} ({META_FILENAME})"]
+        if rpc is not None
+        else ["records_per_chunk not recorded"]
+        if report.checkpointed
+        else []
+    )
+    ranks = f"{len(report.ranks)} rank{'s' if len(report.ranks) != 1 else ''}"
+    lines = [f"checkpoints dir {report.root}: " + ", ".join([*recorded, ranks]) + _counted(report.api)]
     header = ("RANK", "LAST CHUNK", "OPEN CHUNKS: DOCUMENTS", "TORN", "CACHE", "OWNER", "RESUME AFTER A RESTART")
     rows = [header, *(_row(rank) for rank in report.ranks)]
     if report.ranks:
@@ -401,7 +436,11 @@ def render(report: DirReport) -> str:
             "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip() for row in rows
         )
     lines += inspect_batches.tables(report.api, _size)
-    notes = [note for rank in report.ranks for note in _notes(rank)] + inspect_batches.notes(report.api)
+    notes = [
+        *report.notes,
+        *(note for rank in report.ranks for note in _notes(rank)),
+        *inspect_batches.notes(report.api),
+    ]
     live = [str(rank.rank) for rank in report.ranks if rank.owner is not None and rank.owner.held]
     if live:
         notes.append(

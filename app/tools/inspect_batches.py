@@ -2,10 +2,11 @@
 
 Per batch (`<checkpoints>/batches/<id>/`): its record as `GET /v1/batches/{id}` shows it, the lines its
 results.jsonl holds (what a restarted proxy carries the batch on from: batch.json's counts lag them), a torn
-last line there, its input file and whether it is still there, and whether a live proxy runs it (its
-`owner.lock`). Per file (`<checkpoints>/files/`): what `GET /v1/files` lists. Then the answers' cache the
-batches share. Everything is read by the store's own readers (`BatchDir`, `FileStore`, `count_entries`,
-`probe_owner`) in their read-only forms; links and special files are problem lines, never opened.
+last line there, its input file and whether it is still there, and whether a live process runs it (its
+`owner.lock`: a proxy, or `inferproxy run-batch`; the file names neither). Per file (`<checkpoints>/files/`):
+what `GET /v1/files` lists. Then the answers' cache the batches share. Everything is read by the store's
+own readers (`BatchDir`, `FileStore`, `count_entries`, `probe_owner`) in their read-only forms; links and
+special files are problem lines, never opened.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class BatchReport:
     record: BatchRecord | None = None  # None: batch.json is missing or does not parse (see problems)
     results: ResultsScan | None = None  # None: no results.jsonl yet (or an unreadable one)
     input_exists: bool | None = None  # None: no record to name it
-    held: bool | None = None  # whether a live proxy holds owner.lock; None: no owner.lock yet
+    held: bool | None = None  # whether a live process holds owner.lock; None: no owner.lock yet
     problems: list[str] = field(default_factory=list)
 
 
@@ -287,7 +288,8 @@ def notes(report: ApiReport) -> list[str]:
                 f"cuts the file back to {results.torn_at} bytes, dropping it, and runs {line} again"
             )
         if batch.held:
-            out.append(f"{batch.id} is run by a live proxy: its files move while they are read")
+            # owner.lock names no one: a proxy, or `inferproxy run-batch`, whose state folder is a checkpoints dir
+            out.append(f"{batch.id} is run by a live process: its files move while they are read")
     return out
 
 
@@ -301,7 +303,7 @@ def _batch_row(batch: BatchReport) -> tuple[str, ...]:
     recorded = "?" if record is None else f"{record.completed}/{record.failed} of {record.total}"
     on_disk = "-" if results is None else f"{results.completed}/{results.failed}"
     torn = "-" if results is None else str(int(results.torn_at is not None))
-    owner = "-" if batch.held is None else "held by a live proxy" if batch.held else "free"
+    owner = "-" if batch.held is None else "held by a live process" if batch.held else "free"
     if record is None:
         return (batch.id, "?", recorded, on_disk, torn, "?", "?", "?", owner)
     return (

@@ -191,6 +191,13 @@ async def _fetch(url: str, api_key: str | None, timeout_s: float) -> bytes:
             f"give the proxy's own URL",
             final=True,
         )
+    root = url.rstrip("/")
+    if status == 404 and root.endswith("/v1"):  # the OpenAI clients' base_url, given as the proxy's
+        raise StatusError(
+            f"GET {target} answered 404: status takes the proxy's root, not the /v1 base_url: "
+            f"try {root.removesuffix('/v1')}",
+            final=True,
+        )
     raise StatusError(f"GET {target} answered {status}: is {url} an inferproxy?")
 
 
@@ -230,6 +237,8 @@ _BATCH = {
     **dict.fromkeys(("total", "completed", "failed", "in_flight", "lines_per_s"), NUMBER),
     "eta_s": NUMBER_OR_NULL,
 }
+#: The final statuses of a batch, as `/stats`' `batches_done` counts them.
+BATCH_ENDINGS = ("completed", "failed", "cancelled", "expired")
 STATS_SHAPE: dict[str, Any] = {
     "version": str,
     **dict.fromkeys(("now", "uptime_s", "in_flight"), NUMBER),
@@ -240,6 +249,8 @@ STATS_SHAPE: dict[str, Any] = {
     "forgotten": {"ranks": NUMBER_OR_NULL},  # proxies before `max_tracked_ranks` have none
     "job": Added({"ranks_declared": NUMBER_OR_NULL, "ranks_finished": NUMBER, "finished": bool}),
     "batches": Added([_BATCH]),  # proxies before the Batch API have none
+    # proxies before it have none (and a test's app without a batch engine {})
+    "batches_done": Added(dict.fromkeys(BATCH_ENDINGS, Added(NUMBER))),
 }
 
 
@@ -316,14 +327,18 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
         clock = time.strftime("%H:%M:%S", time.localtime(stats["now"]))
     except (OverflowError, OSError, ValueError):  # a time no calendar of this platform reaches
         clock = "--:--:--"
+    batches = stats.get("batches") or []
+    ended = batches_done_line(stats.get("batches_done"))
+    busy = bool(ranks or batches or ended)
     head = [
         f"inferproxy {printable(stats['version'])} at {printable(url)} · up {duration(stats['uptime_s'])} · {clock}",
         "",
         f"hit ratio {percent(totals['hit_ratio'])} · tokens saved {count(totals['tokens_saved'])}"
         f" · generations saved {count(saved)} · {rate(rates.get('requests_per_s'))} requests/s"
         f" · {rate(rates.get('documents_per_s'))} documents/s · {count(stats['in_flight'])} in flight",
-        _documents_done(ranks),
+        *([_documents_done(ranks)] if ranks or not busy else []),  # "no job yet", unless batches ran
         *([line] if (line := job_line(stats.get("job"))) else []),
+        *([ended] if ended else []),
         *_forgotten(stats.get("forgotten", {}).get("ranks")),
         "",
     ]
@@ -354,7 +369,7 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
         header.insert(5, "output")
         for row, cell in zip(rows, outputs, strict=True):
             row.insert(5, cell)
-    idle = [] if stats.get("batches") else ["no job has talked to this proxy since it started"]
+    idle = [] if busy else ["no job has talked to this proxy since it started"]
     table = _table(header, rows, left=2) if rows else idle
     notes = publication_notes(ranks, stats["now"])
     if height is not None:
@@ -368,8 +383,15 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
         if len(table) > room:
             hidden = len(table) - room
             table = [*table[:room], f"… {hidden} more ranks (--sort progress: least done first; --once: all)"]
-    batches = _batch_table(stats.get("batches") or [])
-    return [*head, *table, *(["", *notes] if notes else []), *(["", *batches] if batches else []), "", *upstreams]
+    running = _batch_table(batches)
+    return [*head, *table, *(["", *notes] if notes else []), *(["", *running] if running else []), "", *upstreams]
+
+
+def batches_done_line(done: dict[str, int] | None) -> str | None:
+    """The batches that ended, by final status ("batches: 2 completed, 1 failed (GET /v1/batches)"), or None
+    for none (and for a proxy too old to say); the page has the same line."""
+    parts = [f"{count(n)} {name}" for name in BATCH_ENDINGS if (n := (done or {}).get(name))]
+    return f"batches: {', '.join(parts)} (GET /v1/batches)" if parts else None
 
 
 def _batch_table(batches: list[dict[str, Any]]) -> list[str]:

@@ -286,7 +286,7 @@ def test_inspect_of_a_proxy_killed_mid_batch_reports_its_batches_files_and_damag
 
         assert (table.returncode, table.stderr) == (0, "")
         text = table.stdout.splitlines()
-        assert text[0].endswith(", 0 ranks, 4 batches, 5 files")
+        assert text[0] == f"checkpoints dir {checkpoints}: 0 ranks, 4 batches, 5 files"  # no records_per_chunk
         assert (
             f"{running}: results.jsonl ends in a torn line ({len(torn)} bytes): a restart cuts the file back "
             f"to {whole} bytes, dropping it, and runs input line {BATCH_LINES} again"

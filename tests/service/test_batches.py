@@ -19,6 +19,7 @@ from app.service.settings import Settings
 from app.service.upstream import UpstreamPool
 from app.store.batches import BatchDir
 from app.store.files import FileStore
+from app.tools import status
 from tests.servers import fake_upstream, serve_proxy
 
 CHAT = "/v1/chat/completions"
@@ -261,6 +262,37 @@ async def test_a_restart_carries_on_without_paying_for_the_lines_done(settings: 
         assert sorted(o["custom_id"] for o in output) == sorted(f"k{i}" for i in range(200))
         # only the lines in flight at the stop (at most max_inflight) were generated twice
         assert 200 <= fake.generations <= 200 + 8, (fake.generations, done_before)
+
+
+async def stats_until(client: httpx.AsyncClient, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while True:
+        stats: dict[str, Any] = (await client.get("/stats")).json()
+        if done(stats):
+            return stats
+        assert time.monotonic() < deadline, stats
+        await asyncio.sleep(0.05)
+
+
+async def test_the_batches_that_ended_are_counted_in_stats_and_status_also_after_a_restart(
+    settings: Settings, upstream: Any
+) -> None:
+    """`inferproxy status` said "no job yet" once a batch ended (/stats' `batches` holds the running ones only)."""
+    url, _ = upstream
+    good = put_file(settings.checkpoints_dir, [chat_line(f"k{i}", f"q{i}") for i in range(5)])
+    bad = put_file(settings.checkpoints_dir, [], raw=b"not json\n")
+    counted = {"completed": 1, "failed": 1, "cancelled": 0, "expired": 0}
+    async for client in proxy(settings, url):
+        assert (await client.get("/stats")).json()["batches_done"] == dict.fromkeys(counted, 0)
+        for file_id in (good, bad):
+            created = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})
+            await until(client, created.json()["id"], final)
+        stats = await stats_until(client, lambda s: not s["batches"] and s["batches_done"] == counted)
+        lines = status.render(status.decode(orjson.dumps(stats), "u"), "u")
+        assert "batches: 1 completed, 1 failed (GET /v1/batches)" in lines
+        assert not any("no job" in line for line in lines)
+    async for client in proxy(settings, url):  # found in the dir at the start
+        assert (await client.get("/stats")).json()["batches_done"] == counted
 
 
 async def test_a_batch_never_takes_a_live_clients_place_in_the_queue(settings: Settings) -> None:

@@ -21,6 +21,7 @@ from app.tools import status
 from tests.browser import ROWS, Browser, text_of, wait_text
 from tests.jobs import proxy_finding_chunks_lost, publish_chunks, run_rank, settings, write_chunks
 from tests.servers import fake_upstream, serve_proxy
+from tests.service.test_batches import CHAT, chat_line, final, put_file, stats_until, until
 
 
 async def test_the_page_shows_a_running_jobs_numbers_as_stats_does(
@@ -495,4 +496,28 @@ async def test_the_batches_a_proxy_runs_are_a_table_as_inferproxy_status_shows_t
         assert shown == f"in_progress · paused: {why}"
         assert await page.evaluate("document.querySelectorAll('#batches img').length") == 0
         assert await page.evaluate("document.title") == "inferproxy"
+        assert page.errors == []
+
+
+async def test_a_proxy_whose_batch_ended_says_so_where_it_said_no_job(chrome: Browser, tmp_path: Path) -> None:
+    """Once its batch ended, the page said "no job yet": /stats' `batches` holds the running ones only."""
+    async with (
+        fake_upstream() as (url, _),
+        serve_proxy(settings(tmp_path, url)) as proxy,
+        httpx.AsyncClient(base_url=proxy) as client,
+    ):
+        file_id = put_file(tmp_path / "ckpt", [chat_line(f"k{i}", f"q{i}") for i in range(3)])
+        created = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})
+        await until(client, created.json()["id"], final)
+        stats = await stats_until(client, lambda s: not s["batches"] and s["batches_done"]["completed"] == 1)
+        line = "batches: 1 completed (GET /v1/batches)"
+        assert status.batches_done_line(stats["batches_done"]) == line  # what `inferproxy status` shows
+        page = await chrome.open(proxy + "/")
+        await wait_text(page, "documents-done-sub", line)
+        assert await page.evaluate(text_of("batches-summary")) == line
+        assert await page.evaluate("!document.getElementById('batches-section').hidden")
+        assert await page.evaluate("document.getElementById('batches').hidden")  # no batch running: no table
+        assert await page.evaluate(text_of("ranks-empty")) == (
+            "No rank has talked to this proxy since it started: only batches (below)."
+        )
         assert page.errors == []

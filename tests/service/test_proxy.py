@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
+import openai
 import orjson
 import pytest
 
@@ -327,6 +328,26 @@ async def test_api_key_guards_everything_but_healthz_and_is_not_forwarded(tmp_pa
         assert "x-doc-id" not in upstream.last_headers
 
 
+async def test_a_401_says_whether_the_key_was_missing_malformed_or_not_the_proxys(tmp_path: Path) -> None:
+    """The openai client with the wrong api_key did send `Bearer <key>`: its 401 names the key, not the header."""
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url, api_key="s3cret")) as proxy:
+        async with openai.AsyncOpenAI(base_url=proxy + "/v1", api_key="wrong", max_retries=0) as client:
+            with pytest.raises(openai.AuthenticationError) as refused:
+                await client.chat.completions.create(model="fake-model", messages=[])
+        assert isinstance(refused.value.body, dict)
+        assert refused.value.body["message"] == (
+            "the API key sent is not this proxy's: send the one it was started with (--api-key / INFERPROXY_API_KEY)"
+        )
+        async with httpx.AsyncClient(base_url=proxy) as c:
+            missing = await c.get("/stats")
+            malformed = await c.get("/stats", headers={"Authorization": "s3cret"})
+            assert (await c.get("/stats", headers={"Authorization": "Bearer s3cret"})).status_code == 200
+    assert missing.json()["error"]["message"] == "the Authorization header is missing: send Bearer <api key>"
+    assert malformed.json()["error"]["message"] == (
+        "the Authorization header is not Bearer <api key>: send Bearer <api key>"
+    )
+
+
 async def test_every_error_the_proxy_makes_is_the_openai_envelope(tmp_path: Path) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     async with proxy_client(settings(tmp_path, dead, upstream_retries=0, max_body_bytes=50, api_key="k")) as c:
@@ -638,6 +659,34 @@ async def test_an_openai_route_without_v1_is_forwarded_and_its_404_says_the_rout
     by_path = (await env.upstream_stats())["by_path"]
     assert all(f"POST {path}" in by_path for path in ("/chat/completions", "/completions", "/embeddings"))
     assert (await env.client.post("/nope")).json()["error"]["message"] == "Not Found: POST /nope"  # untouched
+
+
+async def test_the_openai_client_without_v1_in_its_base_url_is_told_where_the_routes_are(env: Env) -> None:
+    """What a newcomer's `OpenAI(base_url="http://HOST:PORT")` meets on each API it calls, and on a base_url
+    ending in /v1 twice: the 404 names the base_url to use, not only the path that was missing."""
+    root = str(env.client.base_url).rstrip("/")
+    under = f"the OpenAI routes are under /v1 (a client's base_url ends in /v1: {root}/v1)"
+    twice = f"the base_url ends in /v1 twice (the OpenAI routes are under one: {root}/v1)"
+    async with (
+        openai.AsyncOpenAI(base_url=root, api_key="unused", max_retries=0) as bare,
+        openai.AsyncOpenAI(base_url=root + "/v1/v1", api_key="unused", max_retries=0) as doubled,
+    ):
+        calls: dict[str, tuple[Callable[[], Awaitable[object]], str]] = {
+            "POST /files": (lambda: bare.files.create(file=("in.jsonl", b"{}\n"), purpose="batch"), under),
+            "GET /files/file-abc/content": (lambda: bare.files.content("file-abc"), under),
+            "GET /batches": (lambda: bare.batches.list(), under),
+            "GET /batches/batch_abc": (lambda: bare.batches.retrieve("batch_abc"), under),
+            "GET /models": (lambda: bare.models.list(), under),
+            "GET /models/fake-model": (lambda: bare.models.retrieve("fake-model"), under),
+            "GET /v1/v1/batches": (lambda: doubled.batches.list(), twice),
+            "POST /v1/v1/chat/completions": (lambda: doubled.chat.completions.create(model="m", messages=[]), twice),
+        }
+        for where, (call, hint) in calls.items():
+            with pytest.raises(openai.NotFoundError) as missing:
+                await call()
+            assert isinstance(missing.value.body, dict), where
+            assert missing.value.body["message"] == f"Not Found: {where}: {hint}", where
+    assert (await env.client.get("/filesystem")).json()["error"]["message"] == "Not Found: GET /filesystem"
 
 
 def test_a_404_without_the_openai_envelope_to_a_route_without_v1_gets_the_proxys_saying_the_same() -> None:

@@ -16,6 +16,7 @@ from app.tools.demo import (
     DemoOptions,
     DemoReport,
     RunReport,
+    banner,
     demo_documents,
     describe_generations,
     kill_moments,
@@ -70,3 +71,14 @@ def test_generations_of_an_upstream_that_does_not_count_them_are_a_lower_bound_n
     assert describe_generations(options, DemoReport(runs=runs)).startswith("at least 210 by the upstream for 200 ")
     counted = DemoReport(runs=runs, upstream_generations=212)
     assert describe_generations(options, counted) == "212 by the upstream for 200 needed (12 lost at kills)"
+
+
+def test_the_banner_says_once_for_one_kill_and_never_for_none() -> None:
+    # `--kills 1` printed "the job is killed 1 times".
+    assert banner(DemoOptions(kills=1)).endswith(
+        "; the job is killed once with SIGKILL (the proxy too, every second time) and restarted"
+    )
+    assert "; the job is killed 2 times with SIGKILL (" in banner(DemoOptions(kills=2))
+    assert banner(DemoOptions(kills=0, documents=5)).endswith("chunks of 100; the job runs once, never killed")
+    with pytest.raises(SystemExit, match=r"too few to kill the job once at --concurrency 64"):
+        kill_moments(DemoOptions(documents=1, kills=1, concurrency=64), random.Random(0))

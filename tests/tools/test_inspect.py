@@ -203,14 +203,46 @@ def test_a_dir_without_records_per_chunk_says_so_and_takes_it_from_the_flag(tmp_
     assert (resume.last_chunk_index, resume.docs_to_skip) == (1, 4)
 
 
-async def test_a_proxys_dir_with_caches_only_is_not_taken_for_datatrove_checkpoints(tmp_path: Path) -> None:
-    # The README's first use of the proxy: requests cached, no document sent yet, so nothing recorded.
+async def test_a_proxys_dir_with_caches_only_is_a_note_not_a_problem_and_resumes_at_the_start(
+    tmp_path: Path,
+) -> None:
+    # The README's first use of the proxy: requests cached, no document sent yet, so nothing recorded. It
+    # ended with "problem: ...checkpoint_meta.json is missing" and a RESUME of "?": nothing is wrong.
     root = tmp_path / "checkpoints"
     cache = await open_cache(root)
     await cache.close()
-    (problem,) = inspect_dir(str(root)).problems
-    assert "no document checkpointed yet" in problem
-    assert "datatrove" not in problem
+    report = inspect_dir(str(root))
+    assert report.problems == []
+    assert report.notes == [
+        "checkpoint_meta.json is not written yet: no document checkpointed yet, the ranks hold request caches only "
+        "(a proxy records records_per_chunk with the first one)"
+    ]
+    (rank,) = report.ranks
+    assert rank.resume is not None
+    assert (rank.resume.last_chunk_index, rank.resume.docs_to_skip, rank.resume.processed_ids) == (-1, 0, frozenset())
+    text = render(report)
+    assert "problem:" not in text
+    assert "records_per_chunk" not in text.splitlines()[0]
+    assert "last_chunk_index -1, docs_to_skip 0, 0 processed_ids" in text
+    assert to_json(report)["notes"] == report.notes
+
+
+def test_the_parent_of_a_checkpoints_dir_is_named_with_the_dir_it_holds(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `inspect inferproxy-data`, the parent of the default checkpoints dir, said only "is not a checkpoints dir".
+    data = tmp_path / "inferproxy-data"
+    data.mkdir()
+    checkpoints(data / "checkpoints")
+    (data / "output").mkdir()
+    os.symlink(data / "checkpoints", data / "linked")  # not followed
+    assert main(["inspect", str(data)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        f"inferproxy inspect: {data} is not a checkpoints dir: it holds checkpoints/: "
+        f"did you mean {data / 'checkpoints'}?\n"
+    )
 
 
 def test_a_records_per_chunk_other_than_the_recorded_one_is_reported_and_not_used(tmp_path: Path) -> None:
@@ -346,7 +378,16 @@ def test_json_has_every_key_and_rank_restricts(tmp_path: Path, capsys: pytest.Ca
     Path(last_chunk_path(root, 2)).write_text("3")
     assert main(["inspect", str(root), "--json"]) == 0
     report = orjson.loads(capsys.readouterr().out)
-    assert set(report) == {"checkpoints_dir", "records_per_chunk", "problems", "ranks", "batches", "files", "answers"}
+    assert set(report) == {
+        "checkpoints_dir",
+        "records_per_chunk",
+        "problems",
+        "notes",
+        "ranks",
+        "batches",
+        "files",
+        "answers",
+    }
     assert (report["batches"], report["files"], report["answers"]) == ([], [], None)
     assert [rank["rank"] for rank in report["ranks"]] == [0, 2]
     assert set(report["ranks"][0]) == {

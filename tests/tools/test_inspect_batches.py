@@ -153,3 +153,21 @@ def test_a_batch_json_that_is_no_batch_is_one_problem_line_and_the_rest_still_re
     assert problem.endswith("): no proxy lists or runs this batch until it is repaired or its folder removed")
     assert shown[good.id]["status"] == "in_progress"
     assert f"\nproblem: {bad.id}: batch.json does not parse (" in render(report)
+
+
+def test_a_run_batch_state_folder_names_no_records_per_chunk_nor_a_proxy_as_its_batchs_owner(tmp_path: Path) -> None:
+    # `inspect OUT.inferproxy` printed "records_per_chunk not recorded" and "held by a live proxy" of a
+    # run-batch process's folder: it has no rank, and owner.lock names no one.
+    state = tmp_path / "out.jsonl.inferproxy"
+    folder = batch(state)
+    assert folder.claim()  # as the run-batch process holds it
+    try:
+        text = render(inspect_dir(str(state)))
+    finally:
+        folder.release()
+    assert text.splitlines()[0] == f"checkpoints dir {state}: 0 ranks, 1 batch, 0 files"
+    assert "records_per_chunk" not in text
+    assert "live proxy" not in text
+    (row,) = [line for line in text.splitlines() if line.startswith(folder.id) and "in_progress" in line]
+    assert row.endswith("held by a live process")
+    assert f"{folder.id} is run by a live process: its files move while they are read" in text

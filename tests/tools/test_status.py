@@ -119,6 +119,20 @@ async def test_an_unreachable_proxy_is_one_line_and_exit_code_1() -> None:
     assert len(err.splitlines()) == 1
 
 
+async def test_the_v1_base_url_given_for_the_proxys_root_says_which_url_to_give(tmp_path: Path) -> None:
+    # It said "GET .../v1/stats answered 404: is .../v1 an inferproxy?", as of something that is not one.
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url)) as proxy:
+        for given in (f"{proxy}/v1", f"{proxy}/v1/"):
+            code, out, err = await status_of(given)
+            assert (code, out) == (1, ""), given
+            assert err == (
+                f"inferproxy status: GET {proxy}/v1/stats answered 404: status takes the proxy's root, "
+                f"not the /v1 base_url: try {proxy}\n"
+            ), given
+        code, out, _ = await status_of(proxy)
+        assert code == 0
+
+
 def read_until(master: int, wanted: bytes, output: bytearray, times: int = 1) -> None:
     """Read the pty until `wanted` has appeared `times` times in all that was read, or the terminal is closed."""
     deadline = time.monotonic() + 30
@@ -671,3 +685,20 @@ def test_the_batches_the_proxy_runs_are_a_table_of_their_own_and_an_older_proxy_
     assert not any("lines/s" in line for line in status.render(status.decode(orjson.dumps(STATS), "u"), "u"))
     with pytest.raises(status.StatusError, match=r"batches\[0\].total"):
         status.decode(orjson.dumps({**STATS, "batches": [{**batch, "total": -1}]}), "u")
+
+
+def test_the_batches_that_ended_are_a_line_instead_of_no_job_and_an_older_proxy_still_says_no_job() -> None:
+    def shown(**extra: Any) -> list[str]:
+        return status.render(status.decode(orjson.dumps({**STATS, **extra}), "u"), "u")
+
+    done = {"completed": 3, "failed": 0, "cancelled": 1, "expired": 0}
+    lines = shown(batches=[], batches_done=done)
+    assert "batches: 3 completed, 1 cancelled (GET /v1/batches)" in lines
+    assert not any("no job" in line for line in lines)
+    for older in ({}, {"batches": []}, {"batches": [], "batches_done": {}}):  # before the Batch API; batches off
+        lines = shown(**older)
+        assert "no job yet" in lines
+        assert "no job has talked to this proxy since it started" in lines
+        assert not any(line.startswith("batches:") for line in lines)
+    with pytest.raises(status.StatusError, match=r"batches_done.failed is \"1\", not a number >= 0"):
+        status.decode(orjson.dumps({**STATS, "batches_done": {**done, "failed": "1"}}), "u")

@@ -53,6 +53,7 @@ from app.service.upstream import UpstreamPool, response_headers
 from app.store.batches import (
     ACTIVE,
     ANSWERS,
+    FINAL,
     BatchDir,
     BatchRecord,
     Result,
@@ -79,6 +80,8 @@ RESULTS_ROUND_S = 0.0
 SAVE_EVERY_S = 2.0
 #: How often the batches folder is looked through for batches no proxy runs (their owner died).
 ADOPT_EVERY_S = 5.0
+#: The final statuses as /stats' `batches_done` lists them.
+ENDED_ORDER = ("completed", "failed", "cancelled", "expired")
 #: How often a batch tries again the writes its disk refused (a full disk: until space is freed).
 DISK_RETRY_S = 2.0
 _RETRIED = frozenset({408, 409, 429, 500, 502, 503, 504})
@@ -217,6 +220,10 @@ class BatchEngine:
             str(self.root / ANSWERS), flush_interval_ms=settings.flush_interval_ms, replay_same_run=True
         )
         self.running: dict[str, Running] = {}
+        #: The final status of each batch in the dir that this proxy saw end or found ended (`adopt`, at the
+        #: start and every ADOPT_EVERY_S): /stats counts them without listing the dir. A final status is
+        #: final, so `adopt` reads such a batch's record no more.
+        self.ended: dict[str, str] = {}
         self.fsync = settings.fsync == "always"
         self._adopter: asyncio.Task[None] | None = None
         self._closing = False
@@ -269,13 +276,15 @@ class BatchEngine:
     async def adopt(self) -> None:
         """Run every active batch no proxy runs: this one's after a restart, a dead proxy's."""
         for folder in await asyncio.to_thread(self._folders):
-            if folder.id in self.running or self._closing:
+            if folder.id in self.running or folder.id in self.ended or self._closing:
                 continue
             try:
                 record = await asyncio.to_thread(folder.load)
             except (OSError, ValueError):
                 continue  # being created, or not a batch's
-            if record.status in ACTIVE and await asyncio.to_thread(folder.claim):
+            if record.status in FINAL:
+                self.ended[folder.id] = record.status
+            elif record.status in ACTIVE and await asyncio.to_thread(folder.claim):
                 record = await asyncio.to_thread(folder.load)  # as its last owner left it
                 if record.status in ACTIVE:
                     logger.info("batch %s: carrying on (%s)", record.id, record.status)
@@ -290,6 +299,8 @@ class BatchEngine:
                             logger.exception("batch %s: its results could not be read back", record.id)
                     self._run(folder, record, batch)
                 else:
+                    if record.status in FINAL:  # ended by its owner as this proxy claimed it
+                        self.ended[folder.id] = record.status
                     folder.release()
 
     async def _adopt_forever(self) -> None:
@@ -429,6 +440,8 @@ class BatchEngine:
                 if record.status == "in_progress" and batch.stopping.is_set() and record.ending is None:
                     break
         finally:
+            if record.status in FINAL:
+                self.ended[record.id] = record.status
             if not self._closing:
                 self.running.pop(record.id, None)
                 batch.dir.release()
@@ -892,6 +905,13 @@ class BatchEngine:
                     yield _failed(batch.record.serial, number, custom_id, "batch_expired", message).out
 
     # -- progress ---------------------------------------------------------------------------
+
+    def ended_counts(self) -> dict[str, int]:
+        """How many batches ended in each final status, of those this proxy knows (`ended`), for /stats."""
+        counts = dict.fromkeys(ENDED_ORDER, 0)
+        for status in list(self.ended.values()):  # a copy: /stats reads this in a thread
+            counts[status] += 1
+        return counts
 
     def progress(self) -> list[dict[str, Any]]:
         """The running batches, for /stats: counts, rate since this proxy took them, ETA."""

@@ -138,6 +138,7 @@ def snapshot(
             for r in services.pool.replicas
         ],
         "batches": services.batches.progress() if services.batches is not None else [],
+        "batches_done": services.batches.ended_counts() if services.batches is not None else {},
         "fsync": {"count": FSYNC_SECONDS.count, "p99_s": FSYNC_SECONDS.quantile(0.99)},
         "owned_ranks": owned,
         "job": metrics.job(),

@@ -45,9 +45,12 @@ T = TypeVar("T")
 #: The scope key under which a forwarding handler leaves the replica that answered, for the request's log line.
 REPLICA = "inferproxy.replica"
 CACHEABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-#: OpenAI's routes without their `/v1`: what a client whose base_url lacks it asks for. Forwarded as any
-#: path is (an upstream may serve them there), but the upstream's 404 to one says where they are.
-V1_LESS_PATHS = frozenset({"/chat/completions", "/completions", "/embeddings"})
+#: OpenAI's routes without their `/v1`: what a client whose base_url lacks it asks for (the paths, and
+#: the first segments of those with an id: `/files/ID/content`). Forwarded as any path is (an upstream
+#: may serve them there), but the upstream's 404 to one says where they are (`v1_hint`), as it does to
+#: a path under `/v1/v1/`, a base_url ending in /v1 twice.
+V1_LESS_PATHS = frozenset({"/chat/completions", "/completions", "/embeddings", "/models", "/files", "/batches"})
+V1_LESS_PREFIXES = ("/models/", "/files/", "/batches/")
 _PASSED_ON = frozenset({b"retry-after"})
 
 
@@ -356,7 +359,7 @@ async def _pass_on(services: Services, scope: Scope, send: Send, body: bytes) ->
     target = path.decode("latin-1") + (f"?{query.decode('latin-1')}" if query else "")
     async with pool.request(scope["method"], target, headers=pool.upstream_headers(scope["headers"]), body=body) as up:
         scope[REPLICA] = up.replica.url
-        if up.status == 404 and scope["path"] in V1_LESS_PATHS:
+        if up.status == 404 and misplaced(scope["path"]):
             headers = [
                 (k, v) for k, v in response_headers(up.headers) if k not in (b"content-type", b"content-encoding")
             ]
@@ -377,15 +380,22 @@ async def _pass_on(services: Services, scope: Scope, send: Send, body: bytes) ->
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
+def misplaced(path: str) -> bool:
+    """Whether `path` is an OpenAI route a client's base_url put in the wrong place: without its `/v1`
+    (`V1_LESS_PATHS`), or under a second one."""
+    return path in V1_LESS_PATHS or path.startswith(V1_LESS_PREFIXES) or path.startswith("/v1/v1/")
+
+
 def v1_hint(scope: Scope, upstream_body: bytes) -> bytes:
-    """The upstream's 404 to an OpenAI route asked for without `/v1` (`V1_LESS_PATHS`), its message saying
-    where the route is: in the upstream's OpenAI error envelope when it sent one, else in the proxy's."""
+    """The upstream's 404 to an OpenAI route a base_url misplaced (`misplaced`), its message saying where
+    the route is: in the upstream's OpenAI error envelope when it sent one, else in the proxy's."""
     host = next((value.decode("latin-1") for name, value in scope["headers"] if name == b"host"), "HOST:PORT")
     root = f"{scope.get('scheme', 'http')}://{host}{scope.get('root_path', '')}/v1"
-    message = (
-        f"Not Found: {scope['method']} {scope['path']}: the OpenAI routes are under /v1 "
-        f"(a client's base_url ends in /v1: {root})"
-    )
+    where = f"{scope['method']} {scope['path']}"
+    if scope["path"].startswith("/v1/v1/"):
+        message = f"Not Found: {where}: the base_url ends in /v1 twice (the OpenAI routes are under one: {root})"
+    else:
+        message = f"Not Found: {where}: the OpenAI routes are under /v1 (a client's base_url ends in /v1: {root})"
     try:
         answer = orjson.loads(upstream_body)
     except orjson.JSONDecodeError:
