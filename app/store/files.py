@@ -33,7 +33,7 @@ from typing import BinaryIO
 
 import orjson
 
-from app.store.durable import atomic_write_bytes, fsync_dir, make_dirs_durable, read_regular
+from app.store.durable import atomic_write_bytes, check_safe, fsync_dir, make_dirs_durable, read_regular
 
 logger = logging.getLogger(__name__)
 
@@ -189,14 +189,13 @@ class FileStore:
             return None
         try:
             found = StoredFile(**orjson.loads(read_regular(str(self.root / (file_id + _META)))))
+            check_safe(str(self.root / file_id))  # its bytes too: a link there is no file either
         except FileNotFoundError:
             return None
         except (OSError, ValueError, TypeError) as exc:  # a link, a torn or foreign .json: no file, said once
             if file_id not in self._damaged:
                 self._damaged.add(file_id)
-                logger.warning(
-                    "files/%s%s is not a file's metadata, so no such file is served (%s)", file_id, _META, exc
-                )
+                logger.warning("files/%s is damaged, so no such file is served (%s)", file_id, exc)
             return None
         return found if expired_too or not found.expired(self.clock()) else None
 

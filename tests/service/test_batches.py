@@ -4,6 +4,8 @@ fake upstream, its input files in the proxy's file store as an upload leaves the
 from __future__ import annotations
 
 import asyncio
+import logging
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -522,10 +524,11 @@ async def test_a_linked_batch_folder_or_input_file_is_never_read_through(setting
         assert (await client.get(f"/v1/batches/{done['id']}")).status_code == 404
         assert (await client.get("/v1/batches")).json()["data"] == []
         assert (await client.get(f"/v1/files/{file_id}/content")).status_code == 404
-        created = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()
-        ended = await until(client, created["id"], final)
-        assert ended["status"] == "failed", ended
-        assert "link" in ended["errors"]["data"][0]["message"], ended["errors"]
+        assert (await client.get(f"/v1/files/{file_id}")).status_code == 404
+        assert file_id not in [f["id"] for f in (await client.get("/v1/files")).json()["data"]]
+        refused = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})
+        assert refused.status_code in (400, 404), refused.text
+        assert file_id in refused.json()["error"]["message"]
     assert fake.generations == generations
 
 
@@ -557,3 +560,103 @@ async def test_a_batch_whose_input_is_lost_while_it_runs_fails_keeping_what_fini
     output = read_file(settings.checkpoints_dir, batch["output_file_id"])
     assert len(output) == done == len({o["custom_id"] for o in output})
     assert "Traceback" not in caplog.text
+
+
+async def test_a_planted_batch_folder_is_said_once_and_stops_no_other_batch(
+    settings: Settings, upstream: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A folder whose owner.lock is a link (or whose batch.json is no record) is never run nor claimed, one
+    WARNING line; it stopped the start, and then every look for batches to carry on (a traceback every 5 s)."""
+    url, _ = upstream
+    planted = settings.checkpoints_dir / "batches" / "batch_000000000000000000000001"
+    source = settings.checkpoints_dir.parent / "elsewhere"
+    source.write_text("")
+    file_id = put_file(settings.checkpoints_dir, [chat_line("only", "q")])
+    planted.mkdir(parents=True)
+    record = {"id": planted.name, "status": "in_progress", "input_file_id": file_id, "endpoint": CHAT}
+    fields = {"completion_window": "24h", "created_at": 1, "expires_at": 2**40, "serial": 7}
+    (planted / "batch.json").write_bytes(orjson.dumps({**record, **fields}))
+    (planted / "owner.lock").symlink_to(source)
+    torn = settings.checkpoints_dir / "batches" / "batch_000000000000000000000002"
+    torn.mkdir()
+    (torn / "batch.json").write_bytes(b'{"id": "batch_000000000000000000000002", "sta')
+    from app.service.batches import engine as engine_module
+
+    with caplog.at_level(logging.WARNING), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(engine_module, "ADOPT_EVERY_S", 0.05)
+        async for client in proxy(settings, url):
+            created = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()
+            assert (await until(client, created["id"], final))["status"] == "completed"
+            await asyncio.sleep(0.3)  # several looks for batches to carry on (a wait, not a barrier)
+    assert "Traceback" not in caplog.text
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert [line for line in said if planted.name in line] == [next(line for line in said if planted.name in line)], (
+        said
+    )
+    assert "is a symbolic link" in next(line for line in said if planted.name in line)
+    assert len([line for line in said if torn.name in line]) <= 1, said
+
+
+async def test_a_batch_whose_results_were_damaged_says_so_once_then_carries_on_once_repaired(
+    settings: Settings, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app.service.batches import engine as engine_module
+
+    monkeypatch.setattr(engine_module, "DAMAGED_RETRY_S", 0.1)
+    async with fake_upstream(latency_ms=20) as (url, fake):
+        file_id = put_file(settings.checkpoints_dir, [chat_line(f"k{i}", f"q{i}") for i in range(100)])
+        slow = settings.model_copy(update={"max_inflight_per_upstream": 4})
+        async for client in proxy(slow, url):
+            batch_id = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()[
+                "id"
+            ]
+            await until(client, batch_id, lambda b: b["request_counts"]["completed"] >= 10)
+        results = settings.checkpoints_dir / "batches" / batch_id / "results.jsonl"
+        whole = results.read_bytes()
+        first_end = whole.index(b"\n") + 1
+        results.write_bytes(whole[:first_end] + b"garbage\n" + whole[first_end:])
+        with caplog.at_level(logging.WARNING):
+            async for client in proxy(slow, url):
+                deadline = time.monotonic() + 30
+                while not (running := (await client.get("/stats")).json()["batches"]) or not running[0]["paused"]:
+                    assert time.monotonic() < deadline, running
+                    await asyncio.sleep(0.05)
+                assert "results.jsonl" in running[0]["paused"]
+                await asyncio.sleep(0.5)  # several tries (a wait, not a barrier)
+                results.write_bytes(whole)  # repaired
+                batch = await until(client, batch_id, final)
+    assert batch["status"] == "completed"
+    assert sorted(o["custom_id"] for o in read_file(settings.checkpoints_dir, batch["output_file_id"])) == sorted(
+        f"k{i}" for i in range(100)
+    )
+    assert "Traceback" not in caplog.text
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 1, errors
+    assert fake.generations <= 100 + 8
+
+
+async def test_a_running_batch_whose_folder_is_removed_is_run_no_more(
+    settings: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    async with fake_upstream(latency_ms=100) as (url, fake):
+        file_id = put_file(settings.checkpoints_dir, [chat_line(f"k{i}", f"q{i}") for i in range(500)])
+        slow = settings.model_copy(update={"max_inflight_per_upstream": 4})
+        with caplog.at_level(logging.WARNING):
+            async for client in proxy(slow, url):
+                batch_id = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()[
+                    "id"
+                ]
+                await until(client, batch_id, lambda b: b["request_counts"]["completed"] >= 8)
+                shutil.rmtree(settings.checkpoints_dir / "batches" / batch_id)
+                deadline = time.monotonic() + 30
+                while (await client.get("/stats")).json()["batches"]:
+                    assert time.monotonic() < deadline
+                    await asyncio.sleep(0.05)
+                sent = fake.requests
+                assert (await client.get(f"/v1/batches/{batch_id}")).status_code == 404
+                await asyncio.sleep(0.5)  # nothing more is sent meanwhile (a wait, not a barrier)
+                assert fake.requests == sent
+    assert "Traceback" not in caplog.text
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and batch_id in r.getMessage()]
+    assert len(said) == 1, said
+    assert "was removed: it is run no more" in said[0]

@@ -104,4 +104,4 @@ def test_a_damaged_or_linked_metadata_file_is_no_file_said_once_and_the_others_a
         assert all(store.get(file_id) is None for file_id in [*damaged, linked])
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 4, warned  # one line for each, however often it is met
-    assert all("is not a file's metadata" in line for line in warned)
+    assert all("is damaged, so no such file is served" in line for line in warned)

@@ -61,7 +61,14 @@ from app.store.batches import (
     new_batch_id,
 )
 from app.store.cache import CacheWriteError, RequestCache, StoredResponse
-from app.store.durable import UnsafeFileError, is_disk_full, make_dirs_durable, open_to_read, refusal_reason
+from app.store.durable import (
+    CorruptFileError,
+    UnsafeFileError,
+    is_disk_full,
+    make_dirs_durable,
+    open_to_read,
+    refusal_reason,
+)
 from app.store.files import FileStore, new_file_id
 from app.store.hashing import payload_hash
 
@@ -82,6 +89,8 @@ SAVE_EVERY_S = 2.0
 ADOPT_EVERY_S = 5.0
 #: The final statuses as /stats' `batches_done` lists them.
 ENDED_ORDER = ("completed", "failed", "cancelled", "expired")
+#: How often a batch whose files were damaged by hand (a garbage line, a link) is tried again, quietly.
+DAMAGED_RETRY_S = 10.0
 #: How often a batch tries again the writes its disk refused (a full disk: until space is freed).
 DISK_RETRY_S = 2.0
 _RETRIED = frozenset({408, 409, 429, 500, 502, 503, 504})
@@ -187,6 +196,7 @@ class Running:
         #: the batch's writes its disk refuses now (`results`, `record`, `step`: a step of `_drive`), each with
         #: why; while there is one, no new line is sent (`resumed` is clear)
         self.refused: dict[str, str] = {}
+        self.gone = False  # its folder removed by hand: run no more
         self.resumed = asyncio.Event()
         self.resumed.set()
 
@@ -224,6 +234,7 @@ class BatchEngine:
         #: start and every ADOPT_EVERY_S): /stats counts them without listing the dir. A final status is
         #: final, so `adopt` reads such a batch's record no more.
         self.ended: dict[str, str] = {}
+        self._skipped: set[str] = set()  # folders adopt cannot take (damaged, a link), each said once
         self.fsync = settings.fsync == "always"
         self._adopter: asyncio.Task[None] | None = None
         self._closing = False
@@ -280,11 +291,17 @@ class BatchEngine:
                 continue
             try:
                 record = await asyncio.to_thread(folder.load)
-            except (OSError, ValueError):
-                continue  # being created, or not a batch's
+                claimed = record.status in ACTIVE and await asyncio.to_thread(folder.claim)
+            except FileNotFoundError:
+                continue  # being created
+            except (OSError, ValueError) as exc:  # damaged or planted by hand: never run, said once
+                if folder.id not in self._skipped:
+                    self._skipped.add(folder.id)
+                    logger.warning("batch %s is not run: %s (inferproxy inspect names what is wrong)", folder.id, exc)
+                continue
             if record.status in FINAL:
                 self.ended[folder.id] = record.status
-            elif record.status in ACTIVE and await asyncio.to_thread(folder.claim):
+            elif claimed:
                 record = await asyncio.to_thread(folder.load)  # as its last owner left it
                 if record.status in ACTIVE:
                     logger.info("batch %s: carrying on (%s)", record.id, record.status)
@@ -295,8 +312,8 @@ class BatchEngine:
                         try:
                             await self._load_results(batch)
                             batch.loaded = True
-                        except Exception:  # read again (and retried) by the batch's own task
-                            logger.exception("batch %s: its results could not be read back", record.id)
+                        except Exception:  # read again by the batch's own task, which says why
+                            pass
                     self._run(folder, record, batch)
                 else:
                     if record.status in FINAL:  # ended by its owner as this proxy claimed it
@@ -423,18 +440,29 @@ class BatchEngine:
                 try:
                     await self._step(batch)
                 except asyncio.CancelledError:
+                    if batch.gone:
+                        break
                     raise
                 except Exception as exc:
                     if self._closing:
                         raise
+                    if batch.gone:
+                        break
                     if is_disk_full(exc):  # said once (`_refused`), no traceback: tried again until space is freed
                         self._refused(batch, "step", exc)
                         await asyncio.sleep(DISK_RETRY_S)
+                    elif isinstance(exc, (CorruptFileError, UnsafeFileError)):  # its files damaged by hand
+                        why = f"{exc}: repair or remove it (inferproxy inspect names it), or cancel the batch"
+                        if batch.refused.get("damaged") != why:
+                            logger.error("batch %s: %s; tried again every %g s", record.id, why, DAMAGED_RETRY_S)
+                        batch.refused["damaged"] = why
+                        await asyncio.sleep(DAMAGED_RETRY_S)
                     else:
                         logger.exception("batch %s: %s failed; trying again in 10 s", record.id, record.status)
                         await asyncio.sleep(10)
                     continue
                 self._written(batch, "step")
+                self._written(batch, "damaged")
                 if record.status not in ACTIVE or self._closing:
                     break
                 if record.status == "in_progress" and batch.stopping.is_set() and record.ending is None:
@@ -543,7 +571,7 @@ class BatchEngine:
             try:
                 await self._write_results(batch)  # every answer in, before the counts are looked at
             except OSError:
-                if not self._closing:
+                if not (self._closing or batch.gone):
                     raise
                 # stopping on a full disk: these lines run again at the next start
         if self._closing:
@@ -638,11 +666,27 @@ class BatchEngine:
         if not task.cancelled() and task.exception() is not None:
             logger.error("batch %s: a line failed to be recorded", batch.record.id, exc_info=task.exception())
 
+    def _gone(self, batch: Running) -> None:
+        """The batch's folder was removed by hand: it is run no more (its lines in flight are given up), and
+        said once; a batch is no batch without its record."""
+        logger.warning(
+            "batch %s: its folder %s was removed: it is run no more, its lines in flight given up",
+            batch.record.id,
+            batch.dir.root,
+        )
+        batch.gone = True
+        batch.stopping.set()
+        if batch.task is not None:
+            batch.task.cancel()
+
     async def _save_progress(self, batch: Running) -> None:
         record = batch.record
         while True:
             await asyncio.sleep(SAVE_EVERY_S)
             counts = (record.completed, record.failed)
+            if not await asyncio.to_thread(batch.dir.root.is_dir):
+                self._gone(batch)
+                return
             try:
                 fresh = await asyncio.to_thread(batch.dir.load)
                 if fresh.status == "cancelling" and record.status == "in_progress":
