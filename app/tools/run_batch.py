@@ -520,7 +520,9 @@ class Runner:
     async def _run(self) -> tuple[int, str]:
         options = self.options
         await asyncio.to_thread(self.state.load)
-        await asyncio.to_thread(self.files.open)
+        # the state is this run's alone while it holds the lock: what a kill left half-written (a copy of the
+        # input as large as it, at each kill) is no other run's under way, and is swept at once
+        await asyncio.to_thread(self.files.open, stale_after_s=0)
         input_id = os.path.abspath(options.input) if not is_remote(options.input) else options.input
         data = self.state.data
         if data.get("xxh128") is None:

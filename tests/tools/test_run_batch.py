@@ -21,7 +21,8 @@ import orjson
 import pytest
 
 from app.service.settings import Settings
-from app.store.batches import BatchDir, Result
+from app.store.batches import BatchDir, Result, new_batch_id
+from app.store.files import FileStore
 from app.tools import run_batch as run_batch_module
 from tests.e2e.conftest import Upstream, running_upstream
 from tests.e2e.test_s3_output import S3, s3, s3_server  # noqa: F401 - the fixtures
@@ -595,6 +596,30 @@ def test_a_lock_file_removed_before_it_was_locked_is_opened_again_in_the_new_fol
         assert taken.created  # made again by this run, and empty: its own
     finally:
         taken.unlock()
+
+
+def test_copies_of_the_input_a_kill_cut_short_are_swept_by_the_next_run(upstream: Upstream, tmp_path: Path) -> None:
+    lines = [chat_line(f"line-{i}", f"question {i}") for i in range(5)]
+    source = write_input(tmp_path / "in.jsonl", lines)
+    output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
+    # killed (SIGKILL) twice while copying the input into the state: each time its ids reserved in run-batch.json,
+    # its copy a `.part` as large as what was read, just now (not an hour ago, as a shared store's sweep waits for)
+    files = FileStore(state / "files", fsync=False)
+    files.open()
+    parts = []
+    for _ in range(2):
+        cut = files.start("in.jsonl", "batch")
+        cut.write(source.read_bytes()[:100])
+        cut.finish(fsync=False)  # its descriptor closed, as the killed process's are
+        parts.append(cut.part)
+        reserved = {"input": str(source), "input_file_id": cut.id, "batch_id": new_batch_id(time.time())}
+        (state / "run-batch.json").write_bytes(orjson.dumps(reserved))
+    assert all(part.stat().st_size == 100 for part in parts)
+    result = run_batch(upstream, "-i", str(source), "-o", str(output))
+    assert result.returncode == 0, result.stderr
+    assert [o["custom_id"] for o in output_of(output)] == [line["custom_id"] for line in lines]
+    assert not [part.name for part in parts if part.exists()]
+    assert not [name for name in os.listdir(state / "files") if name.endswith(".part")]
 
 
 def test_a_log_record_written_while_the_bar_is_shown_gets_a_line_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
