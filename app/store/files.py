@@ -135,16 +135,17 @@ class FileStore:
         self.clock = clock
         self._damaged: set[str] = set()  # the ids whose metadata could not be read, warned of once
 
-    def open(self) -> None:
-        """Create the folder; sweep what a crash left half-written (bytes without metadata) an hour ago or more:
-        younger, it may be another proxy's upload or output under way, on a checkpoints dir they share (a
-        live upload writes more often than `body_timeout_s`)."""
+    def open(self, *, stale_after_s: float = STALE_AFTER_S) -> None:
+        """Create the folder; sweep what a crash left half-written (bytes without metadata) `stale_after_s`
+        ago or more: younger, it may be another proxy's upload or output under way, on a checkpoints dir they
+        share (a live upload writes more often than `body_timeout_s`). 0: all of it, whatever its age, for a
+        store no other process writes to (run-batch's, under its lock)."""
         make_dirs_durable(str(self.root))
-        stale = self.clock() - STALE_AFTER_S
+        stale = self.clock() - stale_after_s
         for path in self.root.iterdir():
             if _half_written(self.root, path.name):
                 with contextlib.suppress(OSError):
-                    if path.stat().st_mtime < stale:
+                    if stale_after_s <= 0 or path.stat().st_mtime < stale:
                         path.unlink()
 
     @contextlib.contextmanager

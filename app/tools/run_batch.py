@@ -247,19 +247,34 @@ class State:
         self.root = root
         self.path = root / STATE
         self.data: dict[str, Any] = {}
+        #: whether this run made the folder and found nothing in it but its lock: then all it holds is this
+        #: run's, which may remove it (and only then: another's state is never removed)
+        self.created = False
         self._lock_fd = -1
 
     def lock(self) -> None:
-        make_dirs_durable(str(self.root))
-        fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        """Take the state's lock, or a `RunBatchError` (nothing created or removed) if another run holds it."""
+        existed = self.root.exists()
+        while True:
+            make_dirs_durable(str(self.root))
+            fd = os.open(self.root / LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise RunBatchError(
+                    f"another inferproxy run-batch works on {self.root} (it holds {LOCK}): wait for it, or stop it"
+                ) from None
+            # The holder of a state it created removes it when it fails (before unlocking): a lock file opened
+            # before that and locked after is no longer the folder's, and locks nothing. Open the new one.
+            try:
+                if os.path.samestat(os.fstat(fd), os.stat(self.root / LOCK)):
+                    break
+            except FileNotFoundError:
+                pass
             os.close(fd)
-            raise RunBatchError(
-                f"another inferproxy run-batch works on {self.root} (it holds {LOCK}): wait for it, or stop it"
-            ) from None
         self._lock_fd = fd
+        self.created = not existed and os.listdir(self.root) == [LOCK]
 
     def unlock(self) -> None:
         if self._lock_fd >= 0:
@@ -440,21 +455,24 @@ def main(options: Options, stream: TextIO = sys.stderr) -> int:
     """Run the batch to its end; the exit code, after one line on `stream` saying how it ended."""
     import uvloop
 
-    fresh = not options.state.exists()
     try:
         check_locations(options)
         code, message = uvloop.run(Runner(options, stream).run())
-    except RunBatchError as exc:
-        code, message = exc.code, str(exc)
-    except (OutputError, FolderError) as exc:
-        code, message = BAD_INPUT, str(exc)
-    except OSError as exc:  # the state's disk refused a write, or went away
-        code, message = UNANSWERED, f"stopped: {exc}; rerun the same command to carry on once that is fixed"
-    if code == BAD_INPUT and fresh:  # nothing of this run is worth keeping: leave no folder behind either
-        shutil.rmtree(options.state, ignore_errors=True)
+    except (RunBatchError, OutputError, FolderError, OSError) as exc:  # before the state's lock was held
+        code, message = failure(exc)
     stream.write(f"inferproxy run-batch: {message}\n")
     stream.flush()
     return code
+
+
+def failure(exc: RunBatchError | OutputError | FolderError | OSError) -> tuple[int, str]:
+    """The exit code of a run that raised `exc`, and what it says."""
+    if isinstance(exc, RunBatchError):
+        return exc.code, str(exc)
+    if isinstance(exc, OutputError | FolderError):
+        return BAD_INPUT, str(exc)
+    # the state's disk refused a write, or went away
+    return UNANSWERED, f"stopped: {exc}; rerun the same command to carry on once that is fixed"
 
 
 class Runner:
@@ -479,11 +497,19 @@ class Runner:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._on_signal, signum)
-        self.state.lock()
+        self.state.lock()  # refused: nothing of this run to remove, and the folder is another's
         try:
-            return await self._run()
-        except Stopped:
-            return self._stopped("before the batch started")
+            try:
+                code, message = await self._run()
+            except Stopped:
+                code, message = self._stopped("before the batch started")
+            except (RunBatchError, OutputError, FolderError, OSError) as exc:
+                code, message = failure(exc)
+            if code == BAD_INPUT and self.state.created:
+                # nothing of this run is worth keeping: no folder left behind either, removed while the lock
+                # is held so that no other run-batch can have begun on it
+                await asyncio.to_thread(shutil.rmtree, self.options.state, ignore_errors=True)
+            return code, message
         finally:
             self.state.unlock()
 
@@ -494,7 +520,9 @@ class Runner:
     async def _run(self) -> tuple[int, str]:
         options = self.options
         await asyncio.to_thread(self.state.load)
-        await asyncio.to_thread(self.files.open)
+        # the state is this run's alone while it holds the lock: what a kill left half-written (a copy of the
+        # input as large as it, at each kill) is no other run's under way, and is swept at once
+        await asyncio.to_thread(self.files.open, stale_after_s=0)
         input_id = os.path.abspath(options.input) if not is_remote(options.input) else options.input
         data = self.state.data
         if data.get("xxh128") is None:

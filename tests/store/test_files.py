@@ -39,6 +39,18 @@ def test_a_writer_abandoned_by_a_crash_leaves_nothing_once_the_store_opens_again
     assert again.list() == [kept_file]
 
 
+def test_a_store_no_other_process_writes_to_sweeps_what_a_crash_left_at_once(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "files", fsync=False)
+    store.open()
+    with store.writing("whole.jsonl", "batch") as whole:
+        whole.write(b"{}\n")
+    cut = store.start("cut.jsonl", "batch")  # the process dies mid-copy: never committed nor abandoned
+    cut.write(b"half")
+    cut.finish(fsync=False)
+    FileStore(tmp_path / "files").open(stale_after_s=0)  # run-batch's, under its lock: just now is old enough
+    assert sorted(os.listdir(store.root)) == sorted([whole.id, whole.id + ".json"])
+
+
 def test_ids_sort_as_their_files_were_begun_and_a_listing_resumes_after_a_deleted_one(tmp_path: Path) -> None:
     now = [0.0]
     store = FileStore(tmp_path / "files", fsync=False, clock=lambda: now[0])

@@ -8,18 +8,21 @@ import gzip
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import orjson
 import pytest
 
-from app.store.batches import BatchDir, Result
+from app.service.settings import Settings
+from app.store.batches import BatchDir, Result, new_batch_id
+from app.store.files import FileStore
 from app.tools import run_batch as run_batch_module
 from tests.e2e.conftest import Upstream, running_upstream
 from tests.e2e.test_s3_output import S3, s3, s3_server  # noqa: F401 - the fixtures
@@ -526,6 +529,97 @@ def test_a_state_another_run_batch_works_on_is_refused_with_exit_2(upstream: Ups
     )
     assert not output.exists()
     assert upstream.stats()["generations"] == 0
+
+
+def test_a_run_batch_that_loses_the_race_for_a_new_state_leaves_the_winners_state_alone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Two run-batch started at once on a state that does not exist yet: both see no folder, one takes the lock.
+    # The other is made to lose, deterministically: the winner's folder, lock and state appear just before it
+    # creates the folder itself (it used to remove them, as a fresh run that failed).
+    source = write_input(tmp_path / "in.jsonl", [chat_line("a", "question")])
+    output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
+    winners = b'{"input": "the winner\'s"}'
+    held: list[IO[str]] = []
+    make_dirs_durable = run_batch_module.make_dirs_durable
+
+    def winner_first(path: str) -> None:
+        if not held:
+            state.mkdir()
+            held.append((state / "run-batch.lock").open("w"))
+            fcntl.flock(held[0], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            (state / "run-batch.json").write_bytes(winners)
+        make_dirs_durable(path)
+
+    monkeypatch.setattr(run_batch_module, "make_dirs_durable", winner_first)
+    settings = Settings(upstream=[f"http://127.0.0.1:{free_port()}"])
+    said = io.StringIO()
+    try:
+        code = run_batch_module.main(run_batch_module.Options(str(source), str(output), settings, state), said)
+        assert held, "the run never created the state's folder"
+        assert code == 2, said.getvalue()
+        assert said.getvalue() == (
+            f"inferproxy run-batch: another inferproxy run-batch works on {state} (it holds run-batch.lock): wait "
+            f"for it, or stop it\n"
+        )
+        assert sorted(os.listdir(state)) == ["run-batch.json", "run-batch.lock"]
+        assert (state / "run-batch.json").read_bytes() == winners
+        assert not output.exists()
+    finally:
+        for lock in held:
+            lock.close()
+
+
+def test_a_lock_file_removed_before_it_was_locked_is_opened_again_in_the_new_folder(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A run that created the state and failed removes it, lock file and all, before unlocking: a run that opened
+    # that lock file meanwhile would lock an inode no later run opens, and two would share the state.
+    state = tmp_path / "state"
+    flock = fcntl.flock
+    removed: list[bool] = []
+
+    def removed_first(fd: int, operation: int) -> None:
+        if not removed:
+            removed.append(True)
+            shutil.rmtree(state)  # as the previous holder does, just before it unlocks
+        flock(fd, operation)
+
+    monkeypatch.setattr(run_batch_module.fcntl, "flock", removed_first)
+    taken = run_batch_module.State(state)
+    taken.lock()
+    monkeypatch.undo()
+    try:
+        assert removed
+        with (state / "run-batch.lock").open("w") as other, pytest.raises(BlockingIOError):
+            fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the folder's lock file is the one held
+        assert taken.created  # made again by this run, and empty: its own
+    finally:
+        taken.unlock()
+
+
+def test_copies_of_the_input_a_kill_cut_short_are_swept_by_the_next_run(upstream: Upstream, tmp_path: Path) -> None:
+    lines = [chat_line(f"line-{i}", f"question {i}") for i in range(5)]
+    source = write_input(tmp_path / "in.jsonl", lines)
+    output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
+    # killed (SIGKILL) twice while copying the input into the state: each time its ids reserved in run-batch.json,
+    # its copy a `.part` as large as what was read, just now (not an hour ago, as a shared store's sweep waits for)
+    files = FileStore(state / "files", fsync=False)
+    files.open()
+    parts = []
+    for _ in range(2):
+        cut = files.start("in.jsonl", "batch")
+        cut.write(source.read_bytes()[:100])
+        cut.finish(fsync=False)  # its descriptor closed, as the killed process's are
+        parts.append(cut.part)
+        reserved = {"input": str(source), "input_file_id": cut.id, "batch_id": new_batch_id(time.time())}
+        (state / "run-batch.json").write_bytes(orjson.dumps(reserved))
+    assert all(part.stat().st_size == 100 for part in parts)
+    result = run_batch(upstream, "-i", str(source), "-o", str(output))
+    assert result.returncode == 0, result.stderr
+    assert [o["custom_id"] for o in output_of(output)] == [line["custom_id"] for line in lines]
+    assert not [part.name for part in parts if part.exists()]
+    assert not [name for name in os.listdir(state / "files") if name.endswith(".part")]
 
 
 def test_a_log_record_written_while_the_bar_is_shown_gets_a_line_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
