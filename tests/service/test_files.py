@@ -198,6 +198,18 @@ async def test_an_upload_past_max_file_bytes_is_413_and_nothing_of_it_is_kept(tm
         (MULTIPART, form(("purpose", None, b"fine-tune"), ("file", "a.jsonl", b"x")), "purpose must be batch"),
         (MULTIPART, form(("file", "a.jsonl", b"x" * 3_000_00), ("purpose", None, b"batch_output")), "purpose must be"),
         (MULTIPART, form(PURPOSE, ("file", "a", b"x"), ("file", "b", b"y")), "two `file` fields"),
+        (MULTIPART, form(PURPOSE, PURPOSE, ("file", "a", b"x")), "two `purpose` fields"),
+        (
+            MULTIPART,
+            form(
+                PURPOSE,
+                ("expires_after[anchor]", None, b"created_at"),
+                ("expires_after[seconds]", None, b"1"),
+                ("expires_after[seconds]", None, b"3600"),
+                ("file", "a", b"x"),
+            ),
+            "two `expires_after[seconds]` fields",
+        ),
         (MULTIPART, form(PURPOSE, ("notes", None, b"n" * 70_000), ("file", "a", b"x")), "fields but `file`"),
         (MULTIPART, f"--{BOUNDARY}\r\nX-Long: {'h' * 10_000}\r\n\r\n".encode(), "header size"),
         (MULTIPART, f"--{BOUNDARY}\r\n".encode() + b"X: y\r\n" * 50 + b"\r\n", "header count"),

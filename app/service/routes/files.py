@@ -119,6 +119,7 @@ class Upload:
         self.header_name = bytearray()
         self.header_value = bytearray()
         self.field: str | None = None  # the name of the part being read, if not the file
+        self.seen: set[str] = set()  # the names of the fields read so far, but the file
         self.value = bytearray()
         self.field_bytes = 0
         self.purpose: str | None = None
@@ -162,6 +163,9 @@ class Upload:
             raise BadRequest('each part of the form needs Content-Disposition: form-data; name="..."')
         if name != b"file":
             self.field = name.decode("latin-1")
+            if self.field in self.seen:  # which one counts would be a guess: refused, whichever it is
+                raise BadRequest(f"the form holds two `{self.field}` fields: send each field once", param=self.field)
+            self.seen.add(self.field)
             return
         if self.writer is not None:
             raise BadRequest("the form holds two `file` fields: upload one file per request")
