@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from app.http.asgi import ASGIApp, Headers, Message, Receive, Scope, Send
 from app.service.errors import BadRequest, PayloadTooLarge, ProxyError
 
@@ -45,6 +47,16 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 #: loop time by value, not by byte (a 31 MB `[{},{},...]` took ~1 GB and stalled every request for a
 #: second). Far more than any inference request or batch of documents holds.
 MAX_JSON_VALUES = 1 << 20
+
+
+def json_kind(value: Any) -> str:
+    """What JSON calls a decoded value's type (`null`, `array`, ...), for a message a client reads."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    kinds = {dict: "object", list: "array", str: "string", int: "number", float: "number"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 def check_json_cost(body: bytes) -> None:

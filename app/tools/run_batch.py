@@ -123,6 +123,8 @@ def open_input(url: str) -> Iterator[IO[bytes]]:
     except ImportError:
         raise RunBatchError(f"-i {shown} is a URL: install fsspec and its filesystem (pip install 's3fs')") from None
     except FileNotFoundError:
+        if url == "-":  # a rerun carries on from the same input, which a pipe cannot give twice
+            raise RunBatchError("-i -: run-batch reads a file, not standard input: write it to a file first") from None
         raise RunBatchError(f"-i {shown}: no such file") from None
     except IsADirectoryError:
         raise RunBatchError(f"-i {shown} is a folder: give the batch file (JSONL) in it") from None

@@ -660,3 +660,18 @@ async def test_a_running_batch_whose_folder_is_removed_is_run_no_more(
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING and batch_id in r.getMessage()]
     assert len(said) == 1, said
     assert "was removed: it is run no more" in said[0]
+
+
+async def test_a_create_with_a_field_of_the_wrong_kind_names_the_kind_json_calls_it(
+    settings: Settings, upstream: Any
+) -> None:
+    async for client in proxy(settings, upstream[0]):
+        for body, expected in (
+            ({"input_file_id": ["x"], "endpoint": CHAT}, "`input_file_id` must be a string, the id of a file"),
+            ({"endpoint": CHAT}, "`input_file_id` is required"),
+            (None, "the request body must be a JSON object, got null"),
+            ([1], "the request body must be a JSON object, got array"),
+        ):
+            answer = await client.post("/v1/batches", content=orjson.dumps(body))
+            assert answer.status_code == 400, answer.text
+            assert answer.json()["error"]["message"].startswith(expected), answer.text

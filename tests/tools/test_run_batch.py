@@ -352,6 +352,12 @@ def test_a_bad_input_is_refused_naming_its_first_bad_lines_and_nothing_is_sent_o
         assert expected.format(path=path) in result.stderr, (name, result.stderr)
         assert not output.exists(), name
         assert not (tmp_path / f"{name}.out.jsonl.inferproxy").exists(), name  # no state left either
+    piped = run_batch(upstream, "-i", "-", "-o", str(tmp_path / "piped.out.jsonl"))
+    assert piped.returncode == 2
+    assert (
+        last_line(piped)
+        == "inferproxy run-batch: -i -: run-batch reads a file, not standard input: write it to a file first"
+    )
     assert list(upstream.stats()["by_path"]) == ["GET /v1/models"]  # the fixture's readiness wait, nothing else
 
 

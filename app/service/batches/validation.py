@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 import xxhash
 
+from app.service.asgi import json_kind
 from app.store.durable import open_to_read
 
 #: The errors a failed batch names (OpenAI's `errors.data`), the first ones of the file.
@@ -86,7 +87,7 @@ ARRAY = "looks like one JSON array, not one request per line: write one JSON obj
 def line_problem(record: Any, endpoint: str) -> tuple[str, str, str | None] | None:
     """What is wrong with one parsed line: (code, message, param), or None."""
     if not isinstance(record, dict):
-        return "invalid_json_line", f"the line must be a JSON object, got a JSON {type(record).__name__}", None
+        return "invalid_json_line", f"the line must be a JSON object, got {json_kind(record)}", None
     custom_id = record.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return "missing_custom_id", "the line needs a `custom_id`, a non-empty string", "custom_id"

@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from app.service.asgi import Receive, Scope, check_json_cost, read_body
+from app.service.asgi import Receive, Scope, check_json_cost, json_kind, read_body
 from app.service.batches.engine import ENDPOINTS, BatchEngine, BatchNotFound, window_seconds
 from app.service.errors import BadRequest, NotFound
 from app.service.services import Services
@@ -65,10 +65,15 @@ async def create(services: Services, scope: Scope, receive: Receive) -> dict[str
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"the request body must be a JSON object: {exc}") from None
     if not isinstance(asked, dict):
-        raise BadRequest(f"the request body must be a JSON object, got a JSON {type(asked).__name__}")
+        raise BadRequest(f"the request body must be a JSON object, got {json_kind(asked)}")
     input_file_id = asked.get("input_file_id")
-    if not isinstance(input_file_id, str) or not input_file_id:
+    if input_file_id is None or input_file_id == "":
         raise BadRequest("`input_file_id` is required: the id of a file uploaded to /v1/files", param="input_file_id")
+    if not isinstance(input_file_id, str):
+        raise BadRequest(
+            f"`input_file_id` must be a string, the id of a file uploaded to /v1/files, got {json_kind(input_file_id)}",
+            param="input_file_id",
+        )
     stored = services.files.get(input_file_id)
     if stored is None:
         raise BadRequest(

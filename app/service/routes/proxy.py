@@ -30,7 +30,17 @@ import orjson
 from app.http.asgi import Answer, CutConnection
 from app.http.client import HTTPClientError
 from app.service.affinity import request_key
-from app.service.asgi import Headers, Receive, Scope, Send, check_json_cost, read_body, send_bytes, send_error
+from app.service.asgi import (
+    Headers,
+    Receive,
+    Scope,
+    Send,
+    check_json_cost,
+    json_kind,
+    read_body,
+    send_bytes,
+    send_error,
+)
 from app.service.errors import BadRequest, NotFound, ProxyError
 from app.service.headers import RequestKey, parse_request_key
 from app.service.services import Services
@@ -112,7 +122,7 @@ def payload_digest(body: bytes, given: str | None = None) -> str:
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"the request body must be a JSON object: {exc}") from None
     if not isinstance(payload, dict):
-        raise BadRequest(f"the request body must be a JSON object, got a JSON {type(payload).__name__}")
+        raise BadRequest(f"the request body must be a JSON object, got {json_kind(payload)}")
     if given is None:
         return request_digest(payload)
     if payload.get("stream"):
