@@ -183,17 +183,24 @@ class FileStore:
             raise
         return meta
 
+    def read(self, file_id: str) -> StoredFile:
+        """The file's metadata as on disk, expired or not: `FileNotFoundError` if there is none; `OSError`,
+        `ValueError` or `TypeError` if it is damaged (a `.json` that is no file's metadata, or a link or
+        a special file for it or its bytes, `UnsafeFileError`)."""
+        found = StoredFile(**orjson.loads(read_regular(str(self.root / (file_id + _META)))))
+        check_safe(str(self.root / file_id))  # its bytes too: a link there is no file either
+        return found
+
     def get(self, file_id: str, *, expired_too: bool = False) -> StoredFile | None:
         """The file, if there is one and it has not expired (`expired_too`: even if it has, for the batch
-        that reads it as its input)."""
+        that reads it as its input); a damaged one is none, said once."""
         if not is_file_id(file_id):
             return None
         try:
-            found = StoredFile(**orjson.loads(read_regular(str(self.root / (file_id + _META)))))
-            check_safe(str(self.root / file_id))  # its bytes too: a link there is no file either
+            found = self.read(file_id)
         except FileNotFoundError:
             return None
-        except (OSError, ValueError, TypeError) as exc:  # a link, a torn or foreign .json: no file, said once
+        except (OSError, ValueError, TypeError) as exc:
             if file_id not in self._damaged:
                 self._damaged.add(file_id)
                 logger.warning("files/%s is damaged, so no such file is served (%s)", file_id, exc)

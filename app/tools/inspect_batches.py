@@ -129,14 +129,14 @@ def _files(store: FileStore, report: ApiReport) -> list[StoredFile]:
         if not is_file_id(file_id):
             continue
         try:
-            stored = store.get(file_id)
+            stored = store.read(file_id)  # expired ones too, and why a damaged one is no file
+        except FileNotFoundError:
+            continue  # deleted meanwhile
         except (OSError, TypeError, ValueError) as exc:
-            report.problems.append(f"file {file_id}: its metadata is not as inferproxy writes it ({exc})")
+            why = printable(str(exc))[:300]
+            report.problems.append(f"file {file_id} is damaged ({why}): a proxy neither lists nor serves it")
             continue
-        if stored is None:
-            report.problems.append(f"file {file_id}: its metadata does not parse: a proxy does not list it")
-            continue
-        if not os.path.isfile(store.path(file_id)):
+        if not os.path.lexists(store.path(file_id)):
             report.problems.append(f"file {file_id}: its bytes are missing: its content cannot be downloaded")
         found.append(stored)
     return found

@@ -3,6 +3,7 @@ killed mid-batch leaves is tests/e2e/test_inspect.py's; here, what only a damage
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 
 from app.cli import main
 from app.store.batches import BatchDir, BatchRecord, Result, new_batch_id
-from app.store.files import FileStore
+from app.store.files import FileStore, StoredFile
 from app.tools.inspect import inspect_dir, render, to_json
 from tests.factories import dir_snapshot
 
@@ -127,14 +128,28 @@ def test_a_files_metadata_that_does_not_parse_or_has_lost_its_bytes_is_one_probl
         with store.writing(name, "batch") as upload:
             upload.write(b"{}\n")
         kept.append(upload.id)
+    with store.writing("d.jsonl", "batch") as upload:
+        upload.write(b"{}\n")
+    kept.append(upload.id)
+    with store.writing("e.jsonl", "batch") as upload:  # expired: no problem, a file a sweep removes
+        upload.write(b"{}\n")
+        upload.expires_after = 3600
+    kept.append(upload.id)
     (store.root / (kept[0] + ".json")).write_bytes(b'{"id": ')
     store.path(kept[1]).unlink()
+    store.path(kept[3]).unlink()
+    store.path(kept[3]).symlink_to(store.path(kept[2]))  # its bytes a link: never served
+    expired = StoredFile(**{**orjson.loads((store.root / (kept[4] + ".json")).read_bytes()), "expires_at": 1})
+    (store.root / (kept[4] + ".json")).write_bytes(orjson.dumps(dataclasses.asdict(expired)))
     report = inspect_dir(str(tmp_path))
-    assert [item["id"] for item in to_json(report)["files"]] == kept[1:]
-    assert report.problems == [
-        f"file {kept[0]}: its metadata does not parse: a proxy does not list it",
+    assert [item["id"] for item in to_json(report)["files"]] == [kept[1], kept[2], kept[4]]
+    assert [line[: line.index(" (") if " (" in line else None] for line in report.problems] == [
+        f"file {kept[0]} is damaged",
         f"file {kept[1]}: its bytes are missing: its content cannot be downloaded",
+        f"file {kept[3]} is damaged",
     ]
+    assert "unexpected end of data" in report.problems[0]
+    assert "is a symbolic link" in report.problems[2]
 
 
 @pytest.mark.parametrize(
