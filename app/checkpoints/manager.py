@@ -197,6 +197,9 @@ class CheckpointManager:
         self.max_waiting_chunks = max_waiting_chunks
         self.backlog_wait_s = backlog_wait_s
         self.retry_backoff_s = retry_backoff_s
+        self._writing = 0  # `write_documents` calls under way, until their fsync
+        self._no_writes = asyncio.Event()
+        self._no_writes.set()
         self.max_retry_backoff_s = max_retry_backoff_s
         #: Why the complete chunks waiting are not published, while the last attempt failed.
         self.publication_failure: PublicationFailure | None = None
@@ -296,6 +299,25 @@ class CheckpointManager:
         they complete that cannot be published raises `PublishError`: the
         documents are stored, and the next write or completion retries it.
         """
+        self._writing += 1
+        self._no_writes.clear()
+        try:
+            return await self._write_documents(documents, rank, chunk_index, output_writer_context)
+        finally:
+            self._writing -= 1
+            if not self._writing:
+                self._no_writes.set()
+
+    async def writes_settled(self, timeout_s: float) -> None:
+        """Until the writes under way (received, maybe not yet durable) are done, or `timeout_s` passes: a
+        resume point read then counts what a job killed just after sending wrote, durably, and nothing
+        that is not on disk yet."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._no_writes.wait(), timeout_s)
+
+    async def _write_documents(
+        self, documents: Sequence[DocumentLike], rank: int, chunk_index: int, output_writer_context: OutputWriter
+    ) -> BatchOutcome:
         lines = [encode_document(document) for document in documents]
         self._chunk_files.check_usable()
         if self.checkpoints_local_dir is None:

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+import app.checkpoints.chunkfiles
 import app.checkpoints.manager
 import app.checkpoints.publish
 import app.checkpoints.resume
@@ -93,6 +94,32 @@ async def test_documents_are_acknowledged_and_a_full_chunk_is_published(
     assert (await client.get("/resume")).json()["last_chunk_index"] == 0  # once what is waiting is published
     assert published(tmp_path) == {"00000_chunk_0.jsonl": ["a", "b", "c"]}
     assert not (tmp_path / "ckpt" / "00000" / "chunk_00000.jsonl").exists()
+
+
+async def test_resume_counts_a_write_received_but_not_yet_durable_once_it_is(
+    client: httpx.AsyncClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job killed just after sending documents and started again at once asks for its resume point while
+    the proxy is still writing them: the answer waits for that write, so it neither skips documents not yet
+    on disk nor misses them (the restarted job would pay for them again)."""
+    assert (await post(client, doc("a"))).status_code == 200  # the rank open
+    real = app.checkpoints.chunkfiles.ChunkFiles.make_durable
+    syncing, durable = asyncio.Event(), asyncio.Event()
+
+    async def slow(self: Any, file: Any) -> None:
+        syncing.set()
+        await durable.wait()  # the fsync, as slow as the test wants
+        await real(self, file)
+
+    monkeypatch.setattr(app.checkpoints.chunkfiles.ChunkFiles, "make_durable", slow)
+    write = asyncio.create_task(post(client, doc("b")))  # the killed job's last write
+    await syncing.wait()
+    resume = asyncio.create_task(client.get("/resume"))  # the restarted job's first question
+    await asyncio.sleep(0.2)  # time enough to answer it, were it not waiting (a wait, not a barrier)
+    assert not resume.done(), "answered while the write it counts was not on disk"
+    durable.set()
+    assert (await write).status_code == 200
+    assert (await resume).json()["processed_ids"] == ["a", "b"]
 
 
 async def test_a_retried_post_counts_duplicates_and_writes_nothing_twice(

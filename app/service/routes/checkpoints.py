@@ -43,6 +43,9 @@ from app.store.durable import is_disk_full, refusal_reason
 logger = logging.getLogger(__name__)
 
 _FIELDS = frozenset({"id", "text", "media", "metadata"})
+#: How long `GET /resume` waits for the rank's writes under way (a write's fsync takes milliseconds; a
+#: stream of writes from another job on the rank is not waited for beyond this).
+RESUME_SETTLE_S = 5.0
 
 #: One route's work: (services, scope, receive) -> the JSON object it answers 200 with.
 Work = Callable[[Services, Scope, Receive], Awaitable[dict[str, Any]]]
@@ -281,6 +284,8 @@ async def get_resume(services: Services, scope: Scope, receive: Receive) -> dict
             ) from exc
         # Chunks published may have gone from the output since the rank was opened.
         await registry.check_open_output(rank)
+        # A job killed just after a write and started again asks before that write is done: it counts.
+        await manager.writes_settled(RESUME_SETTLE_S)
         records_per_chunk, last = manager.records_per_chunk, manager.last_chunk_index
         skip, processed = manager.resume_state()
         services.note_progress(rank, manager)
