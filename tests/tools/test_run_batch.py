@@ -24,6 +24,8 @@ from app.service.settings import Settings
 from app.store.batches import BatchDir, Result, new_batch_id
 from app.store.files import FileStore
 from app.tools import run_batch as run_batch_module
+from app.tools.run_batch import report as report_module
+from app.tools.run_batch import state as state_module
 from tests.e2e.conftest import Upstream, running_upstream
 from tests.e2e.test_s3_output import S3, s3, s3_server  # noqa: F401 - the fixtures
 from tests.job.test_progress import logging_to, screen
@@ -455,7 +457,7 @@ def test_progress_is_a_bar_redrawn_in_place_on_a_terminal_and_a_line_every_30_s_
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     clock = [100.0]
-    monkeypatch.setattr(run_batch_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(report_module.time, "monotonic", lambda: clock[0])
     for tty in (True, False):
         stream = Terminal(tty)
         progress = run_batch_module.Progress(stream)
@@ -547,7 +549,7 @@ def test_a_run_batch_that_loses_the_race_for_a_new_state_leaves_the_winners_stat
     output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
     winners = b'{"input": "the winner\'s"}'
     held: list[IO[str]] = []
-    make_dirs_durable = run_batch_module.make_dirs_durable
+    make_dirs_durable = state_module.make_dirs_durable
 
     def winner_first(path: str) -> None:
         if not held:
@@ -557,7 +559,7 @@ def test_a_run_batch_that_loses_the_race_for_a_new_state_leaves_the_winners_stat
             (state / "run-batch.json").write_bytes(winners)
         make_dirs_durable(path)
 
-    monkeypatch.setattr(run_batch_module, "make_dirs_durable", winner_first)
+    monkeypatch.setattr(state_module, "make_dirs_durable", winner_first)
     settings = Settings(upstream=[f"http://127.0.0.1:{free_port()}"])
     said = io.StringIO()
     try:
@@ -591,7 +593,7 @@ def test_a_lock_file_removed_before_it_was_locked_is_opened_again_in_the_new_fol
             shutil.rmtree(state)  # as the previous holder does, just before it unlocks
         flock(fd, operation)
 
-    monkeypatch.setattr(run_batch_module.fcntl, "flock", removed_first)
+    monkeypatch.setattr(state_module.fcntl, "flock", removed_first)
     taken = run_batch_module.State(state)
     taken.lock()
     monkeypatch.undo()
@@ -630,7 +632,7 @@ def test_copies_of_the_input_a_kill_cut_short_are_swept_by_the_next_run(upstream
 
 def test_a_log_record_written_while_the_bar_is_shown_gets_a_line_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [100.0]
-    monkeypatch.setattr(run_batch_module.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(report_module.time, "monotonic", lambda: clock[0])
     terminal = Terminal(True)
     with logging_to(terminal) as logger:
         with run_batch_module.Progress(terminal) as progress:
