@@ -54,7 +54,8 @@ from app.checkpoints.output import (
 )
 from app.job.progress import InPlace, duration
 from app.service.app import upstream_pool
-from app.service.batches.engine import ENDPOINTS, BatchEngine, BatchNotFound
+from app.service.batches.answers import ENDPOINTS
+from app.service.batches.engine import BatchEngine, BatchNotFound
 from app.service.batches.validation import ARRAY, check_input
 from app.service.coalescing import Flights
 from app.service.settings import Settings
