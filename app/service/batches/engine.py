@@ -2,14 +2,13 @@
 
 A batch goes `validating` -> `in_progress` -> `finalizing` -> `completed` (or `failed` at validation,
 `cancelling` -> `cancelled`, `expired`), each change saved in its `batch.json` before it shows
-(`app.store.batches`). Its lines are read from the input file as they are needed, never held whole:
+(`app.store.batches`). This module keeps the life cycle (start, adopt, close), the routes' operations and
+the running of each batch; its lines are read from the input file as they are needed, never held whole:
 
 - each line's answer is looked up in the answers' cache (every batch's answers, keyed by the line's
   `custom_id`, its endpoint and its body's hash), else joins an identical line in flight (`Flights`),
-  else is sent upstream as a background request (`UpstreamPool.request(background=True)`: behind every
-  live request, never in the queue live clients are refused from);
-- a 429, a 5xx, a timeout or a lost connection is tried again with backoff, `batch_retries` times, and
-  only then is the line failed; a 4xx is the line's answer (it goes to the error file);
+  else is sent upstream as a background request, tried again on a 429, a 5xx, a timeout or a lost
+  connection (`answers.py`);
 - a line is done once its result is fsynced in `results.jsonl`: after a crash, the done lines are read
   back from it, and only what was in flight is sent again (its answer, if it came and was stored, is
   then a hit);
@@ -19,48 +18,37 @@ A batch goes `validating` -> `in_progress` -> `finalizing` -> `completed` (or `f
 
 The lines of all running batches share `max_inflight_per_upstream` x replicas slots at the upstream, and
 twice that until their answers are on disk, in turn (`FairShare`), so that a large batch does not starve a
-small one. A batch is run by the proxy that holds its
-`owner.lock`; a proxy sharing the checkpoints dir takes over the batches of one that died.
+small one (`running.py`, with what the engine keeps of each batch). Once a batch ends, its output and
+error files are written from results.jsonl and copied to an object-store output (`outputs.py`). A batch
+is run by the proxy that holds its `owner.lock`; a proxy sharing the checkpoints dir takes over the
+batches of one that died.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
-import dataclasses
-import itertools
 import logging
 import re
 import secrets
 import sqlite3
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import orjson
 
-from app.checkpoints.output import is_remote, scrub
-from app.checkpoints.publish import upload_whole
-from app.service.affinity import request_key
+from app.checkpoints.output import is_remote
+from app.service.batches.answers import Answerer
+from app.service.batches.outputs import add_tokens, failure_result, upload, write_files
+from app.service.batches.running import FairShare, Lines, Running
 from app.service.batches.validation import check_input
 from app.service.coalescing import Flights
-from app.service.errors import FileInUse, ProxyError
+from app.service.errors import FileInUse
 from app.service.settings import Settings
-from app.service.storage_policy import cacheable_status, error_in_disguise
-from app.service.upstream import UpstreamPool, response_headers
-from app.store.batches import (
-    ACTIVE,
-    ANSWERS,
-    FINAL,
-    BatchDir,
-    BatchRecord,
-    Result,
-    is_batch_id,
-    new_batch_id,
-)
-from app.store.cache import CacheWriteError, RequestCache, StoredResponse
+from app.service.upstream import UpstreamPool
+from app.store.batches import ACTIVE, ANSWERS, FINAL, BatchDir, BatchRecord, is_batch_id, new_batch_id
+from app.store.cache import CacheWriteError, RequestCache
 from app.store.durable import (
     CorruptFileError,
     UnsafeFileError,
@@ -70,14 +58,9 @@ from app.store.durable import (
     refusal_reason,
 )
 from app.store.files import FileStore, new_file_id
-from app.store.hashing import payload_hash
 
 logger = logging.getLogger(__name__)
 
-#: The endpoints a batch may name; a line's answers are keyed by its endpoint's place here (as the rollout).
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
-#: The rank under which batch lines fly in `Flights`: no rank of a job's (those are >= 0).
-BATCH_RANK = -1
 _WINDOW = re.compile(r"([1-9][0-9]{1,5})h")  # ASCII digits, no leading zero, nothing after
 #: How long a round of answers gathers before it is written and fsynced, beyond the answers that come
 #: while the last round is fsynced (group commit). A line keeps its place in the share until it is on disk,
@@ -93,7 +76,6 @@ ENDED_ORDER = ("completed", "failed", "cancelled", "expired")
 DAMAGED_RETRY_S = 10.0
 #: How often a batch tries again the writes its disk refused (a full disk: until space is freed).
 DISK_RETRY_S = 2.0
-_RETRIED = frozenset({408, 409, 429, 500, 502, 503, 504})
 
 
 def window_seconds(window: str) -> int | None:
@@ -110,101 +92,6 @@ def reads_input(record: BatchRecord) -> bool:
     return record.status in ("validating", "in_progress", "cancelling") or (
         record.status == "finalizing" and record.ending == "expired"
     )
-
-
-class FairShare:
-    """`capacity` slots shared by the running batches in turn: a slot released goes to the next batch in
-    the rotation that waits for one, so each running batch gets its share whatever its size."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self.held = 0
-        self._waiting: collections.OrderedDict[str, collections.deque[asyncio.Future[None]]] = collections.OrderedDict()
-
-    async def acquire(self, batch_id: str) -> None:
-        if self.held < self.capacity and not self._waiting:
-            self.held += 1
-            return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.setdefault(batch_id, collections.deque()).append(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.release()
-            else:
-                queue = self._waiting.get(batch_id)
-                if queue is not None:
-                    with contextlib.suppress(ValueError):
-                        queue.remove(waiter)
-                    if not queue:
-                        del self._waiting[batch_id]
-            raise
-
-    def release(self) -> None:
-        while self._waiting:
-            batch_id, queue = next(iter(self._waiting.items()))
-            waiter = queue.popleft()
-            del self._waiting[batch_id]
-            if queue:
-                self._waiting[batch_id] = queue  # to the end of the rotation
-            if not waiter.done():
-                waiter.set_result(None)
-                return
-        self.held -= 1
-
-
-class Lines:
-    """A set of line numbers, one bit each: a million lines in 125 KB."""
-
-    def __init__(self) -> None:
-        self.bits = bytearray()
-
-    def __contains__(self, line: int) -> bool:
-        byte = line >> 3
-        return byte < len(self.bits) and bool(self.bits[byte] & (1 << (line & 7)))
-
-    def add(self, line: int) -> None:
-        byte = line >> 3
-        if byte >= len(self.bits):
-            self.bits.extend(bytes(max(byte + 1 - len(self.bits), len(self.bits) // 2)))
-        self.bits[byte] |= 1 << (line & 7)
-
-
-class Running:
-    """A batch this proxy runs: its record, which lines are done, and its tasks."""
-
-    def __init__(self, folder: BatchDir, record: BatchRecord) -> None:
-        self.dir = folder
-        self.record = record
-        self.done = Lines()
-        self.task: asyncio.Task[None] | None = None
-        self.in_flight: set[asyncio.Task[None]] = set()  # its lines not yet on disk (their tasks)
-        self.sending = 0  # of those, the lines at the upstream (or its cache) now
-        self.stopping = asyncio.Event()
-        #: answered, not yet on disk: the writer's next round
-        self.pending: list[Result] = []
-        self.wake = asyncio.Event()
-        #: notified once a round is on disk (`_write_results`)
-        self.written = asyncio.Condition()
-        self.saved_counts = (-1, -1)
-        self.hits = 0
-        self.started_at = time.monotonic()
-        self.completed_at_start = 0
-        #: results.jsonl just read back (by `adopt`), not to be read again by the first `_execute`
-        self.loaded = False
-        #: the batch's writes its disk refuses now (`results`, `record`, `step`: a step of `_drive`), each with
-        #: why; while there is one, no new line is sent (`resumed` is clear)
-        self.refused: dict[str, str] = {}
-        self.gone = False  # its folder removed by hand: run no more
-        self.resumed = asyncio.Event()
-        self.resumed.set()
-
-    def is_done(self, line: int) -> bool:
-        return line in self.done
-
-    def mark_done(self, line: int) -> None:
-        self.done.add(line)
 
 
 class BatchNotFound(LookupError):
@@ -229,6 +116,7 @@ class BatchEngine:
         self.answers = RequestCache(
             str(self.root / ANSWERS), flush_interval_ms=settings.flush_interval_ms, replay_same_run=True
         )
+        self.answerer = Answerer(settings, pool, flights, self.answers)
         self.running: dict[str, Running] = {}
         #: The final status of each batch in the dir that this proxy saw end or found ended (`adopt`, at the
         #: start and every ADOPT_EVERY_S): /stats counts them without listing the dir. A final status is
@@ -534,7 +422,7 @@ class BatchEngine:
                     completed += 1
                 else:
                     failed += 1
-                _add_tokens(usage, done.tokens)
+                add_tokens(usage, done.tokens)
             return completed, failed, usage
 
         record.completed, record.failed, record.usage = await asyncio.to_thread(read)
@@ -715,7 +603,9 @@ class BatchEngine:
             logger.exception("batch %s: line %d could not be run", batch.record.id, number)
             custom_id = orjson.loads(raw).get("custom_id", "")
             message = f"the proxy could not run this line: {type(exc).__name__}: {exc}"
-            batch.pending.append(_failed(batch.record.serial, number, custom_id, "internal_error", message[:1000]))
+            batch.pending.append(
+                failure_result(batch.record.serial, number, custom_id, "internal_error", message[:1000])
+            )
             batch.wake.set()
             queued = True
         if queued:  # its place is kept until its answer is on disk: a kill loses no more than the share
@@ -723,21 +613,7 @@ class BatchEngine:
                 await batch.written.wait_for(lambda: batch.is_done(number))
 
     async def _answer_line(self, batch: Running, number: int, raw: bytes) -> bool:
-        record = batch.record
-        line = orjson.loads(raw)
-        custom_id: str = line["custom_id"]
-        body = orjson.dumps(line["body"])
-        rollout = ENDPOINTS.index(record.endpoint)
-        digest = payload_hash(line["body"])
-        answer = self.answers.get_response(custom_id, rollout, digest, datatrove_results=False)
-        result: Result | None
-        if answer is not None:
-            batch.hits += 1
-            # kept under this batch too: deleting the older batch's output does not forget it
-            self.answers.store_response(record.serial, custom_id, rollout, digest, answer)
-            result = _result(record.serial, number, custom_id, answer, {})
-        else:
-            result = await self._generated(batch, number, custom_id, rollout, digest, body)
+        result = await self.answerer.answer(batch, number, raw)
         if result is None:
             return False  # stopped before an answer: the line runs again
         batch.pending.append(result)  # done once the writer has it on disk (`_write_results`)
@@ -781,68 +657,9 @@ class BatchEngine:
                 record.completed += 1
             else:
                 record.failed += 1
-            _add_tokens(record.usage, result.tokens)
+            add_tokens(record.usage, result.tokens)
         async with batch.written:  # their lines give their slots up
             batch.written.notify_all()
-
-    async def _generated(
-        self, batch: Running, number: int, custom_id: str, rollout: int, digest: str, body: bytes
-    ) -> Result | None:
-        record = batch.record
-        key = (BATCH_RANK, custom_id, rollout, digest)
-        while (flight := self.flights.get(key)) is not None:
-            shared = await flight.answer()
-            if shared is not None:
-                return _result(record.serial, number, custom_id, shared, {})
-        with self.flights.lead(key, joinable=True) as flight:
-            outcome = await self._send(record.endpoint, custom_id, body, batch)
-            if outcome is None:
-                return None
-            if isinstance(outcome, str):
-                return _failed(record.serial, number, custom_id, "upstream_error", outcome)
-            answer, headers = outcome
-            result = _result(record.serial, number, custom_id, answer, headers)
-            kept = cacheable_status(answer.status, self.settings.cache_error_statuses)
-            # a 2xx whose body is an error, or no JSON at all, is none to keep (and goes to the error file);
-            # a 400 (a kept error status) is its error body
-            disguised = result.ok and error_in_disguise(answer) is not None
-            if disguised:
-                result = dataclasses.replace(result, ok=False)
-            if kept and (answer.status >= 300 or (result.ok and not disguised)):
-                self.answers.store_response(record.serial, custom_id, rollout, digest, answer)
-                flight.land(answer)
-            return result
-
-    async def _send(
-        self, endpoint: str, custom_id: str, body: bytes, batch: Running
-    ) -> tuple[StoredResponse, dict[bytes, bytes]] | str | None:
-        """The upstream's answer to one line; a string saying why there is none after every retry; None if
-        the batch stopped meanwhile."""
-        pool = self.pool
-        headers = [(b"content-type", b"application/json"), (b"accept-encoding", b"identity")]
-        route = request_key(custom_id, endpoint, body) if pool.affine else None
-        why = ""
-        for attempt in range(self.settings.batch_retries + 1):
-            if attempt:
-                delay = min(30.0, self.settings.retry_backoff_s * 2**attempt)
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(batch.stopping.wait(), delay)
-                if batch.stopping.is_set():
-                    return None  # cancelled or stopping: not sent again now
-            try:
-                async with pool.request("POST", endpoint, headers=headers, body=body, key=route, background=True) as up:
-                    data = await up.read()
-                    status, content_type = up.status, up.content_type
-                    got = dict(response_headers(up.headers))
-            except ProxyError as exc:
-                why = exc.message
-                continue
-            if status in _RETRIED:
-                why = f"the upstream answered {status}: {data[:200].decode('utf-8', 'replace')}"
-                continue
-            return StoredResponse(status, data, content_type), got
-        tries = self.settings.batch_retries + 1
-        return why if tries == 1 else f"{why} ({tries} times)"
 
     async def _finalize(self, batch: Running) -> None:
         """Write the output and error files from results.jsonl (under ids reserved first, so that a crash
@@ -854,10 +671,10 @@ class BatchEngine:
             record.output_file_id, record.error_file_id = new_file_id(time.time()), new_file_id(time.time())
             await self._save(batch)
         await self._load_results(batch)  # the done lines (for the expired ones' errors) and the counts
-        has = await asyncio.to_thread(self._write_files, batch)
+        has = await asyncio.to_thread(write_files, self.files, batch)
         if is_remote(self.settings.output):
             written = [i for i, kept in zip((record.output_file_id, record.error_file_id), has, strict=True) if kept]
-            await self._upload(record, [file_id for file_id in written if file_id is not None])
+            await upload(self.files, self.settings, record, [file_id for file_id in written if file_id is not None])
         now = int(time.time())
         record.output_file_id = record.output_file_id if has[0] else None
         record.error_file_id = record.error_file_id if has[1] else None
@@ -880,73 +697,6 @@ class BatchEngine:
             record.failed,
             record.total,
         )
-
-    async def _upload(self, record: BatchRecord, file_ids: list[str]) -> None:
-        """The batch's files copied to the object-store output too, each whole or absent there (one PUT),
-        as `<output>/batches/<filename>`; tried again with backoff until they are (the batch stays
-        `finalizing` meanwhile: its files are safe under the checkpoints dir)."""
-        for file_id in file_ids:
-            stored = self.files.get(file_id)
-            assert stored is not None, "written just before"
-            attempt = 0
-            while True:
-                try:
-                    where = await asyncio.to_thread(
-                        upload_whole, self.settings.output, str(self.files.path(file_id)), f"batches/{stored.filename}"
-                    )
-                    logger.info("batch %s: %s copied to %s", record.id, stored.filename, where)
-                    break
-                except Exception as exc:
-                    wait = min(2.0**attempt, self.settings.publish_retry_max_s)
-                    reason = scrub(str(exc), self.settings.output)
-                    logger.warning(
-                        "batch %s: copying %s to the output failed (%s); again in %g s",
-                        record.id,
-                        stored.filename,
-                        reason,
-                        wait,
-                    )
-                    attempt += 1
-                    await asyncio.sleep(wait)
-
-    def _write_files(self, batch: Running) -> tuple[bool, bool]:
-        record = batch.record
-        assert record.output_file_id is not None
-        assert record.error_file_id is not None
-        expired = self._expired_lines(batch) if record.ending == "expired" else iter(())
-        wrote = [False, False]
-        for index, (file_id, ok) in enumerate(((record.output_file_id, True), (record.error_file_id, False))):
-            if self.files.get(file_id) is not None:
-                wrote[index] = True
-                continue
-            lines = itertools.chain(_once(batch.dir.outputs(), ok), () if ok else expired)
-            first = next(lines, None)
-            if first is None:
-                continue  # a file without lines is not written: its id is null
-            name = f"{record.id}_{'output' if ok else 'error'}.jsonl"
-            with self.files.writing(name, "batch_output", file_id=file_id) as out:
-                piece = [first]
-                for item in lines:
-                    piece.append(item)
-                    if len(piece) >= 1024:
-                        out.write(b"\n".join(piece) + b"\n")
-                        piece = []
-                if piece:
-                    out.write(b"\n".join(piece) + b"\n")
-            wrote[index] = True
-        return wrote[0], wrote[1]
-
-    def _expired_lines(self, batch: Running) -> Iterator[bytes]:
-        try:
-            f = open_to_read(self.files.path(batch.record.input_file_id))
-        except (FileNotFoundError, UnsafeFileError):  # the input lost: its lines not run cannot be named
-            return
-        with f:
-            for number, raw in enumerate(f, 1):
-                if raw.strip() and not batch.is_done(number):
-                    custom_id = orjson.loads(raw)["custom_id"]
-                    message = "This request could not be executed before the completion window expired."
-                    yield _failed(batch.record.serial, number, custom_id, "batch_expired", message).out
 
     # -- progress ---------------------------------------------------------------------------
 
@@ -984,77 +734,7 @@ class BatchEngine:
         return out
 
 
-def _once(outputs: Iterator[tuple[int, bool, bytes]], ok: bool) -> Iterator[bytes]:
-    """The output (or error) lines of results, each input line's first result only."""
-    seen = Lines()
-    for line, went_ok, out in outputs:
-        if line not in seen:
-            seen.add(line)
-            if went_ok == ok:
-                yield out
-
-
-def _ids(serial: int, number: int) -> str:
-    """The hex digits of a line's ids: its batch's serial and its line number (stable when it runs again)."""
-    return f"{serial & (2**64 - 1):016x}{number & 0xFFFFFFFF:08x}"
-
-
-def _result(serial: int, number: int, custom_id: str, answer: StoredResponse, headers: dict[bytes, bytes]) -> Result:
-    """The output line of an answer, its body as the upstream sent it when it is JSON (not parsed and written
-    again), else as a string."""
-    ids = _ids(serial, number)
-    given = headers.get(b"x-request-id")
-    request_id = orjson.dumps(given.decode("latin-1") if given else "req_" + ids)
-    tokens: tuple[int, int] | None = None
-    try:
-        parsed = orjson.loads(answer.body)
-    except orjson.JSONDecodeError:
-        body = orjson.dumps(answer.body.decode("utf-8", "replace"))
-    else:
-        body = answer.body.strip() if b"\n" not in answer.body.strip() else orjson.dumps(parsed)
-        tokens = _tokens(parsed)
-    out = (
-        b'{"id":"batch_req_%s","custom_id":%s,"response":{"status_code":%d,"request_id":%s,"body":%s},"error":null}'
-        % (
-            ids.encode(),
-            orjson.dumps(custom_id),
-            answer.status,
-            request_id,
-            body,
-        )
-    )
-    # a 2xx that is no JSON (an HTML page, nothing) is no answer of the endpoint's: the error file's
-    return Result(number, 200 <= answer.status < 300 and tokens is not None, tokens or (0, 0), out)
-
-
-def _failed(serial: int, number: int, custom_id: str, code: str, message: str) -> Result:
-    out = {
-        "id": "batch_req_" + _ids(serial, number),
-        "custom_id": custom_id,
-        "response": None,
-        "error": {"code": code, "message": message},
-    }
-    return Result(number, False, (0, 0), orjson.dumps(out))
-
-
-def _tokens(body: Any) -> tuple[int, int]:
-    """(prompt, completion) tokens of an answer's `usage`, (0, 0) without one."""
-    usage = body.get("usage") if isinstance(body, dict) else None
-    if not isinstance(usage, dict):
-        return 0, 0
-    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
-    return (max(prompt, 0) if isinstance(prompt, int) else 0), (
-        max(completion, 0) if isinstance(completion, int) else 0
-    )
-
-
 def _cancelling() -> bool:
     """Whether the running task is being cancelled (a `finally` that must not wait for more)."""
     task = asyncio.current_task()
     return task is not None and task.cancelling() > 0
-
-
-def _add_tokens(usage: dict[str, int], tokens: tuple[int, int]) -> None:
-    usage["input_tokens"] = usage.get("input_tokens", 0) + tokens[0]
-    usage["output_tokens"] = usage.get("output_tokens", 0) + tokens[1]
-    usage["total_tokens"] = usage["input_tokens"] + usage["output_tokens"]

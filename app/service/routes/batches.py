@@ -10,7 +10,8 @@ from typing import Any
 import orjson
 
 from app.service.asgi import Receive, Scope, check_json_cost, json_kind, read_body
-from app.service.batches.engine import ENDPOINTS, BatchEngine, BatchNotFound, window_seconds
+from app.service.batches.answers import ENDPOINTS
+from app.service.batches.engine import BatchEngine, BatchNotFound, window_seconds
 from app.service.errors import BadRequest, NotFound
 from app.service.services import Services
 from app.store.batches import BatchRecord, is_batch_id

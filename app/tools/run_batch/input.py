@@ -13,7 +13,7 @@ import orjson
 import xxhash
 
 from app.checkpoints.output import install_hint, is_remote, redact_url, scrub
-from app.service.batches.engine import ENDPOINTS
+from app.service.batches.answers import ENDPOINTS
 from app.service.batches.validation import ARRAY, check_input
 from app.tools.run_batch.errors import RunBatchError, Stopped
 from app.tools.run_batch.state import Identity

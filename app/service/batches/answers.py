@@ -1,0 +1,125 @@
+"""One batch line's answer: from the answers' cache, else an identical line in flight, else the upstream.
+
+A line is sent upstream as a background request (`UpstreamPool.request(background=True)`: behind every
+live request, never in the queue live clients are refused from); a 429, a 5xx, a timeout or a lost
+connection is tried again with backoff, `batch_retries` times, and only then is the line failed; a 4xx
+is the line's answer (it goes to the error file). An answer worth keeping is stored in the answers'
+cache under the line's `custom_id`, its endpoint and its body's hash, and handed to the lines that
+joined its flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+
+import orjson
+
+from app.service.affinity import request_key
+from app.service.batches.outputs import answer_result, failure_result
+from app.service.batches.running import Running
+from app.service.coalescing import Flights
+from app.service.errors import ProxyError
+from app.service.settings import Settings
+from app.service.storage_policy import cacheable_status, error_in_disguise
+from app.service.upstream import UpstreamPool, response_headers
+from app.store.batches import Result
+from app.store.cache import RequestCache, StoredResponse
+from app.store.hashing import payload_hash
+
+#: The endpoints a batch may name; a line's answers are keyed by its endpoint's place here (as the rollout).
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+#: The rank under which batch lines fly in `Flights`: no rank of a job's (those are >= 0).
+BATCH_RANK = -1
+_RETRIED = frozenset({408, 409, 429, 500, 502, 503, 504})
+
+
+class Answerer:
+    """The answers of batch lines, shared by every batch of an engine: its answers' cache, the flights
+    of its lines, the upstream pool."""
+
+    def __init__(self, settings: Settings, pool: UpstreamPool, flights: Flights, answers: RequestCache) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.flights = flights
+        self.answers = answers
+
+    async def answer(self, batch: Running, number: int, raw: bytes) -> Result | None:
+        """Line `number` of the batch (`raw`, its input line) answered, or given up after every retry (a
+        failure result); None if the batch stopped before an answer (the line runs again)."""
+        record = batch.record
+        line = orjson.loads(raw)
+        custom_id: str = line["custom_id"]
+        body = orjson.dumps(line["body"])
+        rollout = ENDPOINTS.index(record.endpoint)
+        digest = payload_hash(line["body"])
+        answer = self.answers.get_response(custom_id, rollout, digest, datatrove_results=False)
+        result: Result | None
+        if answer is not None:
+            batch.hits += 1
+            # kept under this batch too: deleting the older batch's output does not forget it
+            self.answers.store_response(record.serial, custom_id, rollout, digest, answer)
+            result = answer_result(record.serial, number, custom_id, answer, {})
+        else:
+            result = await self._generated(batch, number, custom_id, rollout, digest, body)
+        return result
+
+    async def _generated(
+        self, batch: Running, number: int, custom_id: str, rollout: int, digest: str, body: bytes
+    ) -> Result | None:
+        record = batch.record
+        key = (BATCH_RANK, custom_id, rollout, digest)
+        while (flight := self.flights.get(key)) is not None:
+            shared = await flight.answer()
+            if shared is not None:
+                return answer_result(record.serial, number, custom_id, shared, {})
+        with self.flights.lead(key, joinable=True) as flight:
+            outcome = await self._send(record.endpoint, custom_id, body, batch)
+            if outcome is None:
+                return None
+            if isinstance(outcome, str):
+                return failure_result(record.serial, number, custom_id, "upstream_error", outcome)
+            answer, headers = outcome
+            result = answer_result(record.serial, number, custom_id, answer, headers)
+            kept = cacheable_status(answer.status, self.settings.cache_error_statuses)
+            # a 2xx whose body is an error, or no JSON at all, is none to keep (and goes to the error file);
+            # a 400 (a kept error status) is its error body
+            disguised = result.ok and error_in_disguise(answer) is not None
+            if disguised:
+                result = dataclasses.replace(result, ok=False)
+            if kept and (answer.status >= 300 or (result.ok and not disguised)):
+                self.answers.store_response(record.serial, custom_id, rollout, digest, answer)
+                flight.land(answer)
+            return result
+
+    async def _send(
+        self, endpoint: str, custom_id: str, body: bytes, batch: Running
+    ) -> tuple[StoredResponse, dict[bytes, bytes]] | str | None:
+        """The upstream's answer to one line; a string saying why there is none after every retry; None if
+        the batch stopped meanwhile."""
+        pool = self.pool
+        headers = [(b"content-type", b"application/json"), (b"accept-encoding", b"identity")]
+        route = request_key(custom_id, endpoint, body) if pool.affine else None
+        why = ""
+        for attempt in range(self.settings.batch_retries + 1):
+            if attempt:
+                delay = min(30.0, self.settings.retry_backoff_s * 2**attempt)
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(batch.stopping.wait(), delay)
+                if batch.stopping.is_set():
+                    return None  # cancelled or stopping: not sent again now
+            try:
+                async with pool.request("POST", endpoint, headers=headers, body=body, key=route, background=True) as up:
+                    data = await up.read()
+                    status, content_type = up.status, up.content_type
+                    got = dict(response_headers(up.headers))
+            except ProxyError as exc:
+                why = exc.message
+                continue
+            if status in _RETRIED:
+                why = f"the upstream answered {status}: {data[:200].decode('utf-8', 'replace')}"
+                continue
+            return StoredResponse(status, data, content_type), got
+        tries = self.settings.batch_retries + 1
+        return why if tries == 1 else f"{why} ({tries} times)"
