@@ -32,6 +32,15 @@ def small_disk(tmp_path: Path) -> Iterator[Path]:
         yield disk
 
 
+@pytest.fixture
+def batch_disk(tmp_path: Path) -> Iterator[Path]:
+    """A disk for a batch that fills it up: room enough once the filler goes for what the batch still
+    writes (the answers' cache's WAL grows by megabytes before a checkpoint), so that it does not fill
+    again (1 MiB did, at times, and the batch paused again for good)."""
+    with faults.small_disk(tmp_path / "disk", size="32m") as disk:
+        yield disk
+
+
 async def test_a_full_disk_gives_507_keeps_the_checkpoint_intact_and_recovers(tmp_path: Path, small_disk: Path) -> None:
     settings = Settings(
         upstream=["http://127.0.0.1:9"],
@@ -150,7 +159,7 @@ async def until_paused(client: httpx.AsyncClient, batch_id: str) -> dict[str, An
 
 
 async def test_a_batch_on_a_full_disk_pauses_says_so_once_and_finishes_every_line_once_when_space_is_freed(
-    tmp_path: Path, small_disk: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, batch_disk: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     # Tried again often, so that many retries pass while the disk is full (each would have logged a traceback)
     monkeypatch.setattr(engine_module, "DISK_RETRY_S", 0.05)
@@ -169,7 +178,7 @@ async def test_a_batch_on_a_full_disk_pauses_says_so_once_and_finishes_every_lin
 
         monkeypatch.setattr(BatchDir, name, spied)
     caplog.set_level(logging.INFO)
-    checkpoints = small_disk / "ckpt"
+    checkpoints = batch_disk / "ckpt"
     lines = 300
     file_id = put_file(checkpoints, [chat_line(f"req-{i}", f"question {i}") for i in range(lines)])
     slots = 4
@@ -183,7 +192,7 @@ async def test_a_batch_on_a_full_disk_pauses_says_so_once_and_finishes_every_lin
             )
             batch_id = created.json()["id"]
             await until(client, batch_id, lambda batch: batch["request_counts"]["completed"] >= 20)
-            filler = faults.fill_disk(small_disk)
+            filler = faults.fill_disk(batch_disk)
             view = await until_paused(client, batch_id)
             deadline = time.monotonic() + 60
             assert (
@@ -218,13 +227,13 @@ async def test_a_batch_on_a_full_disk_pauses_says_so_once_and_finishes_every_lin
 
 
 async def test_a_proxy_stopped_while_a_batch_waits_for_disk_stops_without_a_traceback_and_the_next_finishes_it(
-    tmp_path: Path, small_disk: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    tmp_path: Path, batch_disk: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     """The shutdown of a proxy whose disk is full: the answers' cache cannot keep its last answers, which is
     one WARNING line (they are generated again if asked again), not "failed to shut down cleanly"."""
     monkeypatch.setattr(engine_module, "DISK_RETRY_S", 0.05)
     caplog.set_level(logging.INFO)
-    checkpoints = small_disk / "ckpt"
+    checkpoints = batch_disk / "ckpt"
     lines, slots = 200, 4
     file_id = put_file(checkpoints, [chat_line(f"req-{i}", f"question {i}") for i in range(lines)])
     async with fake_upstream(latency_ms=5) as (url, upstream):
@@ -235,7 +244,7 @@ async def test_a_proxy_stopped_while_a_batch_waits_for_disk_stops_without_a_trac
             created = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})
             batch_id = created.json()["id"]
             await until(client, batch_id, lambda batch: batch["request_counts"]["completed"] >= 20)
-            filler = faults.fill_disk(small_disk)
+            filler = faults.fill_disk(batch_disk)
             await until_paused(client, batch_id)
         assert "Traceback" not in caplog.text
         assert not [r for r in caplog.records if r.exc_info], "a traceback was logged"
