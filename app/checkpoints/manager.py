@@ -400,7 +400,8 @@ class CheckpointManager:
         published. A chunk waiting for an output that failed is not: the rank may be released meanwhile,
         the chunk staying in its checkpoints for the next owner to publish."""
         return bool(
-            (self._any_ready() and self.publication_failure is None)
+            self._writing  # a write waiting for its fsync holds no lock, and must not see its file closed
+            or (self._any_ready() and self.publication_failure is None)
             or self._publish_lock.locked()
             or self.checkpoint_file_lock.locked()
             or any(chunk.lock.locked() for chunk in self._chunks.values())

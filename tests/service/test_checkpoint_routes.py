@@ -122,6 +122,30 @@ async def test_resume_counts_a_write_received_but_not_yet_durable_once_it_is(
     assert (await resume).json()["processed_ids"] == ["a", "b"]
 
 
+async def test_a_rank_whose_write_waits_for_its_fsync_is_not_released_as_idle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write waiting for its fsync holds no lock of the rank's: an idle-release round then closed the
+    rank's files under it (under CI's load the fsync outlasted `rank_idle_s`)."""
+    real = app.checkpoints.chunkfiles.ChunkFiles.make_durable
+    syncing, durable = asyncio.Event(), asyncio.Event()
+
+    async def slow(self: Any, file: Any) -> None:
+        syncing.set()
+        await durable.wait()
+        await real(self, file)
+
+    monkeypatch.setattr(app.checkpoints.chunkfiles.ChunkFiles, "make_durable", slow)
+    async with fake_upstream() as (url, _), proxy_client(config(tmp_path, url, rank_idle_s=0.05)) as c:
+        write = asyncio.create_task(post(c, doc("a")))
+        await syncing.wait()
+        await asyncio.sleep(0.5)  # many release rounds, every rank_idle_s / 4 (a wait, not a barrier)
+        assert (await c.get("/stats")).json()["owned_ranks"] == [0]
+        durable.set()
+        assert (await write).status_code == 200
+        assert (await c.get("/resume")).json()["processed_ids"] == ["a"]
+
+
 async def test_a_retried_post_counts_duplicates_and_writes_nothing_twice(
     client: httpx.AsyncClient, tmp_path: Path
 ) -> None:
