@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -181,28 +184,40 @@ def test_sigterm_finishes_in_flight_requests_flushes_and_exits_0(upstream: Upstr
     assert upstream.stats()["generations"] == 2
 
 
-def test_two_sigterms_at_once_are_one_stop_and_a_later_one_cuts_the_requests_in_flight(
-    upstream: Upstream, tmp_path: Path
-) -> None:
-    """`timeout` and Slurm's scancel signal the process and then its group: the two SIGTERMs of one stop
-    must not cut the requests in flight (it read as an impatient operator's second signal)."""
-    args, port = start_proxy(upstream.url, tmp_path, "--log-level=info")
+@contextlib.contextmanager
+def stuck_request(
+    upstream: Upstream, tmp_path: Path, *flags: str
+) -> Iterator[tuple[subprocess.Popen[bytes], concurrent.futures.Future[Any]]]:
+    """A proxy (its stderr read by the test) with one request in flight at the upstream that never answers."""
+    args, port = start_proxy(upstream.url, tmp_path, *flags, "--log-level=info")
     with process(*args, read_stderr=True) as proc, concurrent.futures.ThreadPoolExecutor(1) as pool:
-        assert proc.stderr is not None
         proxy = Proxy(f"http://127.0.0.1:{port}", args, proc)
         wait_for_http(proxy.url + "/healthz")
         stuck = pool.submit(chat, client(proxy), "stuck-doc", extra_body={"fake_upstream": {"latency_ms": 600_000}})
         while not upstream.stats()["by_path"].get("POST /v1/chat/completions"):  # until it is in flight upstream
             time.sleep(0.02)
+        yield proc, stuck
+
+
+def logged_until(proc: subprocess.Popen[bytes], log: list[str], text: str) -> None:
+    """Read the proxy's stderr into `log` up to a line holding `text`."""
+    assert proc.stderr is not None
+    while not log or text not in log[-1]:
+        log.append(proc.stderr.readline().decode())
+        assert log[-1], "".join(log)
+
+
+def test_two_sigterms_at_once_are_one_stop_and_a_later_one_cuts_the_requests_in_flight(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    """`timeout` and Slurm's scancel signal the process and then its group: the two SIGTERMs of one stop
+    must not cut the requests in flight (it read as an impatient operator's second signal)."""
+    with stuck_request(upstream, tmp_path) as (proc, stuck):
         proc.send_signal(signal.SIGTERM)
-        log = []
-        while not log or "finishing requests in flight" not in log[-1]:
-            log.append(proc.stderr.readline().decode())
-            assert log[-1], "".join(log)
+        log: list[str] = []
+        logged_until(proc, log, "finishing requests in flight")
         proc.send_signal(signal.SIGTERM)  # the group's, just after (two at once would be delivered as one)
-        while "the same stop" not in log[-1]:
-            log.append(proc.stderr.readline().decode())
-            assert log[-1], "".join(log)
+        logged_until(proc, log, "the same stop")
         assert proc.poll() is None  # still finishing the request in flight
         assert not stuck.done()
         time.sleep(1.1)  # past the window: a SIGTERM now is a second stop (a wait, not a barrier)
@@ -220,19 +235,10 @@ def test_two_sigterms_at_once_are_one_stop_and_a_later_one_cuts_the_requests_in_
 def test_a_second_sigint_cuts_the_requests_in_flight_and_exits_without_a_traceback(
     upstream: Upstream, tmp_path: Path, http: str
 ) -> None:
-    args, port = start_proxy(upstream.url, tmp_path, f"--http={http}", "--log-level=info")
-    with process(*args, read_stderr=True) as proc, concurrent.futures.ThreadPoolExecutor(1) as pool:
-        assert proc.stderr is not None
-        proxy = Proxy(f"http://127.0.0.1:{port}", args, proc)
-        wait_for_http(proxy.url + "/healthz")
-        stuck = pool.submit(chat, client(proxy), "stuck-doc", extra_body={"fake_upstream": {"latency_ms": 600_000}})
-        while not upstream.stats()["by_path"].get("POST /v1/chat/completions"):  # until it is in flight upstream
-            time.sleep(0.02)
+    with stuck_request(upstream, tmp_path, f"--http={http}") as (proc, stuck):
         proc.send_signal(signal.SIGINT)
-        log = []
-        while not log or "finishing requests in flight" not in log[-1]:
-            log.append(proc.stderr.readline().decode())
-            assert log[-1], "".join(log)
+        log: list[str] = []
+        logged_until(proc, log, "finishing requests in flight")
         proc.send_signal(signal.SIGINT)
         code = proc.wait(timeout=30)
         log.append(proc.stderr.read().decode())
