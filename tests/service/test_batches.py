@@ -59,6 +59,14 @@ async def until(client: httpx.AsyncClient, batch_id: str, done: Callable[[dict[s
         await asyncio.sleep(0.05)
 
 
+async def create_batch(client: httpx.AsyncClient, file_id: str) -> str:
+    """A chat batch of the file, created: its id."""
+    created = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})
+    assert created.status_code == 200, created.text
+    batch_id: str = created.json()["id"]
+    return batch_id
+
+
 def final(batch: dict[str, Any]) -> bool:
     return batch["status"] in ("completed", "failed", "expired", "cancelled")
 
@@ -244,9 +252,7 @@ async def test_a_restart_carries_on_without_paying_for_the_lines_done(settings: 
         file_id = put_file(settings.checkpoints_dir, [chat_line(f"k{i}", f"q{i}") for i in range(200)])
         slow = settings.model_copy(update={"max_inflight_per_upstream": 8})
         async for client in proxy(slow, url):
-            batch_id = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()[
-                "id"
-            ]
+            batch_id = await create_batch(client, file_id)
             stopped = await until(client, batch_id, lambda b: b["request_counts"]["completed"] >= 40)
             [running] = (await client.get("/stats")).json()["batches"]
             assert running["id"] == batch_id
@@ -304,9 +310,7 @@ async def test_a_batch_never_takes_a_live_clients_place_in_the_queue(settings: S
         file_id = put_file(settings.checkpoints_dir, [chat_line(f"b{i}", f"q{i}") for i in range(300)])
         tight = settings.model_copy(update={"max_inflight_per_upstream": 4, "max_queued_requests": 1})
         async for client in proxy(tight, url):
-            batch_id = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()[
-                "id"
-            ]
+            batch_id = await create_batch(client, file_id)
             await until(client, batch_id, lambda b: b["request_counts"]["completed"] >= 4)
             live = [
                 await client.post(
@@ -345,9 +349,7 @@ async def test_a_batch_past_its_window_expires_with_what_finished(settings: Sett
         tight = settings.model_copy(update={"max_inflight_per_upstream": 2})
         monkeypatch.setattr(engine, "window_seconds", lambda window: 2)  # a "24h" window of 2 s
         async for client in proxy(tight, url):
-            batch_id = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()[
-                "id"
-            ]
+            batch_id = await create_batch(client, file_id)
             batch = await until(client, batch_id, final)
         assert batch["status"] == "expired"
         assert isinstance(batch["expired_at"], int)
@@ -542,9 +544,7 @@ async def test_a_batch_whose_input_is_lost_while_it_runs_fails_keeping_what_fini
         file_id = put_file(settings.checkpoints_dir, [chat_line(f"k{i}", f"q{i}") for i in range(200)])
         slow = settings.model_copy(update={"max_inflight_per_upstream": 8})
         async for client in proxy(slow, url):
-            batch_id = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()[
-                "id"
-            ]
+            batch_id = await create_batch(client, file_id)
             await until(client, batch_id, lambda b: b["request_counts"]["completed"] >= 20)
         (settings.checkpoints_dir / "files" / file_id).unlink()
         generations = fake.generations
@@ -607,9 +607,7 @@ async def test_a_batch_whose_results_were_damaged_says_so_once_then_carries_on_o
         file_id = put_file(settings.checkpoints_dir, [chat_line(f"k{i}", f"q{i}") for i in range(100)])
         slow = settings.model_copy(update={"max_inflight_per_upstream": 4})
         async for client in proxy(slow, url):
-            batch_id = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()[
-                "id"
-            ]
+            batch_id = await create_batch(client, file_id)
             await until(client, batch_id, lambda b: b["request_counts"]["completed"] >= 10)
         results = settings.checkpoints_dir / "batches" / batch_id / "results.jsonl"
         whole = results.read_bytes()
@@ -643,9 +641,7 @@ async def test_a_running_batch_whose_folder_is_removed_is_run_no_more(
         slow = settings.model_copy(update={"max_inflight_per_upstream": 4})
         with caplog.at_level(logging.WARNING):
             async for client in proxy(slow, url):
-                batch_id = (await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})).json()[
-                    "id"
-                ]
+                batch_id = await create_batch(client, file_id)
                 await until(client, batch_id, lambda b: b["request_counts"]["completed"] >= 8)
                 shutil.rmtree(settings.checkpoints_dir / "batches" / batch_id)
                 deadline = time.monotonic() + 30
