@@ -110,10 +110,11 @@ def wait_for_http(url: str, timeout: float = 60.0) -> None:
     raise TimeoutError(f"{url} did not answer within {timeout} s")
 
 
-def run_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """`inferproxy ARGS...` run to its end, its output captured as text."""
+def run_cli(*args: str, timeout: float = 60, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """`inferproxy ARGS...` run to its end (in `env`, if given: the whole environment), its output captured
+    as text."""
     return subprocess.run(
-        [sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=timeout, check=False
+        [sys.executable, "-m", "app.cli", *args], capture_output=True, text=True, timeout=timeout, env=env, check=False
     )
 
 

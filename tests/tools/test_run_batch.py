@@ -11,7 +11,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -54,8 +53,10 @@ def write_input(path: Path, lines: list[dict[str, Any]]) -> Path:
     return path
 
 
-def run_batch(upstream: Upstream, *args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    return run_cli("run-batch", f"--upstream={upstream.url}", *fast(), *args, timeout=timeout)
+def run_batch(
+    upstream: Upstream, *args: str, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return run_cli("run-batch", f"--upstream={upstream.url}", *fast(), *args, timeout=timeout, env=env)
 
 
 def fast() -> list[str]:
@@ -408,21 +409,15 @@ def test_an_object_store_output_needs_a_checkpoints_dir(tmp_path: Path) -> None:
 def test_input_and_output_on_s3(upstream: Upstream, tmp_path: Path, s3: S3) -> None:  # noqa: F811
     lines = [chat_line(f"line-{i}", f"question {i}") for i in range(25)]
     s3.client.put_object(Bucket=s3.bucket, Key="in/batch.jsonl", Body=b"".join(orjson.dumps(x) + b"\n" for x in lines))
-    args = [
-        sys.executable,
-        "-m",
-        "app.cli",
-        "run-batch",
-        f"--upstream={upstream.url}",
-        *fast(),
+    result = run_batch(
+        upstream,
         "-i",
         f"s3://{s3.bucket}/in/batch.jsonl",
         "-o",
         f"s3://{s3.bucket}/out/answers.jsonl",
         f"--checkpoints-dir={tmp_path / 'state'}",
-    ]
-    env = {**os.environ, **s3.env}
-    result = subprocess.run(args, capture_output=True, text=True, timeout=120, env=env, check=False)
+        env={**os.environ, **s3.env},
+    )
     assert result.returncode == 0, result.stderr
     written = s3.objects()["out/answers.jsonl"]
     assert [orjson.loads(x)["custom_id"] for x in written.splitlines()] == [x["custom_id"] for x in lines]
@@ -500,19 +495,10 @@ def test_an_s3_input_that_cannot_be_reached_is_refused_in_one_line_naming_why(
     for name, (env, expected) in cases.items():
         output = tmp_path / f"{name}.jsonl"
         source = url if name != "missing" else f"s3://{s3.bucket}/missing.jsonl"
-        args = [
-            sys.executable,
-            "-m",
-            "app.cli",
-            "run-batch",
-            f"--upstream={upstream.url}",
-            "-i",
-            source,
-            "-o",
-            str(output),
-        ]
         environ = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | env
-        result = subprocess.run(args, capture_output=True, text=True, timeout=60, env=environ, check=False)
+        result = run_cli(
+            "run-batch", f"--upstream={upstream.url}", "-i", source, "-o", str(output), timeout=60, env=environ
+        )
         assert result.returncode == 2, (name, result.stderr)
         assert result.stderr.count("\n") == 1, (name, result.stderr)  # one line, no traceback
         assert result.stderr.startswith(f"inferproxy run-batch: {expected}"), (name, result.stderr)
