@@ -16,6 +16,7 @@ import logging
 import os
 import secrets
 import threading
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
@@ -31,6 +32,24 @@ def is_remote(output: str) -> bool:
 
 class OutputError(ValueError):
     """The output cannot take chunks; the message (one line) says what to fix."""
+
+
+def bounded(call: Callable[[], Any], timeout_s: float, *, name: str) -> tuple[Any, BaseException | None] | None:
+    """`call()` in a daemon thread, waited for up to `timeout_s`: `(its result, None)`, `(None, what it raised)`,
+    or None if it had not ended by then. For an object store's first look: fsspec's clients retry for a while,
+    and a daemon thread cannot keep the process from exiting."""
+    outcome: list[tuple[Any, BaseException | None]] = []
+
+    def run() -> None:
+        try:
+            outcome.append((call(), None))
+        except BaseException as exc:
+            outcome.append((None, exc))
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return outcome[0] if outcome else None
 
 
 def check_output(output: str, *, timeout_s: float = 30.0) -> None:
@@ -65,24 +84,15 @@ def check_output(output: str, *, timeout_s: float = 30.0) -> None:
             ) from None
         except ImportError:
             raise OutputError(f"--output {shown}: {install_hint(output)}") from None
-    outcome: list[BaseException | None] = []
 
     def probe() -> None:
-        try:
-            fs, root = fsspec.core.url_to_fs(output)
-            _check_location(fs, root, shown)
-        except BaseException as exc:
-            outcome.append(exc)
-        else:
-            outcome.append(None)
+        fs, root = fsspec.core.url_to_fs(output)
+        _check_location(fs, root, shown)
 
-    # fsspec's clients retry for a while; a daemon thread cannot keep the process from exiting
-    thread = threading.Thread(target=probe, name="check-output", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if not outcome:
+    outcome = bounded(probe, timeout_s, name="check-output")
+    if outcome is None:
         raise OutputError(f"--output {shown} did not answer within {timeout_s:g} s: check the URL and the endpoint")
-    error = outcome[0]
+    error = outcome[1]
     if error is None:
         return
     if isinstance(error, OutputError):

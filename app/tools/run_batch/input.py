@@ -12,7 +12,7 @@ from typing import IO, Any, Protocol
 import orjson
 import xxhash
 
-from app.checkpoints.output import install_hint, is_remote, redact_url, scrub
+from app.checkpoints.output import bounded, install_hint, is_remote, redact_url, scrub
 from app.service.batches.answers import ENDPOINTS
 from app.service.batches.validation import ARRAY, check_input
 from app.tools.run_batch.errors import RunBatchError, Stopped
@@ -55,29 +55,23 @@ def check_remote_input(url: str, *, timeout_s: float = 30.0) -> None:
     before anything else: fsspec's clients raise their own errors (botocore's NoCredentialsError, ...), after
     retrying for a while, hence a daemon thread and a bound (as `check_output` does for an output)."""
     shown = redact_url(url)
-    outcome: list[Any] = []
 
-    def probe() -> None:
-        try:
-            import fsspec
+    def probe() -> Any:
+        import fsspec
 
-            fs, path = fsspec.core.url_to_fs(url)
-            outcome.append(fs.info(path))
-        except BaseException as exc:
-            outcome.append(exc)
+        fs, path = fsspec.core.url_to_fs(url)
+        return fs.info(path)
 
-    thread = threading.Thread(target=probe, name="check-input", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if not outcome:
+    outcome = bounded(probe, timeout_s, name="check-input")
+    if outcome is None:
         raise RunBatchError(f"-i {shown} did not answer within {timeout_s:g} s: check the URL and the endpoint")
-    found = outcome[0]
-    if isinstance(found, ImportError):
+    found, error = outcome
+    if isinstance(error, ImportError):
         raise RunBatchError(f"-i {shown} is a URL: {install_hint(url)}")
-    if isinstance(found, FileNotFoundError):
+    if isinstance(error, FileNotFoundError):
         raise RunBatchError(f"-i {shown}: no such object (check the URL and the endpoint)")
-    if isinstance(found, BaseException):
-        reason = scrub(f"{type(found).__name__}: {found}".replace("\n", " "), url)
+    if error is not None:
+        reason = scrub(f"{type(error).__name__}: {error}".replace("\n", " "), url)
         raise RunBatchError(f"-i {shown} cannot be reached ({reason}): check the URL, the endpoint and the credentials")
     if isinstance(found, dict) and found.get("type") == "directory":
         raise RunBatchError(f"-i {shown} is a folder: give the batch file (JSONL) in it")
