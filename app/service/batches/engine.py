@@ -374,7 +374,7 @@ class BatchEngine:
     async def _validate(self, batch: Running) -> None:
         record = batch.record
         stored = self.files.get(record.input_file_id, expired_too=True)  # accepted before it expired: read
-        gone = "the input file was deleted before the batch ran: upload it again and create a new batch"
+        missing = "the input file was deleted before the batch ran: upload it again and create a new batch"
         try:
             checked = (
                 None
@@ -384,20 +384,19 @@ class BatchEngine:
         except FileNotFoundError:  # its bytes removed by hand
             checked = None
         except UnsafeFileError as exc:  # a link put in its place: never read through
-            checked, gone = None, str(exc)
+            checked, missing = None, str(exc)
         if checked is None:
-            record.errors = [{"code": "missing_input_file", "line": None, "param": "input_file_id", "message": gone}]
+            record.errors = [{"code": "missing_input_file", "line": None, "param": "input_file_id", "message": missing}]
             record.status, record.failed_at = "failed", int(time.time())
+        elif checked.bad or not checked.lines:
+            record.errors = checked.errors or [
+                {"code": "empty_file", "line": None, "param": None, "message": "the input file has no lines"}
+            ]
+            record.status, record.failed_at = "failed", int(time.time())
+            logger.info("batch %s failed validation: %d bad lines", record.id, checked.bad)
         else:
-            if checked.bad or not checked.lines:
-                record.errors = checked.errors or [
-                    {"code": "empty_file", "line": None, "param": None, "message": "the input file has no lines"}
-                ]
-                record.status, record.failed_at = "failed", int(time.time())
-                logger.info("batch %s failed validation: %d bad lines", record.id, checked.bad)
-            else:
-                record.total = checked.lines
-                record.status, record.in_progress_at = "in_progress", int(time.time())
+            record.total = checked.lines
+            record.status, record.in_progress_at = "in_progress", int(time.time())
         fresh = await asyncio.to_thread(batch.dir.load)
         if fresh.status == "cancelling" and record.ending != "cancelled":  # through another proxy, meanwhile
             record.cancelling_at, record.ending = fresh.cancelling_at, "cancelled"
