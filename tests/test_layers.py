@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 LAYERS: list[tuple[str, ...]] = [
-    ("http",),  # the HTTP/1.1 server and client: imports nothing else of app/
+    ("http", "tasks"),  # the HTTP/1.1 server and client | asyncio task helpers: import nothing else of app/
     ("store",),  # what lives on disk: durable files, the answer cache, names, hashing, ownership
     ("checkpoints",),  # the checkpoint manager, chunk files, resume, publishing, output locations
     ("ops",),  # metrics, logs, memory tuning

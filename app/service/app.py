@@ -66,6 +66,7 @@ from app.store.durable import make_dirs_durable
 from app.store.files import FileStore
 from app.store.layout import CheckpointsLayout
 from app.store.ownership import RankOwnership
+from app.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -334,12 +335,12 @@ class InferProxy(FastAPI):
             stack.push_async_callback(batches.close)  # before the pool closes: its lines stop first
             services.batches = batches
             ticker = asyncio.create_task(every_few_seconds(services), name="every-few-seconds")
-            stack.push_async_callback(cancel, ticker)
+            stack.push_async_callback(cancel_and_wait, ticker)
             expiry = asyncio.create_task(remove_expired_files(services), name="remove-expired-files")
-            stack.push_async_callback(cancel, expiry)
+            stack.push_async_callback(cancel_and_wait, expiry)
             if settings.rank_idle_s > 0:
                 janitor = asyncio.create_task(release_idle_ranks(services), name="release-idle-ranks")
-                stack.push_async_callback(cancel, janitor)
+                stack.push_async_callback(cancel_and_wait, janitor)
             self.services = services
             stack.callback(setattr, self, "services", None)
             logger.info("inferproxy %s forwarding to %s", __version__, ", ".join(r.url for r in pool.replicas))
@@ -353,7 +354,7 @@ class InferProxy(FastAPI):
             logger.info("settings: %s", shown)
             # In the background: a dead upstream must not delay or fail the start, only be said at once.
             probe = asyncio.create_task(pool.warn_about_silent_replicas(), name="probe-upstreams")
-            stack.push_async_callback(cancel, probe)
+            stack.push_async_callback(cancel_and_wait, probe)
             yield services
 
 
@@ -409,12 +410,6 @@ async def every_few_seconds(services: Services) -> None:
         metrics.forget_idle_ranks(keep=set(services.caches.ownership.owned()))
         release_free_memory()
         await asyncio.sleep(SAMPLE_EVERY_S)
-
-
-async def cancel(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
 
 
 class Server(Protocol):

@@ -63,6 +63,7 @@ from app.http.client import (
 from app.ops.metrics import LATENCY_BUCKETS, Histogram
 from app.service.affinity import choose, replica_seed
 from app.service.errors import UpstreamBusy, UpstreamTimeout, UpstreamUnreachable
+from app.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -289,9 +290,7 @@ class UpstreamPool:
 
     async def close(self) -> None:
         if self._prober is not None:
-            self._prober.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._prober
+            await cancel_and_wait(self._prober)
             self._prober = None
         await self._client.close()
 

@@ -63,6 +63,7 @@ import orjson
 
 from app.store.durable import check_safe, is_disk_full, make_dirs_durable, refusal_reason
 from app.store.hashing import payload_hash
+from app.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -258,9 +259,7 @@ class RequestCache:
             if self._writer_task is not None:
                 # Under the lock the writer is not mid-commit, so cancelling it drops no batch.
                 async with self._write_lock:
-                    self._writer_task.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await self._writer_task
+                    await cancel_and_wait(self._writer_task)
                 self._writer_task = None
             for conn in (self._reader, self._writer):
                 if conn is not None:

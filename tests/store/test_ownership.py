@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 import app.checkpoints.chunkfiles
+import app.store.cache
 import app.store.ownership
 from app.checkpoints.manager import CheckpointManager
 from app.job.client import ProxyJob, RankOwnedElsewhere
@@ -232,6 +233,32 @@ async def test_an_idle_rank_is_released_for_another_proxy_and_a_busy_one_is_not(
             assert (await first.get("/stats")).json()["owned_ranks"] == []
             again = await second.post("/v1/completions", json=completion_request(), headers={"X-Doc-Id": "b"})
             assert again.headers["x-cache"] == "HIT"  # the cache moved with the rank
+
+
+async def test_a_proxy_stopped_while_it_releases_an_idle_rank_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The release round cancelled at shutdown while it waited for the rank's cache writer to stop took
+    that cancellation for the writer's, went on releasing every rank_idle_s / 4, and the shutdown waited
+    for it for ever (CI: a 300 s timeout under uvicorn, whose shutdown lets a round begin first)."""
+    writer_loop = app.store.cache.RequestCache._writer_loop
+    closing = asyncio.Event()
+
+    async def slow_to_stop(self: Any) -> None:
+        try:
+            await writer_loop(self)
+        finally:  # the release round waits here for the writer, and the shutdown begins meanwhile
+            closing.set()
+            await asyncio.sleep(1.0)
+
+    monkeypatch.setattr(app.store.cache.RequestCache, "_writer_loop", slow_to_stop)
+
+    async def released_then_stopped() -> None:
+        async with fake_upstream() as (url, _), proxy_client(config(tmp_path, url, rank_idle_s=0.05)) as client:
+            assert (await post(client, doc("a"))).status_code == 200
+            await closing.wait()
+
+    await asyncio.wait_for(released_then_stopped(), 30)
 
 
 async def test_ranks_finished_or_released_leave_nothing_of_them_in_the_proxy(tmp_path: Path) -> None:

@@ -58,6 +58,7 @@ from app.store.durable import (
     refusal_reason,
 )
 from app.store.files import FileStore, new_file_id
+from app.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -146,9 +147,7 @@ class BatchEngine:
         seconds, then are cancelled (they run again at the next start); every result is durable."""
         self._closing = True
         if self._adopter is not None:
-            self._adopter.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._adopter
+            await cancel_and_wait(self._adopter)
         running = list(self.running.values())
         for batch in running:
             batch.stopping.set()
@@ -452,9 +451,7 @@ class BatchEngine:
             raise
         finally:
             for task in (saver, writer):
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                await cancel_and_wait(task)
             try:
                 await self._write_results(batch)  # every answer in, before the counts are looked at
             except OSError:

@@ -17,7 +17,6 @@ batch's input, kept until the batch no longer reads it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from dataclasses import asdict
@@ -33,6 +32,7 @@ from app.service.errors import BadRequest, InsufficientStorage, NotFound, Payloa
 from app.service.services import UNWRITABLE_ERRNOS, Services, checkpoints_unwritable
 from app.store.durable import UnsafeFileError, is_disk_full, open_regular, refusal_reason
 from app.store.files import FileStore, FileTooLarge, FileWriter, StoredFile, is_file_id
+from app.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 
@@ -438,9 +438,7 @@ class FileContent(Response):
             with os.fdopen(self.fd, "rb", buffering=0) as file:
                 await self.stream(file, send, gone)
         finally:
-            gone.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await gone
+            await cancel_and_wait(gone)
 
     async def stream(self, file: BinaryIO, send: Send, gone: asyncio.Future[None]) -> None:
         size = os.fstat(file.fileno()).st_size

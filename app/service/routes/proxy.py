@@ -20,7 +20,6 @@ Under a server without that fast path (uvicorn), `cacheable` calls `lookup` itse
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Coroutine
 from typing import Any, NamedTuple, TypeVar
@@ -48,6 +47,7 @@ from app.service.storage_policy import is_whole, store_if_kept
 from app.service.upstream import UpstreamResponse, response_headers
 from app.store.cache import RequestCache, StoredResponse
 from app.store.hashing import payload_hash
+from app.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -355,9 +355,7 @@ async def until_client_leaves(receive: Receive, work: Coroutine[Any, Any, T]) ->
     finally:
         gone.cancel()
         if not passing.done():
-            passing.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await passing
+            await cancel_and_wait(passing)
     return None if passing.cancelled() else passing.result()
 
 

@@ -1,0 +1,75 @@
+"""`app.tasks.cancel_and_wait`: a task cancelled and waited for, the waiter's own cancellation kept."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+
+import pytest
+
+from app.tasks import cancel_and_wait
+
+APP = Path(__file__).resolve().parent.parent / "app"
+
+
+async def slow_to_stop(stopping: asyncio.Event, stop: asyncio.Event) -> None:
+    """A task that, once cancelled, takes until `stop` to end (a cache's writer finishing its commit)."""
+    try:
+        await asyncio.Event().wait()
+    finally:
+        stopping.set()
+        await stop.wait()
+
+
+async def test_a_task_cancelled_and_waited_for_ends_and_the_waiter_carries_on() -> None:
+    child = asyncio.create_task(asyncio.Event().wait())
+    await cancel_and_wait(child)
+    assert child.cancelled()
+
+
+async def test_the_waiters_own_cancellation_is_raised_not_swallowed_with_the_tasks() -> None:
+    # The hang CI met: a background loop (the idle ranks' janitor) cancelled at shutdown while it closed a
+    # rank's cache, which waited for its writer task, took the cancellation for the writer's, went on
+    # looping, and the shutdown waited for it for ever.
+    stopping, stop = asyncio.Event(), asyncio.Event()
+    child = asyncio.create_task(slow_to_stop(stopping, stop))
+    await asyncio.sleep(0)
+    carried_on = False
+
+    async def loop_that_closes_its_child() -> None:
+        nonlocal carried_on
+        await cancel_and_wait(child)
+        carried_on = True
+
+    waiter = asyncio.create_task(loop_that_closes_its_child())
+    await stopping.wait()  # the waiter is waiting for the child to end
+    waiter.cancel()
+    stop.set()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert not carried_on
+
+
+async def test_a_task_that_fails_as_it_stops_raises_its_error() -> None:
+    async def failing() -> None:
+        try:
+            await asyncio.Event().wait()
+        finally:
+            raise RuntimeError("could not stop cleanly")
+
+    child = asyncio.create_task(failing())
+    await asyncio.sleep(0)
+    with pytest.raises(RuntimeError, match="could not stop cleanly"):
+        await cancel_and_wait(child)
+
+
+def test_no_module_swallows_a_cancellation_around_an_await() -> None:
+    """`contextlib.suppress(asyncio.CancelledError)` swallows the caller's cancellation with the task's:
+    `cancel_and_wait` is the way to stop a task."""
+    found = [
+        str(path.relative_to(APP.parent))
+        for path in APP.rglob("*.py")
+        if path.name != "tasks.py" and re.search(r"suppress\([^)]*CancelledError", path.read_text())
+    ]
+    assert found == []
