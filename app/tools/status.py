@@ -23,6 +23,7 @@ import asyncio
 import json
 import math
 import shutil
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -567,11 +568,16 @@ def main(
 ) -> int:
     out = out or sys.stdout
     if not (once or raw) and out.isatty():
+        # Ctrl-C is how one stops watching: quietly. A handler of our own, which raises wherever it lands:
+        # under asyncio.run's, one landing as a fetch's task has just ended was taken for nothing.
+        previous = signal.signal(signal.SIGINT, _interrupted)
         try:
             return watch(url, api_key, sort, out, timeout_s)
-        except KeyboardInterrupt:  # Ctrl-C is how one stops watching: quietly
+        except KeyboardInterrupt:
             out.write("\n")
             return 0
+        finally:
+            signal.signal(signal.SIGINT, previous)
     try:
         stats = decode(fetch(url, api_key, timeout_s), url)
     except StatusError as exc:
@@ -581,6 +587,10 @@ def main(
     text = json.dumps(stats, separators=(",", ":")) if raw else "\n".join(render(stats, url, sort=sort))
     print(text, file=out)
     return 0
+
+
+def _interrupted(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
 
 
 def watch(url: str, api_key: str | None, sort: str, out: TextIO, timeout_s: float = TIMEOUT_S) -> int:
