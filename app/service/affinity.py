@@ -9,7 +9,8 @@
   or goes moves only the keys it ranks first; the others' keys stay where they were;
 - the bound (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam 2018): the first
   replica of the ranking whose requests in flight, this one counted, stay within
-  `ceil((1 + load_bound) * mean)` takes the request, the mean counting this request too. The first choice
+  `max(ceil((1 + load_bound) * mean), MIN_BOUND)` takes the request, the mean counting this request too.
+  The first choice
   usually does; a hot document or a slow replica spills over to the key's next replica, always the same
   one, so that a spilled document still meets itself there. Some replica is always under the bound:
   their bounds add up to more than the requests in flight.
@@ -30,6 +31,12 @@ from xxhash import xxh3_64_intdigest
 #: blocks. Requests that agree that far most likely share a system prompt (or are one prompt sent again);
 #: more would part requests that share a long system prompt and differ after it.
 PROMPT_PREFIX_BYTES = 1024
+#: Requests in flight a replica holds before the bound can pass any on: an engine batches many more at once
+#: (vLLM's max_num_seqs is 256 by default), and with few in flight the bound would only part the rollouts
+#: of the few documents being generated (one document's 4 rollouts sent at once, alone: 3 in flight, a
+#: bound of ceil(1.5 x 4 / 2) = 3, and the 4th went to the other replica, every time). 16 keeps a group of
+#: 16 rollouts (GRPO's usual size) together.
+MIN_BOUND = 16
 #: Where the prompt begins in a body, per route; a body without it is keyed by its own leading bytes.
 _PROMPT_FIELD = {"/v1/chat/completions": b'"messages"', "/v1/completions": b'"prompt"'}
 
@@ -66,16 +73,16 @@ def ranking(key: bytes, replicas: Sequence[R]) -> list[R]:
     return sorted(replicas, key=lambda replica: xxh3_64_intdigest(key, replica.seed), reverse=True)
 
 
-def choose(key: bytes, replicas: Sequence[R], load_bound: float) -> tuple[R, R]:
+def choose(key: bytes, replicas: Sequence[R], load_bound: float, min_bound: int = MIN_BOUND) -> tuple[R, R]:
     """The replica that takes a request keyed `key`, and the key's first choice (the same one unless it
-    was over the bound: a spill-over)."""
+    was over the bound, never below `min_bound`: a spill-over)."""
     scores = [xxh3_64_intdigest(key, replica.seed) for replica in replicas]
     first = replicas[scores.index(max(scores))]
     if len(replicas) == 1:
         return first, first
     total = sum(replica.in_flight for replica in replicas)
     # The tolerance: (1 + 0.1) * 10 is 11.000000000000002 in floats, whose ceiling is 12.
-    capacity = math.ceil((1.0 + load_bound) * (total + 1) / len(replicas) - 1e-9)
+    capacity = max(math.ceil((1.0 + load_bound) * (total + 1) / len(replicas) - 1e-9), min_bound)
     if first.in_flight < capacity:
         return first, first  # nearly always: the whole ranking is sorted only for a spill-over
     for replica in ranking(key, replicas)[1:]:

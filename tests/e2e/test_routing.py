@@ -177,17 +177,17 @@ async def test_a_documents_rollouts_meet_on_one_replica_and_the_documents_spread
 async def test_a_hot_document_spills_over_to_its_next_replica_under_the_bound(serve: Any) -> None:
     async with serve() as routed:
         home = routed.home("hot")
-        # Ten rollouts of one document at once, held upstream until all are in flight
-        sending = [asyncio.ensure_future(routed.generate("hot", r, latency_ms=3000)) for r in range(10)]
+        # 24 rollouts of one document at once, held upstream until all are in flight
+        sending = [asyncio.ensure_future(routed.generate("hot", r, latency_ms=3000)) for r in range(24)]
         upstreams = await routed.until(
-            "the ten rollouts in flight", lambda u: sum(r["in_flight"] for r in u.values()) == 10
+            "the 24 rollouts in flight", lambda u: sum(r["in_flight"] for r in u.values()) == 24
         )
         names = await asyncio.gather(*sending)
     other = "r1" if home == "r0" else "r0"
-    # the bound, ceil(1.5 x (in flight + 1) / 2), for the 1st to the 10th: 1, 2, 3, 3, 4, 5, 6, 6, 7, 8
-    assert (upstreams[home]["in_flight"], upstreams[other]["in_flight"]) == (8, 2)
-    assert (upstreams[home]["spilled"], upstreams[other]["spilled"]) == (2, 0)
-    assert Counter(names) == {home: 8, other: 2}
+    # the bound, max(ceil(1.5 x (in flight + 1) / 2), MIN_BOUND = 16): 16 up to the 21st, then 17, 18, 18
+    assert (upstreams[home]["in_flight"], upstreams[other]["in_flight"]) == (18, 6)
+    assert (upstreams[home]["spilled"], upstreams[other]["spilled"]) == (6, 0)
+    assert Counter(names) == {home: 18, other: 6}
 
 
 async def test_a_replica_killed_mid_run_fails_no_request_and_its_documents_go_to_the_other(

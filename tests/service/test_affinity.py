@@ -14,7 +14,7 @@ import pytest
 
 from app.http.client import HTTPClient, Origin
 from app.http.memory import ASGIConnector
-from app.service.affinity import PROMPT_PREFIX_BYTES, choose, ranking, replica_seed, request_key
+from app.service.affinity import MIN_BOUND, PROMPT_PREFIX_BYTES, choose, ranking, replica_seed, request_key
 from app.service.asgi import Receive, Scope, Send, read_body, send_bytes
 from app.service.upstream import UpstreamPool
 from app.tools.fake_upstream import FakeUpstream
@@ -62,14 +62,29 @@ def test_the_first_choice_takes_requests_up_to_the_bound_then_the_next_takes_the
     replicas = nodes("http://a:8000", "http://b:8000")
     home, other = ranking(b"hot", replicas)
     taken = []
-    for _ in range(10):  # one hot document, none of its requests finished yet
+    for _ in range(30):  # one hot document, none of its requests finished yet
         chosen, first = choose(b"hot", replicas, 0.25)
         assert first is home
         chosen.in_flight += 1
-        taken.append("home" if chosen is home else "next")
-    # capacity ceil(1.25 * (in flight + 1) / 2): 1, 2, 2, 3, 4, 4, 5, 5, 6, 7
-    assert taken == ["home", "home", "next", "home", "home", "next", "home", "next", "home", "home"]
-    assert (home.in_flight, other.in_flight) == (7, 3)
+        taken.append("h" if chosen is home else "n")
+    # MIN_BOUND (16) first, then capacity ceil(1.25 * (in flight + 1) / 2): 16 from the 17th to the 25th
+    # request, 17 for the 26th and 27th, then 18, 19, 19
+    assert "".join(taken) == "h" * MIN_BOUND + "n" * 9 + "hnhhn"
+    assert (home.in_flight, other.in_flight) == (19, 11)
+
+
+def test_a_document_sent_alone_keeps_its_rollouts_on_one_replica() -> None:
+    # Without MIN_BOUND, the 4th of 4 rollouts sent at once, with nothing else in flight, passed the bound
+    # (3 in flight, ceil(1.5 * 4 / 2) = 3) and went to the other replica: every document, split.
+    replicas = nodes("http://a:8000", "http://b:8000")
+    for key in KEYS[:50]:
+        home = ranking(key, replicas)[0]
+        for _ in range(MIN_BOUND):
+            chosen, _ = choose(key, replicas, 0.5)
+            assert chosen is home
+            chosen.in_flight += 1
+        for replica in replicas:
+            replica.in_flight = 0
 
 
 def test_a_wide_bound_keeps_a_hot_document_on_its_replica() -> None:
@@ -98,7 +113,7 @@ def test_the_pool_routes_by_key_and_counts_a_spill_over_on_the_first_choice() ->
     pool = UpstreamPool(["http://a:8000", "http://b:8000"], load_bound=0.25)
     home, other = ranking(b"doc", pool.replicas)
     assert pool.pick(b"doc") is home
-    home.in_flight = 2  # capacity ceil(1.25 * 3 / 2) = 2: home is full
+    home.in_flight = MIN_BOUND  # capacity max(ceil(1.25 * 17 / 2), MIN_BOUND) = 16: home is full
     assert pool.pick(b"doc") is other
     assert (home.spilled, other.spilled) == (1, 0)
     home.healthy = False  # out: its keys go to their next replica, not counted as spilled
