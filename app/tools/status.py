@@ -343,8 +343,13 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
         *_forgotten(stats.get("forgotten", {}).get("ranks")),
         "",
     ]
+    # Which replica takes a request matters only among several: the routing is said then, as on the page.
+    routing = stats.get("routing") if len(stats["upstreams"]) > 1 else None
     upstreams = _table(
-        ["upstream", "health", "in flight", "requests", "spilled", "errors", "retries", "p50", "p99"],
+        [
+            f"upstream (routing: {printable(routing)})" if routing else "upstream",
+            *("health", "in flight", "requests", "spilled", "errors", "retries", "p50", "p99"),
+        ],
         [
             [
                 printable(u["url"]),

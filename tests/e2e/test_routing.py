@@ -22,9 +22,10 @@ import pytest
 
 from app.service.affinity import ranking
 from app.service.upstream import UpstreamPool
+from tests.browser import browser, text_of
 from tests.chaos.harness import Process
 from tests.e2e.conftest import start_proxy
-from tests.servers import free_port, process, wait_for_http
+from tests.servers import free_port, process, run_cli, wait_for_http
 
 DOCUMENTS = 200
 ROLLOUTS = 4
@@ -174,7 +175,9 @@ async def test_a_documents_rollouts_meet_on_one_replica_and_the_documents_spread
         assert upstreams[name]["errors"] == upstreams[name]["retries"] == 0
 
 
-async def test_a_hot_document_spills_over_to_its_next_replica_under_the_bound(serve: Any) -> None:
+async def test_a_hot_document_spills_over_to_its_next_replica_under_the_bound(
+    serve: Any, replicas: list[Replica], chromium: str, tmp_path: Path
+) -> None:
     async with serve() as routed:
         home = routed.home("hot")
         # 24 rollouts of one document at once, held upstream until all are in flight
@@ -183,11 +186,35 @@ async def test_a_hot_document_spills_over_to_its_next_replica_under_the_bound(se
             "the 24 rollouts in flight", lambda u: sum(r["in_flight"] for r in u.values()) == 24
         )
         names = await asyncio.gather(*sending)
+        # The spill-overs, and the routing, where a person watching the run looks
+        proxy = str(routed.client.base_url).rstrip("/")
+        metrics = (await routed.client.get("/metrics")).text
+        shown = await asyncio.to_thread(run_cli, "status", proxy, "--once")
+        async with browser(chromium, tmp_path) as chrome:
+            page = await chrome.open(proxy + "/")
+            await page.wait_for("document.querySelectorAll('#replicas tbody tr').length === 2")
+            rows = await page.evaluate(
+                "[...document.querySelectorAll('#replicas tbody tr')].map(r => [...r.cells].map(c => c.textContent))"
+            )
+            summary = await page.evaluate(text_of("replicas-summary"))
     other = "r1" if home == "r0" else "r0"
     # the bound, max(ceil(1.5 x (in flight + 1) / 2), MIN_BOUND = 16): 16 up to the 21st, then 17, 18, 18
     assert (upstreams[home]["in_flight"], upstreams[other]["in_flight"]) == (18, 6)
     assert (upstreams[home]["spilled"], upstreams[other]["spilled"]) == (6, 0)
     assert Counter(names) == {home: 18, other: 6}
+
+    url = {r.name: r.url for r in replicas}
+    assert f'inferproxy_upstream_spilled_total{{replica="{url[home]}"}} 6.0' in metrics
+    assert f'inferproxy_upstream_spilled_total{{replica="{url[other]}"}} 0.0' in metrics
+    assert 'inferproxy_routing_info{routing="affinity"} 1.0' in metrics
+    assert shown.returncode == 0, shown.stderr
+    table = {line.split()[0]: line.split() for line in shown.stdout.splitlines() if line.strip().startswith("http")}
+    assert any(line.strip().startswith("upstream (routing: affinity)") for line in shown.stdout.splitlines())
+    # url, health, in flight, requests, spilled: each replica's
+    assert (table[url[home]][3], table[url[home]][4]) == ("18", "6")
+    assert (table[url[other]][3], table[url[other]][4]) == ("6", "0")
+    assert "routing: affinity" in summary
+    assert {row[0]: (row[3], row[4]) for row in rows} == {url[home]: ("18", "6"), url[other]: ("6", "0")}
 
 
 async def test_a_replica_killed_mid_run_fails_no_request_and_its_documents_go_to_the_other(

@@ -310,6 +310,11 @@ class _Collector(Collector):
             labels=["replica"],
         )
         healthy = GaugeMetricFamily("inferproxy_upstream_healthy", "1 if the replica answers", labels=["replica"])
+        routing = GaugeMetricFamily(
+            "inferproxy_routing_info", "how a request's replica is chosen (the routing setting)", labels=["routing"]
+        )
+        routing.add_metric([self.services.pool.routing], 1.0)
+        yield routing
         latency = HistogramMetricFamily(
             "inferproxy_upstream_latency_seconds", "from sending to the answer's head", labels=["replica"]
         )
