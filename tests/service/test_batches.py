@@ -150,6 +150,24 @@ async def test_a_resubmitted_file_is_answered_from_the_first_batch_and_pays_noth
         assert again == bodies
 
 
+async def test_deleting_a_batchs_output_file_forgets_its_answers_and_a_resubmission_pays_again(
+    settings: Settings, upstream: Any
+) -> None:
+    url, fake = upstream
+    file_id = put_file(settings.checkpoints_dir, [chat_line(f"r{i}", f"q{i}") for i in range(10)])
+    async for client in proxy(settings, url):
+        first = await until(client, await create_batch(client, file_id), final)
+        assert (first["status"], fake.generations) == ("completed", 10)
+        deleted = await client.delete(f"/v1/files/{first['output_file_id']}")
+        assert deleted.status_code == 200, deleted.text
+        assert deleted.json()["deleted"] is True
+        second = await until(client, await create_batch(client, file_id), final)
+        assert (second["status"], fake.generations) == ("completed", 20)  # each line generated again
+        third = await until(client, await create_batch(client, file_id), final)
+        assert (third["status"], fake.generations) == ("completed", 20)  # from the second's, kept
+        assert third["request_counts"] == {"total": 10, "completed": 10, "failed": 0}
+
+
 @pytest.mark.parametrize(
     ("line", "code"),
     [
@@ -186,7 +204,22 @@ async def test_a_bad_line_fails_the_batch_naming_it_and_sends_nothing(
         assert error["line"] == 4
         assert error["code"] == code
         assert error["message"]
-        assert fake.requests == 0 or fake.generations == 0
+        assert fake.by_path[f"POST {CHAT}"] == 0
+
+
+async def test_a_file_with_many_bad_lines_names_the_first_100_in_order_and_sends_nothing(
+    settings: Settings, upstream: Any
+) -> None:
+    url, fake = upstream
+    rows = [b"not json" if i % 2 else orjson.dumps(chat_line(f"ok-{i}", f"q{i}")) for i in range(1, 301)]
+    file_id = put_file(settings.checkpoints_dir, [], raw=b"\n".join(rows) + b"\n")
+    async for client in proxy(settings, url):
+        batch = await until(client, await create_batch(client, file_id), final)
+    assert batch["status"] == "failed"
+    errors = batch["errors"]["data"]
+    assert [e["line"] for e in errors] == list(range(1, 200, 2))  # 150 bad lines: the first 100 of them
+    assert {e["code"] for e in errors} == {"invalid_json_line"}
+    assert fake.by_path[f"POST {CHAT}"] == 0
 
 
 @pytest.mark.parametrize(
