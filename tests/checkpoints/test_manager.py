@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 
 import app.store.durable
+from app.checkpoints.chunk import Chunk, ChunkState
 from app.checkpoints.documents import DocumentError
 from app.checkpoints.manager import (
     META_FILENAME,
@@ -81,6 +82,29 @@ async def test_last_chunk_index_moves_one_chunk_at_a_time_in_order(tmp_path: Pat
     assert cm.last_chunk_index == 2
     assert read_last_chunk(tmp_path) == "2"
     assert cm.new_completed_chunks == set()
+
+
+async def test_completing_a_chunk_published_already_publishes_it_no_second_time(
+    tmp_path: Path, writer: RecordingWriter
+) -> None:
+    # Chunk 2 is full and published while chunk 0 is still open: the job then declares its last chunk 2
+    # complete. The chunk stays published; taken back to "ready" it was closed (published) once more.
+    cm = manager(tmp_path, 2)
+    for doc_id in ("4", "5"):
+        await cm.write_document(document(doc_id), 0, 2, writer)
+    assert writer.closed == ["00000_chunk_2.jsonl"]
+    await cm.cleanup_last_chunk(0, 2)
+    assert writer.closed == ["00000_chunk_2.jsonl"]
+    assert cm.last_chunk_index == -1
+    assert cm.new_completed_chunks == {2}
+
+
+def test_a_chunk_past_open_stays_where_it_is_when_declared_complete() -> None:
+    chunk = Chunk(2)
+    chunk.mark_ready()
+    chunk.mark_published()
+    chunk.mark_ready()  # the job's completion of its last chunk, arriving after the chunk was published
+    assert chunk.state is ChunkState.PUBLISHED
 
 
 async def test_removed_documents_count_towards_the_chunk_but_skip_the_output(
