@@ -492,9 +492,8 @@ def job_line(job: dict[str, Any] | None) -> str:
     if declared is not None:
         return f"job running: {count(finished)} of {count(declared)} ranks finished"
     if finished:
-        return (
-            f"job: {count(finished)} rank{'' if finished == 1 else 's'} finished (it did not declare how many it has)"
-        )
+        ranks = f"{count(finished)} rank{'' if finished == 1 else 's'}"
+        return f"job: {ranks} finished, of a number it did not declare (X-Total-Ranks): whether it is done is not known"
     return ""
 
 
@@ -522,7 +521,8 @@ def _documents_done(ranks: list[Rank]) -> str:
         eta = "ETA " + duration(max(unfinished))
     finished = len(ranks) - len(unfinished)
     progress = percent(min(done / total, 1.0) if total else 1.0)
-    return f"documents done {count(done)} / {count(total)} ({progress}) · {eta} · {finished} of {len(ranks)} finished"
+    seen = f"{finished} of {len(ranks)} ranks seen finished"
+    return f"documents done {count(done)} / {count(total)} ({progress}) · {eta} · {seen}"
 
 
 def _rank_row(r: Rank) -> list[str]:

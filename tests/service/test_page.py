@@ -120,7 +120,7 @@ async def test_a_finished_datatrove_job_shows_every_rank_finished_and_the_job_fi
         label = "getComputedStyle(document.querySelector('#ranks tbody tr td'), '::after').content"
         assert await page.evaluate(label) == '" finished"'
         assert await page.evaluate(text_of("documents-done")) == "9 / 9"
-        assert await page.evaluate(text_of("documents-done-sub")) == "100.0% · finished · 2 of 2 ranks finished"
+        assert await page.evaluate(text_of("documents-done-sub")) == "100.0% · finished · 2 of 2 ranks seen finished"
         assert (await page.evaluate(text_of("ranks-summary"))).startswith("2 · 0 owned here · 2 finished")
         header = await page.evaluate("document.querySelector('#ranks thead th:nth-child(5)').textContent")
         assert header == "Published here"  # this process's, not the rank's (Last chunk + 1)

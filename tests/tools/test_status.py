@@ -68,8 +68,11 @@ async def test_once_shows_each_ranks_progress_and_the_hit_ratio_of_stats(tmp_pat
         # Rank 2 declared nothing, but finished: its total is known now (rank 1 runs on, 8 of 20).
         done = next(line for line in lines if line.startswith("documents done"))
         assert done.startswith("documents done 23 / 35 (65.7%) · ETA ")  # rank 1's
-        assert done.endswith(" · 2 of 3 finished")
-        assert "job: 2 ranks finished (it did not declare how many it has)" in lines
+        assert done.endswith(" · 2 of 3 ranks seen finished")
+        assert (
+            "job: 2 ranks finished, of a number it did not declare (X-Total-Ranks): whether it is done is not known"
+            in lines
+        )
         rows = {line.split()[0]: line for line in lines if line[:1].isdigit()}
         assert set(rows) == {"0", "1", "2"}
         assert "[####################] 12 / 12 · 100.0%" in rows["0"]
@@ -425,7 +428,7 @@ def test_finished_ranks_and_the_job_are_said_so_and_an_older_proxys_stats_as_bef
     running = {**RANK, "rank": 1, "finished": False, "finished_at": None}
     job = {"ranks_declared": 2, "ranks_finished": 1, "finished": False}
     lines = status.render(status.decode(orjson.dumps({**STATS, "ranks": [finished, running], "job": job}), "u"), "u")
-    assert lines[3] == "documents done 12 / 17 (70.6%) · ETA 5s · 1 of 2 finished"
+    assert lines[3] == "documents done 12 / 17 (70.6%) · ETA 5s · 1 of 2 ranks seen finished"
     assert lines[4] == "job running: 1 of 2 ranks finished"
     rows = rows_of(lines)
     assert "[####################] 7 / 7 · 100.0%" in rows["0"]
@@ -435,17 +438,20 @@ def test_finished_ranks_and_the_job_are_said_so_and_an_older_proxys_stats_as_bef
     done = {**finished, "rank": 1}
     job = {"ranks_declared": 2, "ranks_finished": 2, "finished": True}
     lines = status.render(status.decode(orjson.dumps({**STATS, "ranks": [finished, done], "job": job}), "u"), "u")
-    assert lines[3] == "documents done 14 / 14 (100.0%) · finished · 2 of 2 finished"
+    assert lines[3] == "documents done 14 / 14 (100.0%) · finished · 2 of 2 ranks seen finished"
     assert lines[4] == "job finished: 2 of 2 ranks"
     # A job that did not declare its number of ranks (X-Total-Ranks): how many finished, no more.
     undeclared = {"ranks_declared": None, "ranks_finished": 1, "finished": False}
-    assert status.job_line(undeclared) == "job: 1 rank finished (it did not declare how many it has)"
+    assert (
+        status.job_line(undeclared)
+        == "job: 1 rank finished, of a number it did not declare (X-Total-Ranks): whether it is done is not known"
+    )
     assert status.job_line({**undeclared, "ranks_finished": 0}) == ""
 
     # An older proxy: no `job`, no `finished` (a rank at 100% counts as finished, as before).
     older = {k: v for k, v in finished.items() if k != "finished"}
     lines = status.render(status.decode(orjson.dumps({**STATS, "ranks": [older]}), "u"), "u")
-    assert lines[3] == "documents done 7 / 7 (100.0%) · finished · 1 of 1 finished"
+    assert lines[3] == "documents done 7 / 7 (100.0%) · finished · 1 of 1 ranks seen finished"
     assert lines[4] == ""
     assert rows_of(lines)["0"].split("100.0%")[1].split()[:2] == ["1.00", "done"]
     with pytest.raises(status.StatusError, match=r"job.finished is missing"):
@@ -456,7 +462,7 @@ def test_ranks_forgotten_past_max_tracked_ranks_are_said_apart_from_the_table() 
     # /stats' totals hold the forgotten ranks' counts, its `ranks` do not: the reader is told which is which.
     stats = {**STATS, "ranks": [RANK], "forgotten": {"ranks": 4, "hits": 7}}
     lines = status.render(status.decode(orjson.dumps(stats), "u"), "u")
-    assert lines[3] == "documents done 5 / 10 (50.0%) · ETA 5s · 0 of 1 finished"
+    assert lines[3] == "documents done 5 / 10 (50.0%) · ETA 5s · 0 of 1 ranks seen finished"
     assert lines[4] == (
         "4 ranks forgotten past max_tracked_ranks: in the hit ratio, tokens and rates, not in documents done or below"
     )
