@@ -370,8 +370,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         settings = Settings.load(args.config, **flags)
         # Before the lifespan takes its lock: a start that fails here has created nothing.
-        check_checkpoints_dir(settings)
-        check_output(settings.output)
+        check_checkpoints_dir(settings, setting_source("checkpoints_dir", config_file, flags))
+        check_output(settings.output, name=setting_source("output", config_file, flags))
         check_port(settings.host, settings.port)
     except ValidationError as exc:
         print(f"inferproxy serve: invalid settings:\n{describe_errors(exc, config_file, flags)}", file=sys.stderr)
@@ -449,6 +449,22 @@ def raise_open_files_limit() -> None:
         logger.info("open files limit: %d", soft)
 
 
+def setting_source(name: str, config_file: Path | None, flags: dict[str, Any], in_file: set[str] | None = None) -> str:
+    """Where setting `name`'s value was given, as a message names it so that the fix is made there: its
+    flag, its `INFERPROXY_` variable, or the config file's key (its flag and variable both, for a default)."""
+    in_file = config_file_keys(config_file) if in_file is None else in_file
+    env_name = f"INFERPROXY_{name.upper()}"
+    if name in Settings.model_fields and flags.get(name) is not None:
+        return flag_name(name)
+    if name in Settings.model_fields and env_name in {key.upper() for key in os.environ}:
+        return env_name
+    if name in in_file:
+        return f"{config_file}: {name}"
+    if name in Settings.model_fields:
+        return f"{flag_name(name)} / {env_name}"
+    return name
+
+
 def describe_errors(exc: ValidationError, config_file: Path | None = None, flags: dict[str, Any] | None = None) -> str:
     """One line per bad setting: where its value came from, what is wrong and the value given.
 
@@ -457,21 +473,10 @@ def describe_errors(exc: ValidationError, config_file: Path | None = None, flags
     """
     flags = flags or {}
     in_file = config_file_keys(config_file)
-    environment = {key.upper() for key in os.environ}
     lines = []
     for error in exc.errors():
         name = str(error["loc"][0]) if error["loc"] else "?"
-        env_name = f"INFERPROXY_{name.upper()}"
-        if name in Settings.model_fields and flags.get(name) is not None:
-            where = flag_name(name)
-        elif name in Settings.model_fields and env_name in environment:
-            where = env_name
-        elif name in in_file:
-            where = f"{config_file}: {name}"
-        elif name in Settings.model_fields:
-            where = f"{flag_name(name)} / {env_name}"
-        else:
-            where = name
+        where = setting_source(name, config_file, flags, in_file)
         if error["type"] == "extra_forbidden":  # a config file's key: every flag and variable is a setting
             lines.append(
                 f"  {config_file}: {unknown_setting(name)}" if name in in_file else f"  {unknown_setting(name)}"
@@ -485,14 +490,15 @@ def describe_errors(exc: ValidationError, config_file: Path | None = None, flags
     return "\n".join(lines)
 
 
-def check_checkpoints_dir(settings: Settings) -> None:
+def check_checkpoints_dir(settings: Settings, name: str = "--checkpoints-dir") -> None:
     """Refuse to start, before serving anything, on a checkpoints dir that cannot take files (or has no
-    room for them), or holds checkpoints written with another records_per_chunk."""
+    room for them), or holds checkpoints written with another records_per_chunk; `name` says where it
+    was given."""
     from app.checkpoints.output import check_folder
     from app.checkpoints.resume import check_records_per_chunk
     from app.store.layout import CheckpointsLayout
 
-    check_folder(str(settings.checkpoints_dir), "--checkpoints-dir", room=True)
+    check_folder(str(settings.checkpoints_dir), name, room=True)
     check_records_per_chunk(CheckpointsLayout(str(settings.checkpoints_dir)), settings.records_per_chunk, record=False)
 
 

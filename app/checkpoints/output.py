@@ -52,26 +52,27 @@ def bounded(call: Callable[[], Any], timeout_s: float, *, name: str) -> tuple[An
     return outcome[0] if outcome else None
 
 
-def check_output(output: str, *, timeout_s: float = 30.0) -> None:
+def check_output(output: str, *, timeout_s: float = 30.0, name: str = "--output") -> None:
     """Fail with an `OutputError` if `output` cannot take chunks, leaving nothing behind.
 
     A folder: it, or the nearest folder above it that exists, must be a
     folder that takes a new file (one is created and removed). A URL: its protocol must be known to fsspec and its
     package installed, and the location, or one above it (for S3, the
     bucket), must exist, all within `timeout_s`. Whether the credentials may
-    write is only known at the first upload: nothing is written to find out.
+    write is only known at the first upload: nothing is written to find out. The messages call the
+    setting `name`: where its value was given (the flag, the variable, the config file's key).
     """
     if not is_remote(output):
-        _check_folder(output.removeprefix("file://"))
+        _check_folder(output.removeprefix("file://"), name)
         return
     shown = redact_url(output)
     try:
         import fsspec
     except ImportError:
-        raise OutputError(f"--output {shown} is a URL: {install_hint(output)}") from None
+        raise OutputError(f"{name} {shown} is a URL: {install_hint(output)}") from None
     if protocols(output) & S3_PROTOCOLS and "@" in urlsplit(output).netloc:
         raise OutputError(
-            f"--output {shown}: s3fs does not read credentials from the URL: set AWS_ACCESS_KEY_ID and "
+            f"{name} {shown}: s3fs does not read credentials from the URL: set AWS_ACCESS_KEY_ID and "
             f"AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) instead, and give s3://bucket/prefix"
         )
     for protocol in sorted(protocols(output)):
@@ -79,19 +80,19 @@ def check_output(output: str, *, timeout_s: float = 30.0) -> None:
             fsspec.get_filesystem_class(protocol)
         except ValueError:
             raise OutputError(
-                f"--output {shown}: unknown protocol {protocol!r}: give a folder or an fsspec URL "
+                f"{name} {shown}: unknown protocol {protocol!r}: give a folder or an fsspec URL "
                 f"such as s3://bucket/prefix or gs://bucket/prefix"
             ) from None
         except ImportError:
-            raise OutputError(f"--output {shown}: {install_hint(output)}") from None
+            raise OutputError(f"{name} {shown}: {install_hint(output)}") from None
 
     def probe() -> None:
         fs, root = fsspec.core.url_to_fs(output)
-        _check_location(fs, root, shown)
+        _check_location(fs, root, f"{name} {shown}")
 
     outcome = bounded(probe, timeout_s, name="check-output")
     if outcome is None:
-        raise OutputError(f"--output {shown} did not answer within {timeout_s:g} s: check the URL and the endpoint")
+        raise OutputError(f"{name} {shown} did not answer within {timeout_s:g} s: check the URL and the endpoint")
     error = outcome[1]
     if error is None:
         return
@@ -101,13 +102,14 @@ def check_output(output: str, *, timeout_s: float = 30.0) -> None:
     if isinstance(error, PermissionError):
         # Credentials may be allowed to write under the prefix but not to look: let the first upload tell.
         logger.warning(
-            "inferproxy serve: could not check --output %s, access denied (%s); starting anyway", shown, reason
+            "inferproxy serve: could not check %s %s, access denied (%s); starting anyway", name, shown, reason
         )
         return
-    raise OutputError(f"--output {shown} cannot be reached ({reason}): check the URL, the endpoint and the credentials")
+    raise OutputError(f"{name} {shown} cannot be reached ({reason}): check the URL, the endpoint and the credentials")
 
 
 def _check_location(fs: Any, root: str, shown: str) -> None:
+    # `shown`: the setting and the URL, as the messages name them
     """The output location, or the nearest one above it that exists, must be a folder (a bucket)."""
     path = root.rstrip("/")
     while path:
@@ -120,18 +122,18 @@ def _check_location(fs: Any, root: str, shown: str) -> None:
             path = parent
             continue
         if info.get("type") != "directory":
-            raise OutputError(f"--output {shown}: {path} is a file, not a folder: choose another output")
+            raise OutputError(f"{shown}: {path} is a file, not a folder: choose another output")
         return
     top = root.strip("/").split("/", 1)[0]
     raise OutputError(
-        f"--output {shown}: {top!r} does not exist (for an object store: no such bucket at this endpoint): "
+        f"{shown}: {top!r} does not exist (for an object store: no such bucket at this endpoint): "
         f"create it, or check the URL and the endpoint (AWS_ENDPOINT_URL_S3 for S3-compatible stores)"
     )
 
 
-def _check_folder(path: str) -> None:
+def _check_folder(path: str, name: str) -> None:
     try:
-        check_folder(path, "--output")
+        check_folder(path, name)
     except FolderError as exc:
         raise OutputError(str(exc)) from None
 

@@ -17,7 +17,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from app.checkpoints.output import FolderError, OutputError, check_folder, check_output, redact_url, scrub
 from tests.faults import fill_disk, small_disk
-from tests.servers import serve_once
+from tests.servers import run_cli, serve_once
 
 
 class _BlockedFS(MemoryFileSystem):
@@ -138,6 +138,23 @@ def test_a_folder_check_names_the_user_that_needs_the_permission() -> None:
         check_folder("/sys/y", "--x")
 
 
+@pytest.mark.parametrize(
+    ("variable", "value", "said"),
+    [
+        ("INFERPROXY_OUTPUT", "foo://bar", "INFERPROXY_OUTPUT foo://bar: unknown protocol 'foo'"),
+        ("INFERPROXY_CHECKPOINTS_DIR", "/proc/nope", "INFERPROXY_CHECKPOINTS_DIR /proc/nope: "),
+    ],
+)
+def test_a_folder_refused_at_start_is_named_by_the_variable_that_gave_it(
+    tmp_path: Path, variable: str, value: str, said: str
+) -> None:
+    folders = {"INFERPROXY_OUTPUT": str(tmp_path / "output"), "INFERPROXY_CHECKPOINTS_DIR": str(tmp_path / "c")}
+    done = run_cli("serve", "--upstream=http://127.0.0.1:9", "--port=0", env={**os.environ, **folders, variable: value})
+    assert done.returncode == 2
+    assert done.stderr.startswith(f"inferproxy serve: {said}"), done.stderr
+    assert len(done.stderr.splitlines()) == 1
+
+
 def test_the_replicas_example_config_without_s3fs_ends_in_one_line_naming_what_to_install() -> None:
     # configs/replicas.toml publishes to s3://; s3fs is hidden from the process as if it were not installed.
     without_s3fs = "import sys; sys.modules['s3fs'] = None; from app.cli import main; sys.exit(main(sys.argv[1:]))"
@@ -153,7 +170,9 @@ def test_the_replicas_example_config_without_s3fs_ends_in_one_line_naming_what_t
     )
     assert (done.returncode, done.stdout) == (2, "")
     assert done.stderr == (
-        "inferproxy serve: --output s3://my-bucket/synthetic-data: the S3 filesystem is not installed: "
+        # named as the file's key: where the value was written, and is to be changed
+        "inferproxy serve: configs/replicas.toml: output s3://my-bucket/synthetic-data: the S3 filesystem is not "
+        "installed: "
         "pip install 'inferproxy[s3]' (from a clone: pip install -e '.[s3]')\n"
     )
 
