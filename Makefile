@@ -70,7 +70,7 @@ vllm-installable:
 
 # One vLLM for the whole suite (two tests kill it and start it again): ~2.5 min here, plus the install.
 test-vllm: $(VLLM_STAMP)
-	INFERPROXY_TEST_VLLM=1 $(VLLM_VENV)/bin/pytest tests/vllm
+	TEST_VLLM_SUITE=1 $(VLLM_VENV)/bin/pytest tests/vllm
 # The chaos suite's long run (tests/chaos with the benchmark machine's counts: >= 20 kills, longer loads);
 # `make test` runs its short one. A failure prints its seed: CHAOS_SEED=N repeats it.
 chaos: $(STAMP)

@@ -27,7 +27,14 @@ from pydantic import ValidationError
 
 from app import __version__
 from app.ops import logs
-from app.service.settings import CONFIG_ENV, Settings, config_file_keys, config_file_path, unknown_setting
+from app.service.settings import (
+    CONFIG_ENV,
+    Settings,
+    config_file_keys,
+    config_file_path,
+    unknown_setting,
+    unknown_variables,
+)
 from app.tools import demo, status
 
 
@@ -369,6 +376,7 @@ def serve(args: argparse.Namespace) -> int:
     config_file = config_file_path(args.config)
     try:
         settings = Settings.load(args.config, **flags)
+        warn_of_unknown_variables("serve")  # first: a misspelt one may be why a check below fails
         # Before the lifespan takes its lock: a start that fails here has created nothing.
         check_checkpoints_dir(settings, setting_source("checkpoints_dir", config_file, flags))
         check_output(settings.output, name=setting_source("output", config_file, flags))
@@ -490,6 +498,13 @@ def describe_errors(exc: ValidationError, config_file: Path | None = None, flags
     return "\n".join(lines)
 
 
+def warn_of_unknown_variables(command: str) -> None:
+    """A line on stderr for each `INFERPROXY_` variable that is no setting: misspelt, it would be ignored
+    without a word (a config file's unknown key is refused; a variable may be another tool's)."""
+    for line in unknown_variables(os.environ):
+        print(f"inferproxy {command}: warning: {line}", file=sys.stderr)
+
+
 def check_checkpoints_dir(settings: Settings, name: str = "--checkpoints-dir") -> None:
     """Refuse to start, before serving anything, on a checkpoints dir that cannot take files (or has no
     room for them), or holds checkpoints written with another records_per_chunk; `name` says where it
@@ -509,6 +524,7 @@ def run_batch(args: argparse.Namespace) -> int:
     config_file = config_file_path(args.config)
     try:
         settings = Settings.load(args.config, **flags)
+        warn_of_unknown_variables("run-batch")
         given = settings.checkpoints_dir if "checkpoints_dir" in settings.model_fields_set else None
         state = state_dir(args.output_file, given)
     except ValidationError as exc:

@@ -11,7 +11,7 @@ from tests.factories import RecordingWriter
 from tests.servers import HTTP_SERVER
 
 #: tests/vllm/ runs against a real vLLM, from its own venv: `make test-vllm` runs it and sets this variable.
-VLLM_SUITE = bool(os.environ.get("INFERPROXY_TEST_VLLM"))
+VLLM_SUITE = bool(os.environ.get("TEST_VLLM_SUITE"))
 collect_ignore = [] if VLLM_SUITE else ["vllm"]
 
 

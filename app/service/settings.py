@@ -12,6 +12,7 @@ import difflib
 import os
 import re
 import tomllib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
@@ -71,6 +72,22 @@ def unknown_setting(key: str) -> str:
         f"unknown setting {key!r}: the settings are listed in the README's Configuration table "
         f"(and in configs/inferproxy.toml, with their defaults)"
     )
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One line for each `INFERPROXY_` variable of `environ` that is no setting (a misspelt one is otherwise
+    ignored without a word): the setting it likely means, else where they are listed."""
+    known = {f"INFERPROXY_{name.upper()}" for name in Settings.model_fields} | {CONFIG_ENV}
+    names = sorted(name for name in environ if name.upper().startswith("INFERPROXY_") and name.upper() not in known)
+    lines = []
+    for name in names:
+        # compared without the prefix, which every name shares and would make any two look alike
+        close = difflib.get_close_matches(name[len("INFERPROXY_") :].lower(), list(Settings.model_fields), n=1)
+        if close:
+            lines.append(f"{name} is no setting, and is ignored: did you mean INFERPROXY_{close[0].upper()}?")
+        else:
+            lines.append(f"{name} is no setting, and is ignored: the settings are in the README's Configuration table")
+    return lines
 
 
 class Settings(BaseSettings):

@@ -28,7 +28,7 @@ def start(checkpoints: Path, output: Path) -> subprocess.Popen[str]:
 
 def test_kill_9_at_random_moments_loses_no_acknowledged_document(tmp_path: Path) -> None:
     checkpoints, output = tmp_path / "checkpoints", tmp_path / "output"
-    rng = random.Random(int(os.environ.get("INFERPROXY_TEST_SEED", "7")))
+    rng = random.Random(int(os.environ.get("LIBRARY_KILL_SEED", "7")))
     acknowledged: set[str] = set()
     generations = 0
     kills = 0

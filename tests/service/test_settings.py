@@ -83,6 +83,26 @@ def test_an_unknown_key_in_the_file_names_the_setting_it_is_likely_a_misspelling
     ]
 
 
+def test_a_misspelt_variable_is_said_not_ignored_in_silence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from app.cli import main
+
+    monkeypatch.setenv("INFERPROXY_UPSTREAM_RETRYS", "4")
+    monkeypatch.setenv("INFERPROXY_SOMETHING_ELSE", "x")
+    (tmp_path / "a-file").write_text("")  # a checkpoints dir that is a file: serve stops after the warning
+    assert main(["serve", "--upstream=http://127.0.0.1:9", f"--checkpoints-dir={tmp_path / 'a-file'}"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[:2] == [
+        "inferproxy serve: warning: INFERPROXY_SOMETHING_ELSE is no setting, and is ignored: the settings are in "
+        "the README's Configuration table",
+        "inferproxy serve: warning: INFERPROXY_UPSTREAM_RETRYS is no setting, and is ignored: did you mean "
+        "INFERPROXY_UPSTREAM_RETRIES?",
+    ]
+    assert len(lines) == 3
+    assert "--checkpoints-dir" in lines[2]
+
+
 def test_a_missing_config_file_is_named() -> None:
     with pytest.raises(FileNotFoundError, match=r"nope\.toml does not exist"):
         Settings.load(Path("nope.toml"))
