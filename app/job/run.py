@@ -92,6 +92,14 @@ async def run_job(
         rpc = state.records_per_chunk
         # datatrove's skip: by position, then by id, each id consumed by its first later occurrence
         processed = set(state.processed_ids)
+        if state.docs_to_skip or processed:
+            logger.info(
+                "rank %d: resuming: skipping the first %d documents (their chunks are published) and %d more "
+                "checkpointed since",
+                rank,
+                state.docs_to_skip,
+                len(processed),
+            )
         slots = asyncio.Semaphore(concurrency)
 
         async def process(document: Document, chunk_index: int) -> None:
@@ -142,7 +150,12 @@ async def run_job(
                 report.documents,
             )
         elif report.documents and report.skipped == report.documents:
-            logger.info("rank %d: all %d documents were already done: nothing to do", rank, report.documents)
+            logger.info(
+                "rank %d: all %d documents were already done: nothing to do (if this is a new job, not a rerun, "
+                "give it its own --checkpoints-dir: its documents were taken for the old job's)",
+                rank,
+                report.documents,
+            )
         if report.documents:
             done = await job.complete_chunk(report.last_chunk_index, total_documents=report.documents)
             report.chunks = done["last_chunk_index"] + 1

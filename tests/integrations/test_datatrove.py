@@ -387,7 +387,11 @@ async def test_a_rerun_of_a_finished_rank_says_it_had_nothing_to_do_and_a_new_jo
         said.clear()
         await env.runner().run_async(documents(6), rank=0)
         assert [s for s in said if "nothing" in s[1]] == [
-            ("INFO", "rank 0: all 6 documents were already done: nothing to do")
+            (
+                "INFO",
+                "rank 0: all 6 documents were already done: nothing to do (if this is a new job, not a rerun, give "
+                "it its own --checkpoints-dir: its documents were taken for the old job's)",
+            )
         ]
         said.clear()
         await env.runner().run_async(documents(3, "new"), rank=0)  # a new job, its checkpoints dir the old one's

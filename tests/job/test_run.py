@@ -41,7 +41,32 @@ async def test_a_finished_job_run_again_says_at_info_that_it_is_done_and_warns_o
         again = await run_job(DOCS, env.rollout, base_url=env.proxy, progress=False)
     assert (again.written, again.skipped) == (0, 10)
     messages = [(r.levelname, r.getMessage()) for r in caplog.records if r.name in ("app.job.client", "app.job.run")]
-    assert messages == [("INFO", "rank 0: all 10 documents were already done: nothing to do")]
+    assert messages == [
+        (
+            "INFO",
+            "rank 0: resuming: skipping the first 12 documents (their chunks are published) and 0 more "
+            "checkpointed since",
+        ),
+        (
+            "INFO",
+            "rank 0: all 10 documents were already done: nothing to do (if this is a new job, not a rerun, "
+            "give it its own --checkpoints-dir: its documents were taken for the old job's)",
+        ),
+    ]
+
+
+async def test_a_job_resumed_part_way_says_at_info_what_it_skips(env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    killed = ProxyJob(env.proxy, rank=0)  # a run killed after 5 documents: chunk 0 published, 1 of chunk 1
+    await killed.write_documents(DOCS[:4], 0)
+    await killed.write_documents(DOCS[4:5], 1)
+    await killed.close()
+    with caplog.at_level(logging.INFO, logger="app.job.run"):
+        report = await run_job(DOCS, env.rollout, base_url=env.proxy, progress=False)
+    assert (report.written, report.skipped) == (5, 5)
+    assert (
+        "rank 0: resuming: skipping the first 4 documents (their chunks are published) and 1 more checkpointed since"
+        in caplog.text
+    )
 
 
 async def test_an_input_shorter_than_what_the_checkpoints_hold_is_warned_about(

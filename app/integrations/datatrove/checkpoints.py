@@ -245,7 +245,10 @@ class ProxyCheckpointManager:
             )
         elif self._written == 0 and self._docs_to_skip > self._position:
             # Its last chunk published (docs_to_skip counts whole chunks: past the input's end): as run_job says it
-            logger.info(f"rank {rank}: all {documents} documents were already done: nothing to do")
+            logger.info(
+                f"rank {rank}: all {documents} documents were already done: nothing to do (if this is a new job, "
+                f"not a rerun, give it its own --checkpoints-dir: its documents were taken for the old job's)"
+            )
         if last >= self.last_chunk_index:  # published already (a rerun of a finished rank): finished again
             await self.cleanup_last_chunk(rank, last)
 
