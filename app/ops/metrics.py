@@ -143,6 +143,9 @@ class Metrics:
     ranks: dict[int, RankCounters] = field(default_factory=dict)
     #: the counts of the ranks forgotten, and how many were
     forgotten: RankCounters = field(default_factory=RankCounters)
+    #: the Batch API's lines: answered from its answers' cache (hits, tokens saved) or generated (misses),
+    #: in the totals beside the ranks' requests, in no rank's
+    batch_lines: RankCounters = field(default_factory=RankCounters)
     ranks_forgotten: int = 0
     #: `/lookup` keys with no stored answer
     lookup_misses: int = 0
@@ -247,7 +250,7 @@ class Metrics:
         thread), else those now (on the event loop, which alone changes them: nothing copied)."""
         sums = dict.fromkeys(("hits", "coalesced", "misses", "refreshed", "tokens_saved", "documents"), 0)
         ranks, forgotten = tracked or (self.ranks, self.forgotten)
-        for counters in (*ranks.values(), forgotten):
+        for counters in (*ranks.values(), forgotten, self.batch_lines):
             sums["hits"] += counters.hits
             sums["coalesced"] += counters.coalesced
             sums["misses"] += counters.misses

@@ -330,7 +330,9 @@ class InferProxy(FastAPI):
                 activity=activity,
                 metrics=Metrics(enabled=settings.metrics, max_tracked_ranks=settings.max_tracked_ranks),
             )
-            batches = BatchEngine(settings, pool, services.flights, files, layout.batches_dir)
+            batches = BatchEngine(
+                settings, pool, services.flights, files, layout.batches_dir, services.metrics.batch_lines
+            )
             await batches.start()
             stack.push_async_callback(batches.close)  # before the pool closes: its lines stop first
             services.batches = batches

@@ -141,6 +141,10 @@ async def test_a_resubmitted_file_is_answered_from_the_first_batch_and_pays_noth
         second = await until(client, (await client.post("/v1/batches", json=body)).json()["id"], final)
         assert fake.generations == 20
         assert second["request_counts"]["completed"] == 20
+        # in the totals a person watching reads (hit ratio, generations and tokens saved), as a job's hits are
+        totals = (await client.get("/stats")).json()["totals"]
+        assert (totals["hits"], totals["misses"], totals["hit_ratio"]) == (20, 20, 0.5)
+        assert totals["tokens_saved"] == first["usage"]["total_tokens"]
         bodies = {
             o["custom_id"]: o["response"]["body"] for o in read_file(settings.checkpoints_dir, first["output_file_id"])
         }

@@ -16,6 +16,7 @@ import dataclasses
 
 import orjson
 
+from app.ops.metrics import RankCounters, tokens_in
 from app.service.affinity import request_key
 from app.service.batches.outputs import answer_result, failure_result
 from app.service.batches.running import Running
@@ -39,11 +40,15 @@ class Answerer:
     """The answers of batch lines, shared by every batch of an engine: its answers' cache, the flights
     of its lines, the upstream pool."""
 
-    def __init__(self, settings: Settings, pool: UpstreamPool, flights: Flights, answers: RequestCache) -> None:
+    def __init__(
+        self, settings: Settings, pool: UpstreamPool, flights: Flights, answers: RequestCache, counts: RankCounters
+    ) -> None:
         self.settings = settings
         self.pool = pool
         self.flights = flights
         self.answers = answers
+        #: the lines answered from the cache (hits, tokens saved) and generated (misses), for the totals
+        self.counts = counts
 
     async def answer(self, batch: Running, number: int, raw: bytes) -> Result | None:
         """Line `number` of the batch (`raw`, its input line) answered, or given up after every retry (a
@@ -58,6 +63,8 @@ class Answerer:
         result: Result | None
         if answer is not None:
             batch.hits += 1
+            self.counts.hits += 1
+            self.counts.tokens_saved += tokens_in(answer.body)
             # kept under this batch too: deleting the older batch's output does not forget it
             self.answers.store_response(record.serial, custom_id, rollout, digest, answer)
             result = answer_result(record.serial, number, custom_id, answer, {})
@@ -73,6 +80,8 @@ class Answerer:
         while (flight := self.flights.get(key)) is not None:
             shared = await flight.answer()
             if shared is not None:
+                self.counts.coalesced += 1
+                self.counts.tokens_saved += tokens_in(shared.body)
                 return answer_result(record.serial, number, custom_id, shared, {})
         with self.flights.lead(key, joinable=True) as flight:
             outcome = await self._send(record.endpoint, custom_id, body, batch)
@@ -81,6 +90,7 @@ class Answerer:
             if isinstance(outcome, str):
                 return failure_result(record.serial, number, custom_id, "upstream_error", outcome)
             answer, headers = outcome
+            self.counts.misses += 1
             result = answer_result(record.serial, number, custom_id, answer, headers)
             kept = cacheable_status(answer.status, self.settings.cache_error_statuses)
             # a 2xx whose body is an error, or no JSON at all, is none to keep (and goes to the error file);

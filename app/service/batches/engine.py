@@ -39,6 +39,7 @@ from typing import Any
 import orjson
 
 from app.checkpoints.output import is_remote
+from app.ops.metrics import RankCounters
 from app.service.batches.answers import Answerer
 from app.service.batches.outputs import add_tokens, failure_result, upload, write_files
 from app.service.batches.running import FairShare, Lines, Running
@@ -102,7 +103,15 @@ class BatchNotFound(LookupError):
 class BatchEngine:
     """Every batch under `<checkpoints_dir>/batches`: created, run, cancelled, listed, resumed at start."""
 
-    def __init__(self, settings: Settings, pool: UpstreamPool, flights: Flights, files: FileStore, root: str) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        pool: UpstreamPool,
+        flights: Flights,
+        files: FileStore,
+        root: str,
+        counts: RankCounters | None = None,
+    ) -> None:
         self.settings = settings
         self.pool = pool
         self.flights = flights
@@ -117,7 +126,7 @@ class BatchEngine:
         self.answers = RequestCache(
             str(self.root / ANSWERS), flush_interval_ms=settings.flush_interval_ms, replay_same_run=True
         )
-        self.answerer = Answerer(settings, pool, flights, self.answers)
+        self.answerer = Answerer(settings, pool, flights, self.answers, counts or RankCounters())
         self.running: dict[str, Running] = {}
         #: The final status of each batch in the dir that this proxy saw end or found ended (`adopt`, at the
         #: start and every ADOPT_EVERY_S): /stats counts them without listing the dir. A final status is
