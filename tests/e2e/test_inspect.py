@@ -175,6 +175,10 @@ def test_inspect_of_a_killed_proxys_dir_writes_nothing_and_predicts_resume_after
 
 BATCH_LINES = 200
 BATCH_INFLIGHT = 4
+#: The upstream's time per answer for them: 4 in flight shared by two batches make the one killed mid-way take
+#: ~20 s, so that the kill lands mid-batch however long the live `inspect` before it takes on a loaded
+#: machine (at 50 ms, one took long enough for the batch to complete first).
+BATCH_LATENCY_MS = 200
 
 
 def until_batch(url: str, batch_id: str, done: Callable[[dict[str, Any]], bool]) -> dict[str, Any]:
@@ -210,7 +214,7 @@ def test_inspect_of_a_proxy_killed_mid_batch_reports_its_batches_files_and_damag
     lines = [chat_line(f"line-{i}", f"question {i}") for i in range(BATCH_LINES)]
     big, lost = put_file(checkpoints, lines), put_file(checkpoints, lines)
     small, broken_input = put_file(checkpoints, lines[:3]), put_file(checkpoints, lines[3:6])
-    with running_upstream(latency_ms=50) as upstream:
+    with running_upstream(latency_ms=BATCH_LATENCY_MS) as upstream:
         args, port = start_proxy(upstream.url, tmp_path, f"--max-inflight-per-upstream={BATCH_INFLIGHT}")
         url = f"http://127.0.0.1:{port}"
         with process(*args) as killed:
