@@ -51,6 +51,29 @@ async def test_the_waiters_own_cancellation_is_raised_not_swallowed_with_the_tas
     assert not carried_on
 
 
+async def test_a_cancelled_task_stops_every_helper_in_its_cleanup() -> None:
+    # A batch's task cancelled at shutdown stops its saver, then its writer, in its `finally:`: the
+    # cancellation it is handling there is not a new one, and must not cut the cleanup after the first.
+    saver, writer = (asyncio.create_task(asyncio.Event().wait()) for _ in range(2))
+    cleaned = False
+
+    async def batch() -> None:
+        nonlocal cleaned
+        try:
+            await asyncio.Event().wait()
+        finally:
+            await cancel_and_wait(saver)
+            await cancel_and_wait(writer)
+            cleaned = True
+
+    running = asyncio.create_task(batch())
+    await asyncio.sleep(0)
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    assert (saver.cancelled(), writer.cancelled(), cleaned) == (True, True, True)
+
+
 async def test_a_task_that_fails_as_it_stops_raises_its_error() -> None:
     async def failing() -> None:
         try:
