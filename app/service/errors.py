@@ -101,7 +101,23 @@ class PayloadTooLarge(ProxyError):
     type = "invalid_request_error"
 
 
-class UpstreamUnreachable(ProxyError):
+class UpstreamFailure(ProxyError):
+    """An attempt at an upstream replica that gave no usable answer; `replica` names it (its URL), so that a
+    retry can go to another."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        replica: str | None = None,
+        param: str | None = None,
+        headers: list[tuple[bytes, bytes]] | None = None,
+    ) -> None:
+        super().__init__(message, param=param, headers=headers)
+        self.replica = replica
+
+
+class UpstreamUnreachable(UpstreamFailure):
     status = 502
     type = "upstream_error"
 
@@ -151,7 +167,7 @@ class OutputLost(ProxyError):
         self.missing = missing
 
 
-class UpstreamTimeout(ProxyError):
+class UpstreamTimeout(UpstreamFailure):
     status = 504
     type = "upstream_timeout"
 

@@ -43,7 +43,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Collection, Iterable
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -61,7 +61,7 @@ from app.http.client import (
     ResponseTooLarge,
 )
 from app.ops.metrics import LATENCY_BUCKETS, Histogram
-from app.service.affinity import choose, replica_seed
+from app.service.affinity import MIN_BOUND, choose, replica_seed
 from app.service.errors import UpstreamBusy, UpstreamTimeout, UpstreamUnreachable
 from app.tasks import cancel_and_wait
 
@@ -170,14 +170,21 @@ class UpstreamResponse:
             raise UpstreamUnreachable(
                 f"the upstream {self.replica.url} answered with a body over max_response_bytes "
                 f"({self.max_bytes} bytes); it was not passed on nor stored: raise --max-response-bytes "
-                f"if such answers are expected"
+                f"if such answers are expected",
+                replica=self.replica.url,
             ) from exc
         except InvalidResponse as exc:
-            raise UpstreamUnreachable(f"the upstream {self.replica.url} sent an invalid answer: {exc}") from exc
+            raise UpstreamUnreachable(
+                f"the upstream {self.replica.url} sent an invalid answer: {exc}", replica=self.replica.url
+            ) from exc
         except ReadTimeout as exc:
-            raise UpstreamTimeout(f"the upstream {self.replica.url} went silent mid-answer: {exc}") from exc
+            raise UpstreamTimeout(
+                f"the upstream {self.replica.url} went silent mid-answer: {exc}", replica=self.replica.url
+            ) from exc
         except ConnectionLost as exc:
-            raise UpstreamUnreachable(f"the upstream {self.replica.url} broke off its answer: {exc}") from exc
+            raise UpstreamUnreachable(
+                f"the upstream {self.replica.url} broke off its answer: {exc}", replica=self.replica.url
+            ) from exc
 
     def iter_chunks(self) -> AsyncIterator[bytes]:
         """The body as it arrives; raises `app.http.client` errors if it breaks off."""
@@ -277,6 +284,9 @@ class UpstreamPool:
         self.max_response_bytes = max_response_bytes
         self.routing = routing
         self.load_bound = load_bound
+        #: The bound's floor: never more than a replica's share of the slots, or a replica holding them all
+        #: (hung, say) would be under it for good, and every request would queue for it.
+        self.min_bound = min(MIN_BOUND, max_inflight) if max_inflight else MIN_BOUND
         #: Whether requests are keyed for affinity: the caller computes a key only then.
         self.affine = routing == "affinity" and len(self.replicas) > 1
         self._client = client or HTTPClient(
@@ -294,15 +304,18 @@ class UpstreamPool:
             self._prober = None
         await self._client.close()
 
-    def pick(self, key: bytes | None = None) -> Replica:
-        """The replica for one attempt: by `key` if given (and routing is "affinity"), else the least busy."""
+    def pick(self, key: bytes | None = None, avoid: Collection[str] = ()) -> Replica:
+        """The replica for one attempt: by `key` if given (and routing is "affinity"), else the least busy;
+        among the healthy ones not in `avoid` (URLs: those that failed this request before), if any."""
         if len(self.replicas) == 1:
             return self.replicas[0]  # the common case, on every request: no choice to make
         healthy = [r for r in self.replicas if r.healthy] or sorted(self.replicas, key=lambda r: r.failed_at)[:1]
+        if avoid:
+            healthy = [r for r in healthy if r.url not in avoid] or healthy
         if len(healthy) == 1:
             return healthy[0]
         if key is not None and self.affine:
-            chosen, first = choose(key, healthy, self.load_bound)
+            chosen, first = choose(key, healthy, self.load_bound, self.min_bound)
             if chosen is not first:
                 first.spilled += 1
             return chosen
@@ -329,17 +342,19 @@ class UpstreamPool:
         body: bytes,
         key: bytes | None = None,
         background: bool = False,
+        avoid: Collection[str] = (),
     ) -> AsyncIterator[UpstreamResponse]:
         """Send with retries; yield the final answer; leaving the block releases its connection
         (kept if the body was read to its end, closed otherwise) and its slot. `key` chooses the replica
         under affinity routing (`app.service.affinity.request_key`); `background`: a batch's line, which
-        waits for a slot behind every live request (`Slots`)."""
+        waits for a slot behind every live request (`Slots`); `avoid`: replicas (URLs) that failed this
+        request before, passed over while another is healthy."""
         # `UpstreamBusy` (429) when the queue for a slot is full (never for a background request)
         await self.slots.acquire(background=background)
         try:
             attempt = 0
             while True:
-                replica = self.pick(key)
+                replica = self.pick(key, avoid)
                 replica.in_flight += 1
                 replica.requests += 1
                 raw: Response | None = None
@@ -363,7 +378,8 @@ class UpstreamPool:
                         raise  # the caller's, from its block
                     replica.errors += 1
                     raise UpstreamTimeout(
-                        f"the upstream {replica.url} sent nothing for {self.read_timeout_s:g} s (read_timeout_s)"
+                        f"the upstream {replica.url} sent nothing for {self.read_timeout_s:g} s (read_timeout_s)",
+                        replica=replica.url,
                     ) from exc
                 except (ConnectError, ConnectionLost) as exc:
                     if raw is not None:
@@ -374,9 +390,11 @@ class UpstreamPool:
                         tries = f"after {attempt + 1} tries"
                         if isinstance(exc, ConnectTimeout):
                             raise UpstreamTimeout(
-                                f"the upstream {replica.url} is not answering {tries}: {exc}"
+                                f"the upstream {replica.url} is not answering {tries}: {exc}", replica=replica.url
                             ) from exc
-                        raise UpstreamUnreachable(f"the upstream {replica.url} is unreachable {tries}: {exc}") from exc
+                        raise UpstreamUnreachable(
+                            f"the upstream {replica.url} is unreachable {tries}: {exc}", replica=replica.url
+                        ) from exc
                     retry_in = self._retry_in(replica, self._backoff(attempt))
                 except InvalidResponse as exc:
                     if raw is not None:
@@ -384,7 +402,9 @@ class UpstreamPool:
                     replica.errors += 1
                     # Not HTTP as the client takes it (a 101, a status outside 100-599, a head over the limits):
                     # the same request would only get the same answer.
-                    raise UpstreamUnreachable(f"the upstream {replica.url} sent an invalid answer: {exc}") from exc
+                    raise UpstreamUnreachable(
+                        f"the upstream {replica.url} sent an invalid answer: {exc}", replica=replica.url
+                    ) from exc
                 finally:
                     replica.in_flight -= 1  # however the attempt ends: answer done, error, retry, cancellation
                 replica.retries += 1

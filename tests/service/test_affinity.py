@@ -122,6 +122,26 @@ def test_the_pool_routes_by_key_and_counts_a_spill_over_on_the_first_choice() ->
     assert home.spilled == 1
 
 
+def test_the_bounds_floor_is_no_more_than_a_replicas_share_of_the_slots() -> None:
+    # At 4 slots a replica, a floor of 16 was never reached: one replica holding its 4 (hung, say) was under
+    # the bound for good, and every request queued for it.
+    pool = UpstreamPool(["http://a:8000", "http://b:8000"], max_inflight=4)
+    assert pool.min_bound == 4
+    home, other = ranking(b"doc", pool.replicas)
+    home.in_flight = 4  # capacity max(ceil(1.5 * 5 / 2), 4) = 4: full
+    assert pool.pick(b"doc") is other
+    assert UpstreamPool(["http://a:8000", "http://b:8000"]).min_bound == MIN_BOUND  # no limit: the floor
+
+
+def test_a_retry_passes_over_the_replicas_that_failed_the_request_while_another_is_healthy() -> None:
+    pool = UpstreamPool(["http://a:8000", "http://b:8000"])
+    home, other = ranking(b"doc", pool.replicas)
+    assert pool.pick(b"doc", avoid={home.url}) is other
+    assert pool.pick(b"doc", avoid={home.url, other.url}) is home  # all failed it: its own again
+    other.healthy = False
+    assert pool.pick(b"doc", avoid={home.url}) is home  # the only healthy one
+
+
 def test_least_inflight_routing_ignores_the_key() -> None:
     pool = UpstreamPool(["http://a:8000", "http://b:8000"], routing="least-inflight")
     home, other = ranking(b"doc", pool.replicas)

@@ -15,6 +15,7 @@ import httpx
 import orjson
 import pytest
 
+from app.service.asgi import Receive, Scope, Send, send_bytes
 from app.service.batches.engine import BatchEngine
 from app.service.coalescing import Flights
 from app.service.settings import Settings
@@ -22,7 +23,7 @@ from app.service.upstream import UpstreamPool
 from app.store.batches import BatchDir
 from app.store.files import FileStore
 from app.tools import status
-from tests.servers import fake_upstream, serve_proxy
+from tests.servers import fake_upstream, serve_in_loop, serve_proxy
 
 CHAT = "/v1/chat/completions"
 
@@ -88,9 +89,9 @@ async def upstream() -> AsyncIterator[tuple[str, Any]]:
         yield started
 
 
-async def proxy(settings: Settings, upstream_url: str) -> AsyncIterator[httpx.AsyncClient]:
+async def proxy(settings: Settings, *upstream_urls: str) -> AsyncIterator[httpx.AsyncClient]:
     async with (
-        serve_proxy(settings.model_copy(update={"upstream": [upstream_url]})) as url,
+        serve_proxy(settings.model_copy(update={"upstream": list(upstream_urls)})) as url,
         httpx.AsyncClient(base_url=url, timeout=30) as client,
     ):
         yield client
@@ -152,6 +153,39 @@ async def test_a_resubmitted_file_is_answered_from_the_first_batch_and_pays_noth
             o["custom_id"]: o["response"]["body"] for o in read_file(settings.checkpoints_dir, second["output_file_id"])
         }
         assert again == bodies
+
+
+class Hung:
+    """An upstream whose probe answers and whose generations never do: a vLLM whose engine is stuck."""
+
+    def __init__(self) -> None:
+        self.requests = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/v1/models":
+            await send_bytes(send, 200, [(b"content-type", b"application/json")], b'{"data": []}')
+            return
+        self.requests += 1
+        while (await receive())["type"] != "http.disconnect":  # no answer, until the proxy gives up on it
+            pass
+
+
+async def test_a_line_that_timed_out_on_a_hung_replica_is_retried_on_another(settings: Settings, upstream: Any) -> None:
+    # Keyed by its custom_id, every retry of a line went back to the replica its key ranks first: one that
+    # hangs (its probe still answering, so never taken out) failed every line keyed to it.
+    url, fake = upstream
+    hung = Hung()
+    file_id = put_file(settings.checkpoints_dir, [chat_line(f"r{i}", f"q{i}") for i in range(40)])
+    two = settings.model_copy(update={"read_timeout_s": 0.5, "max_inflight_per_upstream": 4})
+    async with serve_in_loop(hung) as hung_url:
+        async for client in proxy(two, url, hung_url):
+            batch = await until(client, await create_batch(client, file_id), final)
+    assert batch["status"] == "completed"
+    assert batch["request_counts"] == {"total": 40, "completed": 40, "failed": 0}
+    assert hung.requests > 0  # the lines keyed to it went there first
+    assert fake.generations == 40
 
 
 async def test_deleting_a_batchs_output_file_forgets_its_answers_and_a_resubmission_pays_again(

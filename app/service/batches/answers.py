@@ -21,7 +21,7 @@ from app.service.affinity import request_key
 from app.service.batches.outputs import answer_result, failure_result
 from app.service.batches.running import Running
 from app.service.coalescing import Flights
-from app.service.errors import ProxyError
+from app.service.errors import ProxyError, UpstreamFailure
 from app.service.settings import Settings
 from app.service.storage_policy import cacheable_status, error_in_disguise
 from app.service.upstream import UpstreamPool, response_headers
@@ -112,6 +112,9 @@ class Answerer:
         headers = [(b"content-type", b"application/json"), (b"accept-encoding", b"identity")]
         route = request_key(custom_id, endpoint, body) if pool.affine else None
         why = ""
+        # the replicas that failed this line: a retry goes to another while one is healthy (a replica that
+        # hangs, its probe still answering, would otherwise get every retry of the lines keyed to it)
+        failed: set[str] = set()
         for attempt in range(self.settings.batch_retries + 1):
             if attempt:
                 delay = min(30.0, self.settings.retry_backoff_s * 2**attempt)
@@ -120,15 +123,20 @@ class Answerer:
                 if batch.stopping.is_set():
                     return None  # cancelled or stopping: not sent again now
             try:
-                async with pool.request("POST", endpoint, headers=headers, body=body, key=route, background=True) as up:
+                async with pool.request(
+                    "POST", endpoint, headers=headers, body=body, key=route, background=True, avoid=failed
+                ) as up:
                     data = await up.read()
-                    status, content_type = up.status, up.content_type
+                    status, content_type, replica = up.status, up.content_type, up.replica.url
                     got = dict(response_headers(up.headers))
             except ProxyError as exc:
                 why = exc.message
+                if isinstance(exc, UpstreamFailure) and exc.replica is not None:
+                    failed.add(exc.replica)
                 continue
             if status in _RETRIED:
                 why = f"the upstream answered {status}: {data[:200].decode('utf-8', 'replace')}"
+                failed.add(replica)
                 continue
             return StoredResponse(status, data, content_type), got
         tries = self.settings.batch_retries + 1
