@@ -41,8 +41,10 @@ logger = logging.getLogger(__name__)
 FILE_ID_PREFIX = "file-"
 _ID_HEX = 24
 _META = ".json"
-#: How old what a crash left half-written must be for a start to remove it (another proxy's may be under way).
-STALE_AFTER_S = 3600.0
+#: How long what a crash left half-written must have gone unwritten to be removed (younger, it may be another
+#: proxy's upload under way on a shared checkpoints dir): an upload writes as its body comes, which must all
+#: come within `body_timeout_s` (300 s by default).
+STALE_AFTER_S = 600.0
 _PART = ".part"
 
 
@@ -102,6 +104,11 @@ class FileWriter:
         self.size = 0
         self.part = store.root / (self.id + _PART)
         self.final = store.root / self.id
+        if file_id is not None:
+            # A reserved id is its caller's alone (a batch's output, under the batch's lock): what a crash left
+            # of an earlier attempt at it is that caller's too, and is written over.
+            with contextlib.suppress(FileNotFoundError):
+                self.part.unlink()
         self._file: BinaryIO = self.part.open("xb")
 
     def write(self, data: bytes) -> None:
@@ -136,17 +143,24 @@ class FileStore:
         self._damaged: set[str] = set()  # the ids whose metadata could not be read, warned of once
 
     def open(self, *, stale_after_s: float = STALE_AFTER_S) -> None:
-        """Create the folder; sweep what a crash left half-written (bytes without metadata) `stale_after_s`
-        ago or more: younger, it may be another proxy's upload or output under way, on a checkpoints dir they
-        share (a live upload writes more often than `body_timeout_s`). 0: all of it, whatever its age, for a
-        store no other process writes to (run-batch's, under its lock)."""
+        """Create the folder; sweep what a crash left half-written (`sweep_half_written`)."""
         make_dirs_durable(str(self.root))
-        stale = self.clock() - stale_after_s
+        self.sweep_half_written(stale_after_s)
+
+    def sweep_half_written(self, stale_after_s: float = STALE_AFTER_S) -> list[str]:
+        """Remove what a crash left half-written (an upload's `.part`, bytes without metadata) and unwritten for
+        `stale_after_s` or more: younger, it may be another proxy's upload under way on a checkpoints dir they
+        share. 0: all of it, whatever its age, for a store no other process writes to (run-batch's, under its
+        lock). The names removed."""
+        stale = time.time() - stale_after_s  # against the files' mtimes: the wall clock, whatever `clock` is
+        removed = []
         for path in self.root.iterdir():
             if _half_written(self.root, path.name):
                 with contextlib.suppress(OSError):
                     if stale_after_s <= 0 or path.stat().st_mtime < stale:
                         path.unlink()
+                        removed.append(path.name)
+        return removed
 
     @contextlib.contextmanager
     def writing(

@@ -51,6 +51,33 @@ def test_a_store_no_other_process_writes_to_sweeps_what_a_crash_left_at_once(tmp
     assert sorted(os.listdir(store.root)) == sorted([whole.id, whole.id + ".json"])
 
 
+def test_a_reserved_id_cut_short_by_a_crash_is_written_again_over_what_the_crash_left(tmp_path: Path) -> None:
+    # A batch's output, its id reserved in batch.json: a kill mid-write left <id>.part, and every later attempt
+    # (a restart, another proxy taking the batch over) failed on it, the batch stuck in finalizing.
+    store = FileStore(tmp_path / "files", fsync=False)
+    store.open()
+    cut = store.start("output.jsonl", "batch_output", file_id=new_file_id(time.time()))
+    cut.write(b"half of it")
+    cut.finish(fsync=False)  # the process dies here
+    with store.writing("output.jsonl", "batch_output", file_id=cut.id) as again:
+        again.write(b"all of it\n")
+    assert (store.root / cut.id).read_bytes() == b"all of it\n"
+    assert sorted(os.listdir(store.root)) == sorted([cut.id, cut.id + ".json"])
+
+
+def test_what_a_crash_left_is_swept_once_unwritten_long_enough_while_the_proxy_runs(tmp_path: Path) -> None:
+    store = FileStore(tmp_path / "files", fsync=False)
+    store.open()
+    cut = store.start("upload.jsonl", "batch")
+    cut.write(b"half")
+    cut.finish(fsync=False)
+    assert store.sweep_half_written() == []  # just written: perhaps another proxy's upload under way
+    old = time.time() - STALE_AFTER_S - 1
+    os.utime(cut.part, (old, old))
+    assert store.sweep_half_written() == [cut.part.name]
+    assert os.listdir(store.root) == []
+
+
 def test_ids_sort_as_their_files_were_begun_and_a_listing_resumes_after_a_deleted_one(tmp_path: Path) -> None:
     now = [0.0]
     store = FileStore(tmp_path / "files", fsync=False, clock=lambda: now[0])

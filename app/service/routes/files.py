@@ -79,6 +79,9 @@ def remove_expired(services: Services, file_ids: list[str] | None = None) -> Non
     keep = services.batches.inputs_read() if services.batches is not None else set()
     for file_id in services.files.remove_expired(keep=keep, file_ids=file_ids):
         logger.info("removed %s: it expired", file_id)
+    if file_ids is None:  # the periodic sweep: what crashes left half-written too, once surely abandoned
+        for name in services.files.sweep_half_written():
+            logger.info("removed %s: half-written by an upload or an output cut short", name)
 
 
 # -- POST /v1/files ---------------------------------------------------------------------------
