@@ -59,6 +59,14 @@ def json_kind(value: Any) -> str:
     return kinds.get(type(value), type(value).__name__)
 
 
+def shown_value(value: Any, limit: int = 40) -> str:
+    """A value a client sent, as a message quotes it: a string's repr, cut at `limit` characters (a 3,000
+    character `after` is not echoed whole), anything else by its JSON kind."""
+    if not isinstance(value, str):
+        return json_kind(value)
+    return repr(value[:limit]) + ("..." if len(value) > limit else "")
+
+
 def check_json_cost(body: bytes) -> None:
     """`PayloadTooLarge` for a body whose JSON would hold more than `MAX_JSON_VALUES` values."""
     # A small body cannot hold that many: the hit path does not pay for the count.

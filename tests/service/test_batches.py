@@ -271,6 +271,10 @@ async def test_a_file_with_many_bad_lines_names_the_first_100_in_order_and_sends
         ({"completion_window": "24h\n"}, "completion_window"),
         ({"completion_window": "0024h"}, "completion_window"),
         ({"completion_window": "\u0662\u0664h"}, "completion_window"),
+        ({"completion_window": 24}, "completion_window"),  # a number, null, an object: not a 500
+        ({"completion_window": None}, "completion_window"),
+        ({"completion_window": {}}, "completion_window"),
+        ({"endpoint": "/v1/" + "x" * 3000}, "endpoint"),
         ({"metadata": {"k": 1}}, "metadata"),
     ],
 )
@@ -284,6 +288,7 @@ async def test_a_bad_create_request_is_a_400_naming_the_field_and_creates_nothin
         answer = await client.post("/v1/batches", json=body)
         assert answer.status_code == 400
         assert answer.json()["error"]["param"] == param
+        assert len(answer.json()["error"]["message"]) < 300  # what was sent is quoted, not echoed whole
         assert (await client.get("/v1/batches")).json()["data"] == []
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import orjson
 
-from app.service.asgi import Receive, Scope, check_json_cost, json_kind, read_body
+from app.service.asgi import Receive, Scope, check_json_cost, json_kind, read_body, shown_value
 from app.service.batches.answers import ENDPOINTS
 from app.service.batches.engine import BatchEngine, BatchNotFound, window_seconds
 from app.service.errors import BadRequest, NotFound
@@ -78,7 +78,7 @@ async def create(services: Services, scope: Scope, receive: Receive) -> dict[str
     stored = services.files.get(input_file_id)
     if stored is None:
         raise BadRequest(
-            f"no file {input_file_id!r}: upload the input with POST /v1/files (purpose=batch) first",
+            f"no file {shown_value(input_file_id)}: upload the input with POST /v1/files (purpose=batch) first",
             param="input_file_id",
         )
     if stored.purpose != "batch":
@@ -88,11 +88,13 @@ async def create(services: Services, scope: Scope, receive: Receive) -> dict[str
         )
     endpoint = asked.get("endpoint")
     if endpoint not in ENDPOINTS:
-        raise BadRequest(f"`endpoint` must be one of {', '.join(ENDPOINTS)}, got {endpoint!r}", param="endpoint")
+        raise BadRequest(
+            f"`endpoint` must be one of {', '.join(ENDPOINTS)}, got {shown_value(endpoint)}", param="endpoint"
+        )
     window = asked.get("completion_window", "24h")
     if not isinstance(window, str) or window_seconds(window) is None:
         raise BadRequest(
-            f"`completion_window` must be from 24h to 999999h, in hours ('24h', '72h'), got {window[:40]!r}",
+            f"`completion_window` must be from 24h to 999999h, in hours ('24h', '72h'), got {shown_value(window)}",
             param="completion_window",
         )
     metadata = check_metadata(asked.get("metadata"))
@@ -130,7 +132,7 @@ def listing(services: Services, after: str | None, asked_limit: str) -> dict[str
     records = engine_of(services).all()
     if after is not None:
         if not is_batch_id(after):
-            raise BadRequest(f"`after` must be a batch id (batch_...), got {after!r}", param="after")
+            raise BadRequest(f"`after` must be a batch id (batch_...), got {shown_value(after)}", param="after")
         records = [r for r in records if r.id < after]  # newest first: those made before it, even if it is gone
     page = records[:limit]
     return {

@@ -27,7 +27,7 @@ from python_multipart.exceptions import FormParserError, MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
 from starlette.responses import Response
 
-from app.service.asgi import ClientGone, Receive, Scope, Send, header
+from app.service.asgi import ClientGone, Receive, Scope, Send, header, shown_value
 from app.service.errors import BadRequest, InsufficientStorage, NotFound, PayloadTooLarge, ProxyError
 from app.service.services import UNWRITABLE_ERRNOS, Services, checkpoints_unwritable
 from app.store.durable import UnsafeFileError, is_disk_full, open_regular, refusal_reason
@@ -363,7 +363,7 @@ def listing(services: Services, scope: Scope) -> dict[str, Any]:
     after = query.get("after")
     if after is not None and not is_file_id(after):
         raise BadRequest(
-            f"after must be a file id (the last_id of the page before), got {after[:100]!r}", param="after"
+            f"after must be a file id (the last_id of the page before), got {shown_value(after)}", param="after"
         )
     limit = int(raw_limit)
     found = services.files.list(
