@@ -4,6 +4,7 @@ fake upstream, its input files in the proxy's file store as an upload leaves the
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import shutil
 import time
@@ -15,6 +16,7 @@ import httpx
 import orjson
 import pytest
 
+import app.store.batches
 from app.service.asgi import Receive, Scope, Send, send_bytes
 from app.service.batches.engine import BatchEngine
 from app.service.coalescing import Flights
@@ -290,6 +292,26 @@ async def test_a_bad_create_request_is_a_400_naming_the_field_and_creates_nothin
         assert answer.json()["error"]["param"] == param
         assert len(answer.json()["error"]["message"]) < 300  # what was sent is quoted, not echoed whole
         assert (await client.get("/v1/batches")).json()["data"] == []
+
+
+async def test_a_batch_created_on_a_full_disk_is_a_507_and_leaves_no_folder(
+    settings: Settings, upstream: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, _ = upstream
+    file_id = put_file(settings.checkpoints_dir, [chat_line("a", "q")])
+
+    def disk_full(*_: Any) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(app.store.batches, "atomic_write_bytes", disk_full)
+    async for client in proxy(settings, url):
+        answer = await client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": CHAT})
+        assert answer.status_code == 507, answer.text
+        assert answer.json()["error"]["message"].startswith(
+            "the batch cannot be created: the checkpoints disk is full (No space left on device)"
+        )
+        assert (await client.get("/v1/batches")).json()["data"] == []
+    assert [p.name for p in (settings.checkpoints_dir / "batches").iterdir()] == ["answers"]
 
 
 async def test_unknown_batch_ids_are_404_in_openais_envelope(settings: Settings, upstream: Any) -> None:

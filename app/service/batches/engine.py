@@ -31,6 +31,7 @@ import contextlib
 import logging
 import re
 import secrets
+import shutil
 import sqlite3
 import time
 from pathlib import Path
@@ -257,7 +258,11 @@ class BatchEngine:
             metadata=metadata,
         )
         folder = BatchDir(self.root / record.id)
-        await asyncio.to_thread(folder.create, record)
+        try:
+            await asyncio.to_thread(folder.create, record)
+        except OSError:  # a full or read-only disk: no folder is left of a batch never created
+            await asyncio.to_thread(shutil.rmtree, folder.root, True)
+            raise
         if not await asyncio.to_thread(folder.claim):
             raise RuntimeError(f"batch {record.id} was claimed by another process as it was created")
         self._run(folder, record)

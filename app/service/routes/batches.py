@@ -5,6 +5,7 @@ field and says what to put there, and creates nothing."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import orjson
@@ -12,9 +13,12 @@ import orjson
 from app.service.asgi import Receive, Scope, check_json_cost, json_kind, read_body, shown_value
 from app.service.batches.answers import ENDPOINTS
 from app.service.batches.engine import BatchEngine, BatchNotFound, window_seconds
-from app.service.errors import BadRequest, NotFound
-from app.service.services import Services
+from app.service.errors import BadRequest, InsufficientStorage, NotFound
+from app.service.services import UNWRITABLE_ERRNOS, Services, checkpoints_unwritable
 from app.store.batches import BatchRecord, is_batch_id
+from app.store.durable import is_disk_full, refusal_reason
+
+logger = logging.getLogger(__name__)
 
 MAX_METADATA = 16
 #: OpenAI's usage details, which the upstream's answers do not break down for a batch
@@ -98,7 +102,19 @@ async def create(services: Services, scope: Scope, receive: Receive) -> dict[str
             param="completion_window",
         )
     metadata = check_metadata(asked.get("metadata"))
-    record = await engine_of(services).create(input_file_id, endpoint, window, metadata)
+    try:
+        record = await engine_of(services).create(input_file_id, endpoint, window, metadata)
+    except OSError as exc:
+        where = services.settings.checkpoints_dir
+        if is_disk_full(exc):
+            logger.warning("a batch could not be created: the checkpoints disk is full (%s)", exc)
+            raise InsufficientStorage(
+                f"the batch cannot be created: the checkpoints disk is full ({refusal_reason(exc)}), and nothing "
+                f"of it was kept; free space under {where}, then create it again"
+            ) from exc
+        if exc.errno in UNWRITABLE_ERRNOS:
+            raise checkpoints_unwritable(exc, where, "the batch cannot be created: ") from exc
+        raise
     return batch_object(record)
 
 
