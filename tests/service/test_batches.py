@@ -162,6 +162,12 @@ class Hung:
 
     def __init__(self) -> None:
         self.requests = 0
+        self.arrived = asyncio.Event()  # set at each request
+
+    async def until(self, requests: int) -> None:
+        while self.requests < requests:
+            await self.arrived.wait()
+            self.arrived.clear()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -170,6 +176,7 @@ class Hung:
             await send_bytes(send, 200, [(b"content-type", b"application/json")], b'{"data": []}')
             return
         self.requests += 1
+        self.arrived.set()
         while (await receive())["type"] != "http.disconnect":  # no answer, until the proxy gives up on it
             pass
 
@@ -543,6 +550,28 @@ async def test_answers_not_yet_on_disk_are_bounded_and_the_upstream_kept_busy_me
             assert most_held <= 8, f"{most_held} lines sent or waiting for the disk at once"
             assert most_sent <= 4
             assert busy_while_waiting > 0, "the upstream was short of lines while answers waited for the disk"
+        finally:
+            await engine.close()
+            await pool.close()
+
+
+async def test_a_stop_gives_the_lines_in_flight_only_what_is_left_of_their_grace(settings: Settings) -> None:
+    # The lines' 5 s began only once the live requests had had their shutdown_grace_s: a SIGTERM took
+    # shutdown_grace_s + 5 s. They count from the stop's beginning now.
+    hung = Hung()
+    async with serve_in_loop(hung) as url:
+        file_id = put_file(settings.checkpoints_dir, [chat_line(f"k{i}", f"q{i}") for i in range(10)])
+        pool = UpstreamPool([url], max_inflight=4)
+        files = FileStore(settings.checkpoints_dir / "files")
+        files.open()
+        engine = BatchEngine(settings, pool, Flights(), files, str(settings.checkpoints_dir / "batches"))
+        await engine.start()
+        try:
+            await engine.create(file_id, CHAT, "24h", None)
+            await hung.until(4)  # its lines in flight, never answered
+            engine.stop_sending()
+            engine._stopping_since = time.monotonic() - settings.shutdown_grace_s  # the live requests' grace, spent
+            await asyncio.wait_for(engine.close(), 3.0)  # not the lines' 5 s on top
         finally:
             await engine.close()
             await pool.close()

@@ -73,6 +73,9 @@ RESULTS_ROUND_S = 0.0
 SAVE_EVERY_S = 2.0
 #: How often the batches folder is looked through for batches no proxy runs (their owner died).
 ADOPT_EVERY_S = 5.0
+#: How long a stop lets the batch lines in flight finish (at most shutdown_grace_s, counted from the stop's
+#: beginning); then they are cancelled, and run again at the next start.
+LINES_GRACE_S = 5.0
 #: The final statuses as /stats' `batches_done` lists them.
 ENDED_ORDER = ("completed", "failed", "cancelled", "expired")
 #: How often a batch whose files were damaged by hand (a garbage line, a link) is tried again, quietly.
@@ -137,6 +140,7 @@ class BatchEngine:
         self.fsync = settings.fsync == "always"
         self._adopter: asyncio.Task[None] | None = None
         self._closing = False
+        self._stopping_since: float | None = None  # time.monotonic() when the proxy began to stop
 
     # -- life -------------------------------------------------------------------------------
 
@@ -149,6 +153,7 @@ class BatchEngine:
     def stop_sending(self) -> None:
         """No new line from now (the proxy is stopping); what is in flight goes on until `close`."""
         self._closing = True
+        self._stopping_since = time.monotonic()
         for batch in self.running.values():
             batch.stopping.set()
 
@@ -163,7 +168,11 @@ class BatchEngine:
             batch.stopping.set()
         tasks = [b.task for b in running if b.task is not None]
         if tasks:
-            _, pending = await asyncio.wait(tasks, timeout=min(5.0, self.settings.shutdown_grace_s))
+            # The lines in flight have had since the stop began (while the live requests were answered):
+            # what is left of LINES_GRACE_S, so that a stop stays within shutdown_grace_s.
+            waited = 0.0 if self._stopping_since is None else time.monotonic() - self._stopping_since
+            grace = max(min(LINES_GRACE_S, self.settings.shutdown_grace_s) - waited, 0.0)
+            _, pending = await asyncio.wait(tasks, timeout=grace) if grace > 0 else (set(), set(tasks))
             for task in pending:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
