@@ -254,6 +254,8 @@ class Settings(BaseSettings):
                 parts = None
             if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"an upstream is an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
+            if root in roots:  # as two replicas, it would take twice the requests of each other one
+                raise ValueError(f"the upstream {root} is given twice (as {url!r}): give each replica once")
             roots.append(root)
         return roots
 

@@ -103,6 +103,11 @@ def test_a_misspelt_variable_is_said_not_ignored_in_silence(
     assert "--checkpoints-dir" in lines[2]
 
 
+def test_an_upstream_given_twice_is_refused() -> None:
+    with pytest.raises(ValidationError, match=r"the upstream http://a:8000 is given twice \(as 'http://a:8000/v1/'\)"):
+        Settings.load(upstream=["http://a:8000", "http://b:8000", "http://a:8000/v1/"])
+
+
 def test_a_missing_config_file_is_named() -> None:
     with pytest.raises(FileNotFoundError, match=r"nope\.toml does not exist"):
         Settings.load(Path("nope.toml"))

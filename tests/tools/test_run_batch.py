@@ -328,6 +328,10 @@ def test_a_bad_input_is_refused_naming_its_first_bad_lines_and_nothing_is_sent_o
         ),
         "binary": (bytes(range(1, 256)) * 8, "-i {path} is not UTF-8 text (its first KB is not): give the batch file"),
         "nul": (b"\0" * 2000, "-i {path} is not text: its first KB holds NUL bytes"),
+        "bom": (
+            b"\xef\xbb\xbf" + orjson.dumps(chat_line("a", "q")) + b"\n",
+            "-i {path} begins with a byte-order mark (EF BB BF): save it as UTF-8 without one",
+        ),
         "pretty-array": (
             json.dumps([chat_line("a", "q"), chat_line("b", "q")], indent=2),
             "-i {path} looks like one JSON array, not one request per line: write one JSON object per line "

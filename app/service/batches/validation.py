@@ -68,6 +68,8 @@ def not_text(head: bytes) -> str | None:
         return "is gzip-compressed: gunzip it"
     if b"\0" in head:
         return "is not text: its first KB holds NUL bytes"
+    if head.startswith(codecs.BOM_UTF8):  # what some Windows editors save: no JSON begins with it
+        return "begins with a byte-order mark (EF BB BF): save it as UTF-8 without one"
     try:  # a character cut at the end of the head is no error, one cut at the end of the file is
         codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < HEAD_BYTES)
     except UnicodeDecodeError:
