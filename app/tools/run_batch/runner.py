@@ -57,10 +57,12 @@ class Options:
     upstream_wait_s: float = UPSTREAM_WAIT_S
 
 
-def main(options: Options, stream: TextIO = sys.stderr) -> int:
-    """Run the batch to its end; the exit code, after one line on `stream` saying how it ended."""
+def main(options: Options, stream: TextIO | None = None) -> int:
+    """Run the batch to its end; the exit code, after one line on `stream` (stderr as it is now) saying how
+    it ended."""
     import uvloop
 
+    stream = stream or sys.stderr
     try:
         check_locations(options)
         code, message = uvloop.run(Runner(options, stream).run())
