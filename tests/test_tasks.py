@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.tasks import cancel_and_wait
+from app.tasks import cancel_and_wait, run_to_end
 
 APP = Path(__file__).resolve().parent.parent / "app"
 
@@ -72,6 +72,46 @@ async def test_a_cancelled_task_stops_every_helper_in_its_cleanup() -> None:
     with pytest.raises(asyncio.CancelledError):
         await running
     assert (saver.cancelled(), writer.cancelled(), cleaned) == (True, True, True)
+
+
+async def test_every_task_is_cancelled_before_the_first_is_waited_for() -> None:
+    # A batch stopping its saver and writer, cancelled itself as it waited for the saver: the writer was left
+    # running, past the batch's owner lock.
+    stopping, stop = asyncio.Event(), asyncio.Event()
+    saver = asyncio.create_task(slow_to_stop(stopping, stop))
+    writer = asyncio.create_task(asyncio.Event().wait())
+    await asyncio.sleep(0)
+    waiter = asyncio.create_task(cancel_and_wait(saver, writer))
+    await stopping.wait()
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    assert writer.cancelled()
+    stop.set()
+    with pytest.raises(asyncio.CancelledError):
+        await saver
+
+
+async def test_run_to_end_finishes_its_work_then_raises_the_cancellation_that_came_meanwhile() -> None:
+    started, go_on = asyncio.Event(), asyncio.Event()
+    done: list[str] = []
+
+    async def clean_up() -> str:
+        started.set()
+        await go_on.wait()
+        done.append("closed")
+        return "closed"
+
+    caller = asyncio.create_task(run_to_end(clean_up()))
+    await started.wait()
+    caller.cancel()
+    await asyncio.sleep(0)
+    assert not caller.done()  # still waiting for the clean-up
+    go_on.set()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert done == ["closed"]
+    assert await run_to_end(clean_up()) == "closed"
 
 
 async def test_a_task_that_fails_as_it_stops_raises_its_error() -> None:

@@ -63,7 +63,7 @@ import orjson
 
 from app.store.durable import check_safe, is_disk_full, make_dirs_durable, refusal_reason
 from app.store.hashing import payload_hash
-from app.tasks import cancel_and_wait
+from app.tasks import cancel_and_wait, run_to_end
 
 logger = logging.getLogger(__name__)
 
@@ -250,9 +250,13 @@ class RequestCache:
         self._writer_task = asyncio.create_task(self._writer_loop(), name=f"request-cache-writer-{rank}")
 
     async def close(self, delete_file: bool = False) -> None:
-        """Flush, stop the writer and close the file; idempotent."""
+        """Flush, stop the writer and close the file; idempotent. A caller cancelled meanwhile has it done all
+        the same (the rank it belongs to is let go at once: nothing of it may stay open)."""
         if self._reader is None and self._writer is None:
             return
+        await run_to_end(self._close(delete_file))
+
+    async def _close(self, delete_file: bool) -> None:
         try:
             await self.flush()
         finally:

@@ -16,6 +16,7 @@ import app.store.cache
 from app.store.cache import MIGRATIONS, CacheWriteError, RequestCache, apply_migrations
 from app.store.durable import is_disk_full
 from app.store.hashing import payload_hash
+from tests.factories import open_cache
 from tests.servers import free_port, wait_for_http
 
 PAYLOAD = {"messages": [{"role": "user", "content": "hello"}]}
@@ -197,6 +198,35 @@ async def test_disabled_cache_is_a_no_op(tmp_path: Path) -> None:
     await cache.mark_document_complete("a")
     await cache.close(delete_file=True)
     assert list(tmp_path.iterdir()) == []
+
+
+async def test_a_close_whose_caller_is_cancelled_closes_the_file_all_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A rank released (its lock let go) while its cache's close was cut: the SQLite connections stayed open.
+    writer_loop = RequestCache._writer_loop
+    stopping, stop = asyncio.Event(), asyncio.Event()
+
+    async def slow_to_stop(self: Any) -> None:
+        try:
+            await writer_loop(self)
+        finally:
+            stopping.set()
+            await stop.wait()
+
+    monkeypatch.setattr(RequestCache, "_writer_loop", slow_to_stop)
+    cache = await open_cache(tmp_path)
+    await cache.store_result(0, "d", 0, {"r": 1}, payload_hash="h")
+    closing = asyncio.create_task(cache.close())
+    await stopping.wait()
+    closing.cancel()
+    stop.set()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert (cache._reader, cache._writer, cache.db_path) == (None, None, None)
+    reopened = await open_cache(tmp_path)
+    assert await reopened.get_cached_response("d", 0, payload_hash="h") == ({"r": 1}, None)
+    await reopened.close()
 
 
 async def test_close_is_idempotent_and_delete_file_removes_wal_files(tmp_path: Path) -> None:

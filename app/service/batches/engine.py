@@ -60,7 +60,7 @@ from app.store.durable import (
     refusal_reason,
 )
 from app.store.files import FileStore, new_file_id
-from app.tasks import cancel_and_wait
+from app.tasks import cancel_and_wait, cancelling, run_to_end
 
 logger = logging.getLogger(__name__)
 
@@ -449,6 +449,16 @@ class BatchEngine:
         record.completed, record.failed, record.usage = await asyncio.to_thread(read)
         batch.completed_at_start = record.completed + record.failed
 
+    async def _wind_down(self, batch: Running, *helpers: asyncio.Task[None]) -> None:
+        """The batch's helpers (its saver and writer) stopped, and every answer in written, before the counts
+        are looked at; on a full disk while stopping, those lines run again at the next start."""
+        await cancel_and_wait(*helpers)
+        try:
+            await self._write_results(batch)
+        except OSError:
+            if not (self._closing or batch.gone):
+                raise
+
     async def _execute(self, batch: Running) -> None:
         record = batch.record
         await self._write_results(batch)  # what a round before left unwritten (a full disk)
@@ -464,7 +474,7 @@ class BatchEngine:
             except (FileNotFoundError, UnsafeFileError) as exc:  # its bytes removed by hand, or a link put there
                 lost = str(exc) if isinstance(exc, UnsafeFileError) else "its bytes were removed"
             finally:
-                if not _cancelling():
+                if not cancelling():
                     # every line sent is recorded (or given up) before the batch goes on, or tries again
                     await asyncio.gather(*batch.in_flight, return_exceptions=True)
         except asyncio.CancelledError:  # shutdown: the lines in flight (or waiting for a full disk) run again
@@ -473,14 +483,9 @@ class BatchEngine:
             await asyncio.gather(*batch.in_flight, return_exceptions=True)
             raise
         finally:
-            for task in (saver, writer):
-                await cancel_and_wait(task)
-            try:
-                await self._write_results(batch)  # every answer in, before the counts are looked at
-            except OSError:
-                if not (self._closing or batch.gone):
-                    raise
-                # stopping on a full disk: these lines run again at the next start
+            # to its end even if the stop's grace runs out meanwhile: no helper left running past the owner
+            # lock, every answer received written
+            await run_to_end(self._wind_down(batch, saver, writer))
         if self._closing:
             return
         fresh = await asyncio.to_thread(batch.dir.load)
@@ -751,9 +756,3 @@ class BatchEngine:
                 }
             )
         return out
-
-
-def _cancelling() -> bool:
-    """Whether the running task is being cancelled (a `finally` that must not wait for more)."""
-    task = asyncio.current_task()
-    return task is not None and task.cancelling() > 0
