@@ -110,6 +110,8 @@ class FileWriter:
             with contextlib.suppress(FileNotFoundError):
                 self.part.unlink()
         self._file: BinaryIO = self.part.open("xb")
+        self._store = store
+        store.writing_ids.add(self.id)
 
     def write(self, data: bytes) -> None:
         self.size += len(data)
@@ -130,6 +132,11 @@ class FileWriter:
         for path in (self.part, self.final):
             with contextlib.suppress(OSError):
                 path.unlink()
+        self.done()
+
+    def done(self) -> None:
+        """No longer written by this process: a sweep may look at what is left of it."""
+        self._store.writing_ids.discard(self.id)
 
 
 class FileStore:
@@ -141,6 +148,8 @@ class FileStore:
         self.fsync = fsync
         self.clock = clock
         self._damaged: set[str] = set()  # the ids whose metadata could not be read, warned of once
+        #: the ids this process is writing now: never swept, however long an upload waits for its next piece
+        self.writing_ids: set[str] = set()
 
     def open(self, *, stale_after_s: float = STALE_AFTER_S) -> None:
         """Create the folder; sweep what a crash left half-written (`sweep_half_written`)."""
@@ -155,6 +164,8 @@ class FileStore:
         stale = time.time() - stale_after_s  # against the files' mtimes: the wall clock, whatever `clock` is
         removed = []
         for path in self.root.iterdir():
+            if path.name.removesuffix(_PART) in self.writing_ids:
+                continue
             if _half_written(self.root, path.name):
                 with contextlib.suppress(OSError):
                     if stale_after_s <= 0 or path.stat().st_mtime < stale:
@@ -195,6 +206,7 @@ class FileStore:
         except BaseException:
             writer.abandon()
             raise
+        writer.done()
         return meta
 
     def read(self, file_id: str) -> StoredFile:
