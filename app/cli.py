@@ -374,9 +374,9 @@ def serve(args: argparse.Namespace) -> int:
 
     flags = {name: getattr(args, name) for name in Settings.model_fields}
     config_file = config_file_path(args.config)
+    warn_of_unknown_variables("serve")  # first: a misspelt one may be why what follows fails
     try:
         settings = Settings.load(args.config, **flags)
-        warn_of_unknown_variables("serve")  # first: a misspelt one may be why a check below fails
         # Before the lifespan takes its lock: a start that fails here has created nothing.
         check_checkpoints_dir(settings, setting_source("checkpoints_dir", config_file, flags))
         check_output(settings.output, name=setting_source("output", config_file, flags))
@@ -457,7 +457,9 @@ def raise_open_files_limit() -> None:
         logger.info("open files limit: %d", soft)
 
 
-def setting_source(name: str, config_file: Path | None, flags: dict[str, Any], in_file: set[str] | None = None) -> str:
+def setting_source(
+    name: str, config_file: Path | None, flags: dict[str, Any], *, in_file: set[str] | None = None
+) -> str:
     """Where setting `name`'s value was given, as a message names it so that the fix is made there: its
     flag, its `INFERPROXY_` variable, or the config file's key (its flag and variable both, for a default)."""
     in_file = config_file_keys(config_file) if in_file is None else in_file
@@ -484,7 +486,7 @@ def describe_errors(exc: ValidationError, config_file: Path | None = None, flags
     lines = []
     for error in exc.errors():
         name = str(error["loc"][0]) if error["loc"] else "?"
-        where = setting_source(name, config_file, flags, in_file)
+        where = setting_source(name, config_file, flags, in_file=in_file)
         if error["type"] == "extra_forbidden":  # a config file's key: every flag and variable is a setting
             lines.append(
                 f"  {config_file}: {unknown_setting(name)}" if name in in_file else f"  {unknown_setting(name)}"
@@ -522,9 +524,9 @@ def run_batch(args: argparse.Namespace) -> int:
 
     flags = {name: getattr(args, name, None) for name in Settings.model_fields}
     config_file = config_file_path(args.config)
+    warn_of_unknown_variables("run-batch")  # first: a misspelt one may be why what follows fails
     try:
         settings = Settings.load(args.config, **flags)
-        warn_of_unknown_variables("run-batch")
         given = settings.checkpoints_dir if "checkpoints_dir" in settings.model_fields_set else None
         state = state_dir(args.output_file, given)
     except ValidationError as exc:

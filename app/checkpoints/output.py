@@ -109,8 +109,8 @@ def check_output(output: str, *, timeout_s: float = 30.0, name: str = "--output"
 
 
 def _check_location(fs: Any, root: str, shown: str) -> None:
-    # `shown`: the setting and the URL, as the messages name them
-    """The output location, or the nearest one above it that exists, must be a folder (a bucket)."""
+    """The output location, or the nearest one above it that exists, must be a folder (a bucket); `shown`
+    is the setting and the URL, as the messages name them."""
     path = root.rstrip("/")
     while path:
         try:

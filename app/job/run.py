@@ -33,6 +33,11 @@ from app.job.progress import Progress
 logger = logging.getLogger(__name__)
 
 RolloutFn = Callable[[DocumentLike, int, dict[str, str]], Awaitable[Any]]
+#: Said with "all N documents were already done": a rerun and a new job that ends within the old one's last
+#: chunk look alike, by position.
+NEW_JOB_ADVICE = (
+    "if this is a new job, not a rerun, give it its own --checkpoints-dir: its documents were taken for the old job's"
+)
 
 
 @dataclass
@@ -151,10 +156,10 @@ async def run_job(
             )
         elif report.documents and report.skipped == report.documents:
             logger.info(
-                "rank %d: all %d documents were already done: nothing to do (if this is a new job, not a rerun, "
-                "give it its own --checkpoints-dir: its documents were taken for the old job's)",
+                "rank %d: all %d documents were already done: nothing to do (%s)",
                 rank,
                 report.documents,
+                NEW_JOB_ADVICE,
             )
         if report.documents:
             done = await job.complete_chunk(report.last_chunk_index, total_documents=report.documents)

@@ -9,10 +9,10 @@
   or goes moves only the keys it ranks first; the others' keys stay where they were;
 - the bound (consistent hashing with bounded loads, Mirrokni, Thorup and Zadimoghaddam 2018): the first
   replica of the ranking whose requests in flight, this one counted, stay within
-  `max(ceil((1 + load_bound) * mean), MIN_BOUND)` takes the request, the mean counting this request too.
-  The first choice
-  usually does; a hot document or a slow replica spills over to the key's next replica, always the same
-  one, so that a spilled document still meets itself there. Some replica is always under the bound:
+  `max(ceil((1 + load_bound) * mean), min_bound)` takes the request, the mean counting this request too
+  (`min_bound`: `MIN_BOUND`, or the pool's `max_inflight_per_upstream` when lower). The first choice usually
+  does; a hot document or a slow replica spills over to the key's next replica, always the same one, so
+  that a spilled document still meets itself there. Some replica is always under the bound:
   their bounds add up to more than the requests in flight.
 
 The rest is `app.service.upstream`'s: health (a failed replica is left out of the ranking until its

@@ -9,12 +9,13 @@
     ├── ChunkConflict           409 conflict_error           (chunk already complete)
     ├── RankOwned               409 rank_owned_error         (another live proxy owns the rank: retry later)
     ├── PayloadTooLarge         413 invalid_request_error
-    ├── UpstreamUnreachable     502 upstream_error
+    ├── UpstreamFailure                                      (an attempt at a replica, named: `replica`)
+    │   ├── UpstreamUnreachable 502 upstream_error
+    │   └── UpstreamTimeout     504 upstream_timeout
     ├── OutputLost              409 output_lost_error        (chunks recorded as published are gone from the output)
     ├── ServiceUnavailable      503 service_unavailable
     │   ├── TooManyRanks        503 too_many_ranks           (every open rank busy: retry, or raise max_open_ranks)
     │   └── OutputUnavailable   503 output_unavailable       (the output refuses or stalls: retry, with Retry-After)
-    ├── UpstreamTimeout         504 upstream_timeout
     └── InsufficientStorage     507 insufficient_storage     (disk full: nothing was written)
 
 Answers from the upstream pass through verbatim (but for its 404 to an OpenAI

@@ -244,7 +244,8 @@ class Settings(BaseSettings):
     def _normalise_upstreams(cls, value: list[str]) -> list[str]:
         if not value:
             raise ValueError("at least one upstream is needed, e.g. http://127.0.0.1:8000")
-        roots = []
+        roots: list[str] = []
+        servers: dict[tuple[str, str, int, str], str] = {}  # the server each root names, credentials aside
         for url in value:
             root = url.strip().rstrip("/").removesuffix("/v1")
             try:
@@ -254,8 +255,10 @@ class Settings(BaseSettings):
                 parts = None
             if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
                 raise ValueError(f"an upstream is an http(s) URL such as http://127.0.0.1:8000, got {url!r}")
-            if root in roots:  # as two replicas, it would take twice the requests of each other one
-                raise ValueError(f"the upstream {root} is given twice (as {url!r}): give each replica once")
+            server = (parts.scheme, parts.hostname, parts.port or (443 if parts.scheme == "https" else 80), parts.path)
+            if server in servers:  # as two replicas, it would take twice the requests of each other one
+                raise ValueError(f"the upstream {servers[server]} is given twice (as {url!r}): give each replica once")
+            servers[server] = root
             roots.append(root)
         return roots
 

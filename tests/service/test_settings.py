@@ -101,11 +101,27 @@ def test_a_misspelt_variable_is_said_not_ignored_in_silence(
     ]
     assert len(lines) == 3
     assert "--checkpoints-dir" in lines[2]
+    # said also when the settings themselves are refused: the misspelling may be why
+    monkeypatch.setenv("INFERPROXY_PORT", "abc")
+    assert main(["serve", "--upstream=http://127.0.0.1:9"]) == 2
+    refused = capsys.readouterr().err.splitlines()
+    assert refused[1].startswith("inferproxy serve: warning: INFERPROXY_UPSTREAM_RETRYS is no setting")
+    assert "INFERPROXY_PORT" in refused[-1]
 
 
 def test_an_upstream_given_twice_is_refused() -> None:
     with pytest.raises(ValidationError, match=r"the upstream http://a:8000 is given twice \(as 'http://a:8000/v1/'\)"):
         Settings.load(upstream=["http://a:8000", "http://b:8000", "http://a:8000/v1/"])
+    for same in ("http://A:8000", "http://user:pw@a:8000"):
+        with pytest.raises(ValidationError, match="is given twice"):
+            Settings.load(upstream=["http://a:8000", same])
+    with pytest.raises(ValidationError, match="the upstream http://a is given twice"):
+        Settings.load(upstream=["http://a", "http://a:80"])
+    assert Settings.load(upstream=["http://a:8000", "http://a:8001", "https://a:8000"]).upstream == [
+        "http://a:8000",
+        "http://a:8001",
+        "https://a:8000",
+    ]
 
 
 def test_a_missing_config_file_is_named() -> None:

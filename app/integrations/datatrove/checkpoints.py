@@ -19,6 +19,7 @@ from app.checkpoints.output import is_remote
 from app.checkpoints.publish import check_output_filename
 from app.http.client import ConnectError, ConnectionLost, HTTPClient, ReadTimeout
 from app.job.client import ProxyJob, ProxyJobError, RankOwnedElsewhere, Resume
+from app.job.run import NEW_JOB_ADVICE
 
 UNREACHABLE = (ConnectError, ConnectionLost, ReadTimeout)
 
@@ -245,10 +246,8 @@ class ProxyCheckpointManager:
             )
         elif self._written == 0 and self._docs_to_skip > self._position:
             # Its last chunk published (docs_to_skip counts whole chunks: past the input's end): as run_job says it
-            logger.info(
-                f"rank {rank}: all {documents} documents were already done: nothing to do (if this is a new job, "
-                f"not a rerun, give it its own --checkpoints-dir: its documents were taken for the old job's)"
-            )
+            # loguru's logger (datatrove's): it formats no %-args
+            logger.info(f"rank {rank}: all {documents} documents were already done: nothing to do ({NEW_JOB_ADVICE})")
         if last >= self.last_chunk_index:  # published already (a rerun of a finished rank): finished again
             await self.cleanup_last_chunk(rank, last)
 

@@ -269,10 +269,11 @@ class BatchEngine:
         folder = BatchDir(self.root / record.id)
         try:
             await asyncio.to_thread(folder.create, record)
+            claimed = await asyncio.to_thread(folder.claim)
         except OSError:  # a full or read-only disk: no folder is left of a batch never created
             await asyncio.to_thread(shutil.rmtree, folder.root, True)
             raise
-        if not await asyncio.to_thread(folder.claim):
+        if not claimed:
             raise RuntimeError(f"batch {record.id} was claimed by another process as it was created")
         self._run(folder, record)
         return record

@@ -128,7 +128,8 @@ def check_metadata(metadata: Any) -> dict[str, str] | None:
     for key, value in metadata.items():
         if not isinstance(value, str) or len(key) > 64 or len(value) > 512:
             raise BadRequest(
-                f"`metadata` keys are strings of up to 64 characters and values strings of up to 512: {key[:70]!r}",
+                f"`metadata` keys are strings of up to 64 characters and values strings of up to 512: "
+                f"{shown_value(key)}",
                 param="metadata",
             )
     return metadata
