@@ -18,12 +18,14 @@ import pytest
 
 import app.store.batches
 from app.service.asgi import Receive, Scope, Send, send_bytes
+from app.service.batches.answers import line_request
 from app.service.batches.engine import BatchEngine
 from app.service.coalescing import Flights
 from app.service.settings import Settings
 from app.service.upstream import UpstreamPool
 from app.store.batches import BatchDir
 from app.store.files import FileStore
+from app.store.hashing import payload_hash
 from app.tools import status
 from tests.servers import fake_upstream, serve_in_loop, serve_proxy
 
@@ -575,6 +577,24 @@ async def test_a_stop_gives_the_lines_in_flight_only_what_is_left_of_their_grace
         finally:
             await engine.close()
             await pool.close()
+
+
+def test_a_lines_body_is_sent_as_written_its_long_integers_exact() -> None:
+    # orjson reads an integer past 64 bits as a float: a seed of 30 digits went upstream as 1.2345678901234568e+29
+    raw = b'{"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": {"seed": '
+    raw += b'123456789012345678901234567890, "n": 1, "messages": [{"role": "user", "content": "caf\xc3\xa9"}]}}\n'
+    custom_id, body, digest = line_request(raw)
+    assert custom_id == "a"
+    assert (
+        body == '{"seed":123456789012345678901234567890,"n":1,"messages":[{"role":"user","content":"café"}]}'.encode()
+    )
+    assert line_request(raw)[2] == digest  # the same line, the same key
+    usual = orjson.dumps(chat_line("b", "question"))
+    assert line_request(usual) == (
+        "b",
+        orjson.dumps(chat_line("b", "question")["body"]),
+        payload_hash(chat_line("b", "question")["body"]),
+    )
 
 
 async def test_a_bad_limit_is_a_400_naming_it(settings: Settings, upstream: Any) -> None:

@@ -13,8 +13,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
+import re
 
 import orjson
+import xxhash
 
 from app.ops.metrics import RankCounters, tokens_in
 from app.service.affinity import request_key
@@ -36,6 +39,26 @@ BATCH_RANK = -1
 _RETRIED = frozenset({408, 409, 429, 500, 502, 503, 504})
 
 
+#: A run of digits that may be an integer past 64 bits, which orjson reads as a float (and writes as one).
+_LONG_NUMBER = re.compile(rb"[0-9]{20,}")
+
+
+def line_request(raw: bytes) -> tuple[str, bytes, str]:
+    """A batch line's `custom_id`, the body to send and the body's hash (its answers' key).
+
+    The body is sent as the line holds it: an integer past 64 bits (a `seed` of 30 digits) is kept exact, not
+    sent as orjson's float of it; such a body (rarely: a run of 20 digits anywhere in the line) is read and
+    written by the standard library, and hashed from its sorted JSON alike.
+    """
+    if _LONG_NUMBER.search(raw) is None:
+        line = orjson.loads(raw)
+        return line["custom_id"], orjson.dumps(line["body"]), payload_hash(line["body"])
+    exact = json.loads(raw)
+    body = json.dumps(exact["body"], ensure_ascii=False, separators=(",", ":")).encode()
+    canonical = json.dumps(exact["body"], ensure_ascii=False, separators=(",", ":"), sort_keys=True).encode()
+    return exact["custom_id"], body, xxhash.xxh128_hexdigest(canonical)
+
+
 class Answerer:
     """The answers of batch lines, shared by every batch of an engine: its answers' cache, the flights
     of its lines, the upstream pool."""
@@ -54,11 +77,8 @@ class Answerer:
         """Line `number` of the batch (`raw`, its input line) answered, or given up after every retry (a
         failure result); None if the batch stopped before an answer (the line runs again)."""
         record = batch.record
-        line = orjson.loads(raw)
-        custom_id: str = line["custom_id"]
-        body = orjson.dumps(line["body"])
+        custom_id, body, digest = line_request(raw)
         rollout = ENDPOINTS.index(record.endpoint)
-        digest = payload_hash(line["body"])
         answer = self.answers.get_response(custom_id, rollout, digest, datatrove_results=False)
         result: Result | None
         if answer is not None:
