@@ -330,9 +330,8 @@ class InferProxy(FastAPI):
                 activity=activity,
                 metrics=Metrics(enabled=settings.metrics, max_tracked_ranks=settings.max_tracked_ranks),
             )
-            batches = BatchEngine(
-                settings, pool, services.flights, files, layout.batches_dir, services.metrics.batch_lines
-            )
+            counted = services.metrics.batch_lines if settings.metrics else None  # as the requests are, or not
+            batches = BatchEngine(settings, pool, services.flights, files, layout.batches_dir, counted)
             await batches.start()
             stack.push_async_callback(batches.close)  # before the pool closes: its lines stop first
             services.batches = batches
