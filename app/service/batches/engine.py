@@ -172,7 +172,7 @@ class BatchEngine:
             # what is left of LINES_GRACE_S, so that a stop stays within shutdown_grace_s.
             waited = 0.0 if self._stopping_since is None else time.monotonic() - self._stopping_since
             grace = max(min(LINES_GRACE_S, self.settings.shutdown_grace_s) - waited, 0.0)
-            _, pending = await asyncio.wait(tasks, timeout=grace) if grace > 0 else (set(), set(tasks))
+            _, pending = await asyncio.wait(tasks, timeout=grace)  # 0: at once, what is done is done
             for task in pending:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
