@@ -548,7 +548,12 @@ class RankJob:
         return False
 
     async def _done(self, job: ProxyJob, doc_id: str) -> bool:
-        resume = await self._call(lambda: resume_of(job, self.ledger, self.rank))
+        try:
+            resume = await self._call(lambda: resume_of(job, self.ledger, self.rank))
+        except ProxyJobError as refused:
+            if broken_until_restart(refused):
+                return False  # not known until the restart: sent again, as the job client would
+            raise
         return self.ledger.positions[self.rank][doc_id] < resume.docs_to_skip or doc_id in resume.processed_ids
 
     async def _rollout(self, client: HTTPClient, doc_id: str, rollout_idx: int, position: int) -> str:
@@ -604,9 +609,20 @@ async def watch_resume(url: str, ledger: Ledger, rank: int, stop: asyncio.Event)
     async with http_client(read_timeout=30) as client:
         job = ProxyJob(url, rank, retries=0, client=client)
         while not stop.is_set():
-            with contextlib.suppress(HTTPClientError):  # the proxy is being restarted
+            try:
                 await resume_of(job, ledger, rank)
+            except HTTPClientError:  # the proxy is being restarted
+                pass
+            except ProxyJobError as refused:
+                if not broken_until_restart(refused):
+                    raise
             await asyncio.sleep(0.05)
+
+
+def broken_until_restart(refused: ProxyJobError) -> bool:
+    """Whether a refusal is the 500 of a rank whose checkpoint fsync failed: every request of the rank gets it
+    until the proxy restarts (contract §5), as a scenario injecting that fault then does."""
+    return refused.status == 500 and "could not be made durable earlier" in refused.message
 
 
 @dataclass
