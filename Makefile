@@ -23,13 +23,24 @@ format: $(STAMP)
 	$(BIN)/ruff format app tests bench examples
 	$(BIN)/ruff check --fix app tests bench examples
 
-# Coverage of app/ in the test processes (the e2e tests' subprocesses are not counted): ~86% now.
+# Python writes its compiled modules (and pytest its rewritten tests) into __pycache__: an environment that
+# says not to (PYTHONDONTWRITEBYTECODE, set on these machines) had every `inferproxy` process of the tests
+# compile app/ from source again (0.15 s of CPU each, some 250 of them) and every pytest worker rewrite every
+# test module (6 s each).
+unexport PYTHONDONTWRITEBYTECODE
+
 # TEST_WORKERS pytest-xdist processes, a test module each at a time (--dist loadfile: a module's fixtures
-# start once): most tests wait on real processes, so more workers than the 2 cores here pay; 0 runs them all in this one process.
+# start once), the slowest modules first (tests/conftest.py's order: --no-loadscope-reorder keeps it, where
+# pytest-xdist would start the modules with the most tests first): most tests wait on real processes, so more
+# workers than the 2 cores here pay; 0 runs them all in this one process.
 # A worker that dies ends the run, naming its test (restarting one under --dist loadfile can hang: pytest-xdist#784).
+# COVERAGE=1 measures the coverage of app/ in the test processes too (the e2e tests' subprocesses are not
+# counted: ~86% now) and fails under 80%: CI sets it; it costs a quarter more CPU, which the 2 cores here feel.
 TEST_WORKERS ?= 4
+COVERAGE ?=
 test: $(STAMP)
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --durations=15 --cov=app --cov-report=term:skip-covered --cov-fail-under=80
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0 --durations=15 \
+		$(if $(COVERAGE),--cov=app --cov-report=term:skip-covered --cov-fail-under=80)
 
 demo: $(STAMP)
 	$(BIN)/inferproxy demo

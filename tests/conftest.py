@@ -15,32 +15,37 @@ VLLM_SUITE = bool(os.environ.get("TEST_VLLM_SUITE"))
 collect_ignore = [] if VLLM_SUITE else ["vllm"]
 
 
-#: The modules that take longest (`make test --durations=0`, summed per module), longest first: collected
-#: first, so that pytest-xdist (`--dist loadfile`) starts them first and none begins near the run's end,
-#: where it alone would hold the run open. Order only: a module missing here runs after them, as collected.
+#: The modules that take longest (each module's time in a `make test` run, longest first): started first by
+#: pytest-xdist (`--dist loadfile --no-loadscope-reorder`), so that none begins near the run's end, where it
+#: alone would hold the run open. Order only: a module missing here runs after them, as collected.
 SLOWEST_MODULES = [
     "tests/tools/test_run_batch.py",
-    "tests/service/test_proxy.py",
     "tests/chaos/test_injected_faults.py",
     "tests/service/test_page.py",
-    "tests/service/test_checkpoint_routes.py",
-    "tests/e2e/test_s3_output.py",
-    "tests/e2e/test_routing.py",
-    "tests/e2e/test_batch_kill.py",
     "tests/e2e/test_slurm.py",
-    "tests/http/test_fuzz.py",
-    "tests/ops/test_metrics.py",
+    "tests/e2e/test_s3_output.py",
     "tests/test_readme.py",
-    "tests/e2e/test_demo.py",
-    "tests/e2e/test_proxy_e2e.py",
+    "tests/e2e/test_batch_kill.py",
+    "tests/e2e/test_routing.py",
     "tests/chaos/test_handovers.py",
+    "tests/e2e/test_proxy_e2e.py",
     "tests/e2e/test_datatrove_pipeline.py",
+    "tests/service/test_checkpoint_routes.py",
+    "tests/service/test_proxy.py",
+    "tests/e2e/test_demo.py",
+    "tests/ops/test_metrics.py",
     "tests/service/test_batches.py",
+    "tests/e2e/test_handover.py",
+    "tests/chaos/test_proxy_kills.py",
     "tests/chaos/test_batch_kills.py",
+    "tests/chaos/test_s3_output_faults.py",
+    "tests/http/test_fuzz.py",
+    "tests/e2e/test_shared_checkpoints.py",
+    "tests/e2e/test_inspect.py",
     "tests/store/test_ownership.py",
     "tests/service/test_files.py",
-    "tests/chaos/test_s3_output_faults.py",
-    "tests/e2e/test_handover.py",
+    "tests/tools/test_status.py",
+    "tests/e2e/test_docker.py",
 ]
 
 

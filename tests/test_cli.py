@@ -36,7 +36,12 @@ COMMAND = re.compile(r"inferproxy ([a-z][a-z-]+)((?: +[^\s`\"'|;&#)]+)*)")
 def documented_commands() -> list[tuple[str, str, str]]:
     """`(file, subcommand, its arguments)` of every `inferproxy ...` command line of the README, docs/,
     bench/ and examples/."""
-    files = [ROOT / "README.md", *ROOT.glob("docs/**/*.md"), *ROOT.glob("bench/**/*.md"), *ROOT.glob("examples/*")]
+    files = [
+        ROOT / "README.md",
+        *ROOT.glob("docs/**/*.md"),
+        *ROOT.glob("bench/**/*.md"),
+        *(p for p in ROOT.glob("examples/*") if p.is_file()),
+    ]
     found = []
     for path in files:
         text = re.sub(r"\\{1,2}\n\s*", " ", path.read_text())
