@@ -130,4 +130,5 @@ async def test_each_way_crosses_the_files_docs_architecture_lists_within_the_goa
     for way, files in ways.items():
         paths, count = listed[way]
         assert files == paths, f"the way of a {way} crosses {sorted(files)}; {DOC.name} lists {sorted(paths)}"
-        assert count.startswith(f"{len(files)} files (goal: {GOALS[way]})"), (way, count)
+        packages = {path.rsplit("/", 1)[0] for path in files}
+        assert count.startswith(f"{len(files)} files (goal: {GOALS[way]}) in {len(packages)} packages."), (way, count)
