@@ -38,7 +38,7 @@ from app.service import models
 from app.service.asgi import ClientGone, Receive, Scope, error_headers
 from app.service.batches import models as batch_models
 from app.service.errors import ProxyError, failure
-from app.service.headers import rank_of
+from app.service.keys import rank_of
 from app.service.routes import batches, checkpoints, files, lookup, ops
 from app.service.routes.proxy import cacheable, forward_uncached
 from app.service.routing import OTHER, RawRoute

@@ -55,9 +55,10 @@ from app.service.errors import (
     error_body,
     failure,
 )
+from app.service.keys import CACHEABLE_PATHS, LOOKUP, Lookup, lookup, stored_answer
 from app.service.limits import default_max_connections, max_connections
 from app.service.routes.files import remove_expired
-from app.service.routes.proxy import CACHEABLE_PATHS, LOOKUP, REPLICA, Lookup, lookup, stored_answer
+from app.service.routes.proxy import REPLICA
 from app.service.routing import NEVER_SERVED, Entry, Handler, Index, resolve_dot_segments
 from app.service.services import CheckpointRegistry, RankActivity, Services
 from app.service.settings import Settings
@@ -181,7 +182,7 @@ class InferProxy(FastAPI):
             return None
         started = time.perf_counter() if self.request_log.hit_due() else 0.0
         try:
-            found = lookup(services, headers, body)
+            found = lookup(services.caches.opened, headers, body)
         except ProxyError:  # a bad header or body: the ASGI path answers with its error
             return None
         extensions[LOOKUP] = found

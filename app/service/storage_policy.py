@@ -16,7 +16,7 @@ import logging
 
 import orjson
 
-from app.service.headers import RequestKey
+from app.service.keys import RequestKey
 from app.store.cache import RequestCache, StoredResponse
 
 logger = logging.getLogger(__name__)

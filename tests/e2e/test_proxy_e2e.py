@@ -5,6 +5,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import signal
+import sqlite3
 import subprocess
 import time
 from collections.abc import Iterator
@@ -150,10 +151,28 @@ def test_eight_concurrent_identical_requests_cost_one_generation(upstream: Upstr
             assert httpx.get(slow_url + "/_fake/stats").json()["generations"] == 1
 
 
-def test_sigkill_and_restart_still_serves_hits(proxy: Proxy, upstream: Upstream) -> None:
+def until(done: Any, what: str, timeout: float = 30) -> None:
+    """Until `done()` is true (what it waits for named in the failure)."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, f"never: {what}"
+        time.sleep(0.01)
+
+
+def committed(checkpoints: Path, rank: int = 0) -> int:
+    """The answers committed in the rank's cache file (what a kill -9 cannot take back)."""
+    database = checkpoints / f"{rank:05d}" / "replay.sqlite3"
+    if not database.exists():
+        return 0
+    with contextlib.closing(sqlite3.connect(f"file:{database}?mode=ro", uri=True)) as conn:
+        count: int = conn.execute("SELECT count(*) FROM request_cache").fetchone()[0]
+        return count
+
+
+def test_sigkill_and_restart_still_serves_hits(proxy: Proxy, upstream: Upstream, tmp_path: Path) -> None:
     c = client(proxy)
     _, text = chat(c)
-    time.sleep(0.5)  # longer than the 50 ms group-commit window: the answer is on disk
+    until(lambda: committed(tmp_path / "checkpoints") == 1, "the answer committed")  # its group commit: 50 ms
     proxy.proc.send_signal(signal.SIGKILL)
     proxy.proc.wait(timeout=10)
     with process(*proxy.args):
@@ -170,8 +189,9 @@ def test_sigterm_finishes_in_flight_requests_flushes_and_exits_0(upstream: Upstr
         wait_for_http(proxy.url + "/healthz")
         c = client(proxy)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            before = upstream.stats()["requests"]
             slow = pool.submit(chat, c, "slow-doc", extra_body={"fake_upstream": {"latency_ms": 1000}})
-            time.sleep(0.3)  # the slow request is in flight upstream
+            until(lambda: upstream.stats()["requests"] > before, "the slow request in flight upstream")
             _, quick = chat(c, "quick-doc")
             proxy.proc.send_signal(signal.SIGTERM)  # at once: well inside the flush window
             state, slow_text = slow.result(timeout=30)

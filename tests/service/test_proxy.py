@@ -444,12 +444,12 @@ async def test_a_no_store_request_does_not_lead_a_flight(tmp_path: Path) -> None
 async def test_an_unexpected_failure_is_still_the_envelope_with_x_cache(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import app.service.routes.proxy
+    import app.service.keys
 
     def broken(*args: Any) -> None:
         raise RuntimeError("disk unreadable")
 
-    monkeypatch.setattr(app.service.routes.proxy, "payload_hash", broken)
+    monkeypatch.setattr(app.service.keys, "payload_hash", broken)
     answer = await env.chat(**doc_headers())
     assert answer.status_code == 500
     assert answer.headers["x-cache"] == "BYPASS"
@@ -729,17 +729,17 @@ async def test_a_request_is_parsed_and_hashed_once_whichever_path_answers_it(
     env: Env, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On the built-in server the fast path's `Lookup` reaches the ASGI path in the scope's extensions."""
-    import app.service.routes.proxy
+    import app.service.keys
 
     await env.chat(**doc_headers("opens-the-rank"))
     hashed: list[object] = []
-    real = app.service.routes.proxy.payload_hash
+    real = app.service.keys.payload_hash
 
     def counting(payload: Any) -> str:
         hashed.append(payload)
         return real(payload)
 
-    monkeypatch.setattr(app.service.routes.proxy, "payload_hash", counting)
+    monkeypatch.setattr(app.service.keys, "payload_hash", counting)
     assert (await env.chat(**doc_headers("new"))).headers["x-cache"] == "MISS"
     assert (await env.chat(**doc_headers("new"))).headers["x-cache"] == "HIT"
     assert len(hashed) == 2

@@ -25,7 +25,7 @@ from app.integrations.datatrove.checkpoints import UNREACHABLE, DocumentRefused,
 from app.integrations.datatrove.totals import Uncountable, count_documents, reader_shard
 from app.job.client import ProxyJob
 from app.service.errors import BadRequest
-from app.service.headers import parse_doc_id
+from app.service.keys import parse_doc_id
 from app.store.cache import DATATROVE_RESULT
 from app.store.hashing import payload_hash
 

@@ -35,7 +35,7 @@ from app.checkpoints.publish import ChunkFileGone, PublishError
 from app.checkpoints.resume import docs_to_skip
 from app.service.asgi import Receive, Scope, check_json_cost, read_body
 from app.service.errors import BadRequest, ChunkConflict, InsufficientStorage, OutputUnavailable, ProxyError
-from app.service.headers import MAX_RANK, parse_int, rank_of, single_header
+from app.service.keys import MAX_RANK, parse_int, rank_of, single_header
 from app.service.services import UNWRITABLE_ERRNOS, Services, checkpoints_unwritable
 from app.store.cache import CacheWriteError
 from app.store.durable import is_disk_full, refusal_reason

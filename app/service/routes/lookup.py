@@ -27,8 +27,7 @@ import orjson
 
 from app.service.asgi import Receive, Scope, check_json_cost, read_body
 from app.service.errors import BadRequest
-from app.service.headers import rank_of
-from app.service.routes.proxy import request_digest
+from app.service.keys import rank_of, request_digest
 from app.service.services import Services
 from app.store.cache import RequestCache, StoredResponse
 from app.store.hashing import is_payload_hash

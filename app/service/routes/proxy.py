@@ -9,8 +9,8 @@ says; identical requests in flight share one upstream call
 unchanged and not cached.
 
 A hit costs a header scan, a JSON parse and hash, and one SQLite point
-query: no framework request/response objects, no routing tables. `lookup`
-does all of it, synchronously; `app.service.app.InferProxy.answer_fast` calls it inside
+query: no framework request/response objects, no routing tables.
+`app.service.keys.lookup` does all of it, synchronously; `app.service.app.InferProxy.answer_fast` calls it inside
 the server's protocol callback, before any task or ASGI message exists, and
 what it cannot answer (a miss, a bad header) reaches `cacheable` with the
 `Lookup` in the scope's extensions, so that it is not parsed and hashed twice.
@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, TypeVar
 
 import orjson
 
@@ -34,19 +34,16 @@ from app.service.asgi import (
     Receive,
     Scope,
     Send,
-    check_json_cost,
-    json_kind,
     read_body,
     send_bytes,
     send_error,
 )
-from app.service.errors import BadRequest, NotFound, ProxyError
-from app.service.headers import RequestKey, parse_request_key
+from app.service.errors import NotFound, ProxyError
+from app.service.keys import LOOKUP, Lookup, RequestKey, lookup, stored_answer
 from app.service.services import Services
 from app.service.storage_policy import is_whole, store_if_kept
 from app.service.upstream import UpstreamResponse, response_headers
 from app.store.cache import RequestCache, StoredResponse
-from app.store.hashing import payload_hash
 from app.tasks import cancel_and_wait
 
 logger = logging.getLogger(__name__)
@@ -54,7 +51,6 @@ T = TypeVar("T")
 
 #: The scope key under which a forwarding handler leaves the replica that answered, for the request's log line.
 REPLICA = "inferproxy.replica"
-CACHEABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 #: OpenAI's routes without their `/v1`: what a client whose base_url lacks it asks for (the paths, and
 #: the first segments of those with an id: `/files/ID/content`). Forwarded as any path is (an upstream
 #: may serve them there), but the upstream's 404 to one says where they are (`v1_hint`), as it does to
@@ -64,91 +60,13 @@ V1_LESS_PREFIXES = ("/models/", "/files/", "/batches/")
 _PASSED_ON = frozenset({b"retry-after"})
 
 
-class Lookup(NamedTuple):
-    """A cacheable request parsed, hashed and looked up: what `lookup` found, for whichever path answers.
-
-    `looked` is False when the rank's cache was not open (the fast path opens nothing): `hit` is then
-    None for want of a look, and the ASGI path opens the cache and looks again.
-    """
-
-    key: RequestKey
-    body: bytes
-    digest: str
-    hit: StoredResponse | None
-    looked: bool
-    #: the cache looked in and its `stores` then: no answer stored in it since means the look still holds
-    cache: RequestCache | None = None
-    stores: int = -1
-
-
-#: The scope extension under which the fast path leaves its `Lookup` for the ASGI path (and says that the
-#: request is authenticated: the fast path looks up nothing for a request that is not).
-LOOKUP = "inferproxy.lookup"
-
-
-def lookup(services: Services, headers: Headers, body: bytes) -> Lookup:
-    """Parse the cache key from `headers`, hash `body`, find the stored answer in the rank's open cache.
-
-    The one lookup of both paths: `answer_fast` (synchronously, in the server's protocol callback)
-    and `cacheable` (the ASGI path). `BadRequest` for a bad header or body.
-    """
-    key = parse_request_key(headers)
-    digest = payload_digest(body, key.datatrove_hash)
-    if key.doc_id is None or key.no_cache:
-        return Lookup(key, body, digest, None, True)
-    cache = services.caches.opened(key.rank)
-    if cache is None:
-        return Lookup(key, body, digest, None, False)  # not looked: the cache is not open
-    hit = cache.get_response(key.doc_id, key.rollout_idx, digest, datatrove_results=key.datatrove_hash is not None)
-    return Lookup(key, body, digest, hit, True, cache, cache.stores)
-
-
-def stored_answer(answer: StoredResponse, state: bytes, digest: str) -> Answer:
-    """A stored answer as it is replayed (a hit, or a flight's shared answer)."""
-    headers = [
-        (b"content-type", answer.content_type.encode("latin-1")),
-        (b"x-cache", state),
-        (b"x-payload-hash", digest.encode()),
-    ]
-    return Answer(answer.status, headers, answer.body)
-
-
-def payload_digest(body: bytes, given: str | None = None) -> str:
-    """The key's payload hash: the body's, or `given` (datatrove's, from `X-Datatrove-Payload-Hash`) for a
-    body that is a JSON object all the same."""
-    check_json_cost(body)
-    try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the request body must be a JSON object: {exc}") from None
-    if not isinstance(payload, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {json_kind(payload)}")
-    if given is None:
-        return request_digest(payload)
-    if payload.get("stream"):
-        raise BadRequest(
-            "X-Datatrove-Payload-Hash keys a non-streamed answer, as datatrove's runner asks for: send the request "
-            "without `stream`, or without the header",
-            param="X-Datatrove-Payload-Hash",
-        )
-    return given
-
-
-def request_digest(payload: dict[str, Any]) -> str:
-    """`payload_hash` of a parsed body; orjson parses 1024 levels of nesting but serializes only 254."""
-    try:
-        return payload_hash(payload)
-    except TypeError as exc:
-        raise BadRequest(f"the request body is nested too deep to be keyed: {exc}") from None
-
-
 async def cacheable(services: Services, scope: Scope, receive: Receive, send: Send) -> None:
     """`POST /v1/chat/completions` and `/v1/completions`: the stored answer, or the upstream's (then stored)."""
     extensions = scope.get("extensions")
     found: Lookup | None = extensions.get(LOOKUP) if extensions else None
     if found is None:
         body = await read_body(scope, receive, services.settings.max_body_bytes)
-        found = lookup(services, scope["headers"], body)
+        found = lookup(services.caches.opened, scope["headers"], body)
     key = found.key
     if key.doc_id is None:
         forwarding = forward(services, scope, receive, send, key, found.digest, found.body, b"BYPASS", cache=None)
@@ -157,7 +75,7 @@ async def cacheable(services: Services, scope: Scope, receive: Receive, send: Se
     with services.activity.using(key.rank):
         if not found.looked:
             await services.caches.get(key.rank)
-            found = lookup(services, scope["headers"], found.body)
+            found = lookup(services.caches.opened, scope["headers"], found.body)
         await cached_or_forwarded(services, scope, receive, send, found)
 
 

@@ -1,4 +1,7 @@
-"""Request headers -> a frozen `RequestKey` (contract §3).
+"""A request's cache key and the answer stored under it (contract §3): its headers -> a frozen
+`RequestKey`, its body -> the payload hash, and `lookup`, the one look into the rank's cache of both
+paths: `app.service.app.InferProxy.answer_fast` (a hit answered in the server's protocol callback) and
+`app.service.routes.proxy.cacheable` (the ASGI path, which forwards a miss).
 
 Every bad value raises `BadRequest` naming the header in `param` and saying
 what a good value looks like; the request is then neither forwarded nor
@@ -8,12 +11,19 @@ stored. Only the integer rank and chunk index ever reach a file path.
 from __future__ import annotations
 
 import re
-from collections.abc import MutableMapping
+from collections.abc import Callable, MutableMapping
 from typing import Any, NamedTuple
 
-from app.service.errors import BadRequest
-from app.store.hashing import is_payload_hash
+import orjson
 
+from app.http.asgi import Answer
+from app.service.asgi import Headers, check_json_cost, json_kind
+from app.service.errors import BadRequest
+from app.store.cache import RequestCache, StoredResponse
+from app.store.hashing import is_payload_hash, payload_hash
+
+#: The routes whose answers are keyed, stored and replayed (the others under /v1 are forwarded as they are).
+CACHEABLE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
 MAX_DOC_ID_BYTES = 1024
 MAX_RANK = 99_999
 MAX_INT64 = 2**63 - 1
@@ -136,3 +146,82 @@ def rank_of(scope: MutableMapping[str, Any]) -> int:
     """The request's `X-Rank`, 0 if it has none."""
     value = single_header(scope["headers"], b"x-rank", "X-Rank")
     return 0 if value is None else parse_rank(value)
+
+
+class Lookup(NamedTuple):
+    """A cacheable request parsed, hashed and looked up: what `lookup` found, for whichever path answers.
+
+    `looked` is False when the rank's cache was not open (the fast path opens nothing): `hit` is then
+    None for want of a look, and the ASGI path opens the cache and looks again.
+    """
+
+    key: RequestKey
+    body: bytes
+    digest: str
+    hit: StoredResponse | None
+    looked: bool
+    #: the cache looked in and its `stores` then: no answer stored in it since means the look still holds
+    cache: RequestCache | None = None
+    stores: int = -1
+
+
+#: The scope extension under which the fast path leaves its `Lookup` for the ASGI path (and says that the
+#: request is authenticated: the fast path looks up nothing for a request that is not).
+LOOKUP = "inferproxy.lookup"
+
+
+def lookup(opened: Callable[[int], RequestCache | None], headers: Headers, body: bytes) -> Lookup:
+    """Parse the cache key from `headers`, hash `body`, find the stored answer in the rank's open cache
+    (`opened(rank)`: the service's caches' `opened`, None for a rank whose cache is not open).
+
+    The one lookup of both paths: `answer_fast` (synchronously, in the server's protocol callback)
+    and `cacheable` (the ASGI path). `BadRequest` for a bad header or body.
+    """
+    key = parse_request_key(headers)
+    digest = payload_digest(body, key.datatrove_hash)
+    if key.doc_id is None or key.no_cache:
+        return Lookup(key, body, digest, None, True)
+    cache = opened(key.rank)
+    if cache is None:
+        return Lookup(key, body, digest, None, False)  # not looked: the cache is not open
+    hit = cache.get_response(key.doc_id, key.rollout_idx, digest, datatrove_results=key.datatrove_hash is not None)
+    return Lookup(key, body, digest, hit, True, cache, cache.stores)
+
+
+def stored_answer(answer: StoredResponse, state: bytes, digest: str) -> Answer:
+    """A stored answer as it is replayed (a hit, or a flight's shared answer)."""
+    headers = [
+        (b"content-type", answer.content_type.encode("latin-1")),
+        (b"x-cache", state),
+        (b"x-payload-hash", digest.encode()),
+    ]
+    return Answer(answer.status, headers, answer.body)
+
+
+def payload_digest(body: bytes, given: str | None = None) -> str:
+    """The key's payload hash: the body's, or `given` (datatrove's, from `X-Datatrove-Payload-Hash`) for a
+    body that is a JSON object all the same."""
+    check_json_cost(body)
+    try:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body must be a JSON object: {exc}") from None
+    if not isinstance(payload, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {json_kind(payload)}")
+    if given is None:
+        return request_digest(payload)
+    if payload.get("stream"):
+        raise BadRequest(
+            "X-Datatrove-Payload-Hash keys a non-streamed answer, as datatrove's runner asks for: send the request "
+            "without `stream`, or without the header",
+            param="X-Datatrove-Payload-Hash",
+        )
+    return given
+
+
+def request_digest(payload: dict[str, Any]) -> str:
+    """`payload_hash` of a parsed body; orjson parses 1024 levels of nesting but serializes only 254."""
+    try:
+        return payload_hash(payload)
+    except TypeError as exc:
+        raise BadRequest(f"the request body is nested too deep to be keyed: {exc}") from None

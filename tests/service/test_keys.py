@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from app.service.errors import BadRequest
-from app.service.headers import RequestKey, parse_request_key
+from app.service.keys import RequestKey, parse_request_key
 
 
 def parse(**headers: str) -> RequestKey:
