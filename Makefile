@@ -40,7 +40,7 @@ TEST_WORKERS ?= 4
 COVERAGE ?=
 test: $(STAMP)
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0 --durations=15 \
-		$(if $(COVERAGE),--cov=app --cov-report=term:skip-covered --cov-fail-under=80)
+		$(if $(filter 1,$(COVERAGE)),--cov=app --cov-report=term:skip-covered --cov-fail-under=80)
 
 demo: $(STAMP)
 	$(BIN)/inferproxy demo

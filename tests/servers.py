@@ -42,25 +42,32 @@ def free_port() -> int:
 
 def lifespan_optional(app: Any) -> Any:
     """`app`, whose lifespan is answered for it if it returns from one without a word (a test's upstream that
-    speaks only HTTP), as uvicorn lets it."""
+    speaks only HTTP), as uvicorn lets it: the messages it took are answered first, then those still to come."""
 
     async def wrapped(scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "lifespan":
             return await app(scope, receive, send)
         spoke = False
+        taken: list[dict[str, Any]] = []
 
-        async def noted(message: dict[str, Any]) -> None:
+        async def noted_receive() -> dict[str, Any]:
+            message: dict[str, Any] = await receive()
+            taken.append(message)
+            return message
+
+        async def noted_send(message: dict[str, Any]) -> None:
             nonlocal spoke
             spoke = True
             await send(message)
 
-        await app(scope, receive, noted)
-        while not spoke:
-            message = await receive()
+        await app(scope, noted_receive, noted_send)
+        if spoke:
+            return None
+        while True:
+            message = taken.pop(0) if taken else await receive()
             await send({"type": message["type"] + ".complete"})
             if message["type"] == "lifespan.shutdown":
-                return
-        return None
+                return None
 
     return wrapped
 

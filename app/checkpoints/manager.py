@@ -560,7 +560,9 @@ class CheckpointManager:
 
     def resume_state(self) -> tuple[int, list[str]]:
         """`(docs_to_skip, processed_ids)` as `parse_existing_checkpoints` would return them now, the ids
-        sorted (as `GET /resume` lists them)."""
+        sorted (as `GET /resume` lists them); `CheckpointDurabilityError` once an fsync failed, when what is
+        on disk is no longer known."""
+        self._chunk_files.check_usable()
         ids = {index: chunk.ids for index, chunk in self._chunks.items()}
         return docs_to_skip(self.last_chunk_index, self.records_per_chunk), sorted_processed_ids(
             self.last_chunk_index, ids

@@ -194,6 +194,7 @@ class ProxyProcess(Process):
     def start(self, fault: str = "none") -> None:
         """Start it, to die of `fault` (see `faulty_serve`), or of nothing."""
         self.fault = fault
+        FSYNC_FAILED.discard(self.url)
         super().start()
 
     def cut_power(self) -> float:
@@ -221,6 +222,8 @@ class ProxyProcess(Process):
     def fail_io(self, code: str, calls: str, where: Path) -> None:
         """From now on `os.write`/`os.fsync` (`calls`: "write,fsync") on files under `where` fail with `code`."""
         self.io_switch.write_text(f"{code} {calls} {where}")
+        if "fsync" in calls and where == self.checkpoints:
+            FSYNC_FAILED.add(self.url)  # its ranks refuse every request until it restarts
 
     def heal_io(self) -> None:
         self.io_switch.unlink(missing_ok=True)
@@ -551,7 +554,7 @@ class RankJob:
         try:
             resume = await self._call(lambda: resume_of(job, self.ledger, self.rank))
         except ProxyJobError as refused:
-            if broken_until_restart(refused):
+            if broken_until_restart(self.url, refused):
                 return False  # not known until the restart: sent again, as the job client would
             raise
         return self.ledger.positions[self.rank][doc_id] < resume.docs_to_skip or doc_id in resume.processed_ids
@@ -614,15 +617,19 @@ async def watch_resume(url: str, ledger: Ledger, rank: int, stop: asyncio.Event)
             except HTTPClientError:  # the proxy is being restarted
                 pass
             except ProxyJobError as refused:
-                if not broken_until_restart(refused):
+                if not broken_until_restart(url, refused):
                     raise
             await asyncio.sleep(0.05)
 
 
-def broken_until_restart(refused: ProxyJobError) -> bool:
-    """Whether a refusal is the 500 of a rank whose checkpoint fsync failed: every request of the rank gets it
-    until the proxy restarts (contract §5), as a scenario injecting that fault then does."""
-    return refused.status == 500 and "could not be made durable earlier" in refused.message
+#: The proxies (by URL) whose checkpoint fsyncs were made to fail since they last started.
+FSYNC_FAILED: set[str] = set()
+
+
+def broken_until_restart(url: str, refused: ProxyJobError) -> bool:
+    """Whether a refusal is the 500 of a rank whose checkpoint fsync failed, from a proxy a scenario made fail
+    one since its start: every request of the rank gets it until the proxy restarts (contract §6)."""
+    return url in FSYNC_FAILED and refused.status == 500 and "could not be made durable earlier" in refused.message
 
 
 @dataclass

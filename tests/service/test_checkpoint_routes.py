@@ -435,6 +435,9 @@ async def test_after_a_failed_fsync_the_rank_refuses_writes_until_the_proxy_rest
             refused = await post(c, doc("c"))  # the kernel may have dropped what it could not write
             assert refused.status_code == 500
             assert "restart inferproxy serve, then the job" in refused.json()["error"]["message"]
+            resume = await c.get("/resume")  # it cannot say what is on disk either (it said "failed on this request")
+            assert resume.status_code == 500
+            assert resume.json()["error"]["message"] == refused.json()["error"]["message"]
         async with proxy_client(config(tmp_path, url)) as c:
             assert (await post(c, doc("c"))).status_code == 200
 
