@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from app.http.asgi import ASGIApp, Headers, Message, Receive, Scope, Send
 from app.service.errors import BadRequest, PayloadTooLarge, ProxyError
 
@@ -77,6 +79,19 @@ def check_json_cost(body: bytes) -> None:
                 f"the request body holds about {values} JSON values; the limit is {MAX_JSON_VALUES}: "
                 f"split it (a batch of documents or lookups into several requests)"
             )
+
+
+def json_object(body: bytes) -> dict[str, Any]:
+    """The body's JSON object: `PayloadTooLarge` past `MAX_JSON_VALUES` values, `BadRequest` for anything
+    else than an object."""
+    check_json_cost(body)
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise BadRequest(f"the request body must be a JSON object: {exc}") from None
+    if not isinstance(value, dict):
+        raise BadRequest(f"the request body must be a JSON object, got {json_kind(value)}")
+    return value
 
 
 class ClientGone(Exception):

@@ -14,10 +14,8 @@ import re
 from collections.abc import Callable, MutableMapping
 from typing import Any, NamedTuple
 
-import orjson
-
 from app.http.asgi import Answer
-from app.service.asgi import Headers, check_json_cost, json_kind
+from app.service.asgi import Headers, json_object
 from app.service.errors import BadRequest
 from app.store.cache import RequestCache, StoredResponse
 from app.store.hashing import is_payload_hash, payload_hash
@@ -201,13 +199,7 @@ def stored_answer(answer: StoredResponse, state: bytes, digest: str) -> Answer:
 def payload_digest(body: bytes, given: str | None = None) -> str:
     """The key's payload hash: the body's, or `given` (datatrove's, from `X-Datatrove-Payload-Hash`) for a
     body that is a JSON object all the same."""
-    check_json_cost(body)
-    try:
-        payload = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the request body must be a JSON object: {exc}") from None
-    if not isinstance(payload, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {json_kind(payload)}")
+    payload = json_object(body)
     if given is None:
         return request_digest(payload)
     if payload.get("stream"):

@@ -42,6 +42,9 @@ _ID_HEX = 24
 RECORD = "batch.json"
 RESULTS = "results.jsonl"
 OWNER = "owner.lock"
+#: A cancel asked through a proxy that does not run the batch: its time, for the owner to carry out. Never
+#: `batch.json`, which only the owner writes (a save of its counts could land over the cancel and lose it).
+CANCEL = "cancel"
 #: The folder of the answers' cache (a `RequestCache` base dir; its rank 0 holds every batch's answers).
 ANSWERS = "answers"
 
@@ -191,12 +194,26 @@ class BatchDir:
         self.save(record)
 
     def load(self) -> BatchRecord:
-        """The record; `UnsafeFileError` for a folder that is a link (never run nor read through)."""
+        """The record, `cancelling` if a cancel was asked (`ask_cancel`) of a batch not yet ending; `UnsafeFileError`
+        for a folder that is a link (never run nor read through)."""
         check_safe(str(self.root), folder=True)
-        return BatchRecord.from_json(orjson.loads(read_regular(str(self.root / RECORD))))
+        record = BatchRecord.from_json(orjson.loads(read_regular(str(self.root / RECORD))))
+        if record.status in ("validating", "in_progress"):
+            try:
+                asked = int(read_regular(str(self.root / CANCEL)))
+            except FileNotFoundError:
+                return record
+            except ValueError:  # not as inferproxy writes it (whole, by a rename): asked all the same
+                asked = int(os.stat(self.root / CANCEL).st_mtime)
+            record.status, record.cancelling_at, record.ending = "cancelling", asked, "cancelled"
+        return record
 
     def save(self, record: BatchRecord) -> None:
         atomic_write_bytes(str(self.root / RECORD), record.to_json())
+
+    def ask_cancel(self, at: int) -> None:
+        """Ask the batch's owner, whichever proxy it is, to cancel it (`load` shows it `cancelling` from now)."""
+        atomic_write_bytes(str(self.root / CANCEL), str(at).encode())
 
     # -- the owner's lock -------------------------------------------------------------------
 

@@ -308,9 +308,9 @@ class BatchEngine:
             return record
         running = self.running.get(batch_id)
         record.status, record.cancelling_at, record.ending = "cancelling", int(time.time()), "cancelled"
-        if running is None:  # not ours to run: the owner sees it at its next save
+        if running is None:  # not ours to run: the owner sees it at its next save (within SAVE_EVERY_S)
             folder = BatchDir(self.root / batch_id)
-            await asyncio.to_thread(folder.save, record)
+            await asyncio.to_thread(folder.ask_cancel, record.cancelling_at)
             return record
         await asyncio.to_thread(running.dir.save, record)
         running.stopping.set()

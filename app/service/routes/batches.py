@@ -8,9 +8,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-import orjson
-
-from app.service.asgi import Receive, Scope, check_json_cost, json_kind, read_body, shown_value
+from app.service.asgi import Receive, Scope, json_kind, json_object, read_body, shown_value
 from app.service.batches.answers import ENDPOINTS
 from app.service.batches.engine import BatchEngine, BatchNotFound, window_seconds
 from app.service.errors import BadRequest, InsufficientStorage, NotFound
@@ -64,13 +62,7 @@ def batch_object(record: BatchRecord) -> dict[str, Any]:
 
 async def create(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
     body = await read_body(scope, receive, services.settings.max_body_bytes)
-    check_json_cost(body)
-    try:
-        asked = orjson.loads(body)
-    except orjson.JSONDecodeError as exc:
-        raise BadRequest(f"the request body must be a JSON object: {exc}") from None
-    if not isinstance(asked, dict):
-        raise BadRequest(f"the request body must be a JSON object, got {json_kind(asked)}")
+    asked = json_object(body)
     input_file_id = asked.get("input_file_id")
     if input_file_id is None or input_file_id == "":
         raise BadRequest("`input_file_id` is required: the id of a file uploaded to /v1/files", param="input_file_id")

@@ -1,0 +1,45 @@
+"""app/store/batches.py: a batch's folder as the proxies sharing a checkpoints dir read and write it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from app.store.batches import CANCEL, BatchDir, BatchRecord
+
+
+def running(root: Path) -> tuple[BatchDir, BatchRecord]:
+    folder = BatchDir(root / "batch_0123456789abcdef01234567")
+    record = BatchRecord(folder.id, "/v1/chat/completions", "file-x", "24h", 0, 86400, 1, status="in_progress")
+    folder.create(record)
+    return folder, record
+
+
+def test_a_cancel_asked_through_another_proxy_survives_the_owners_next_save_of_its_counts(tmp_path: Path) -> None:
+    # The owner saved its counts every 2 s from what it loaded before: a cancel another proxy wrote into
+    # batch.json in between was saved over, and the batch ran to its end (a 200 "cancelling", then lost).
+    folder, record = running(tmp_path)
+    loaded = folder.load()  # the owner's look, before the cancel
+    folder.ask_cancel(1_700_000_000)  # another proxy's cancel
+    folder.save(dataclasses.replace(loaded, completed=12))  # the owner's save of its counts
+    seen = folder.load()
+    assert (seen.status, seen.cancelling_at, seen.ending, seen.completed) == (
+        "cancelling",
+        1_700_000_000,
+        "cancelled",
+        12,
+    )
+    assert record.status == "in_progress"
+
+
+def test_a_cancel_asked_of_a_batch_that_ended_meanwhile_changes_nothing(tmp_path: Path) -> None:
+    folder, record = running(tmp_path)
+    folder.ask_cancel(1_700_000_000)
+    folder.save(dataclasses.replace(record, status="completed", completed_at=1_700_000_001))
+    assert folder.load().status == "completed"
+
+
+def test_a_cancel_file_that_holds_no_time_still_asks_for_the_cancel(tmp_path: Path) -> None:
+    folder, _ = running(tmp_path)
+    (folder.root / CANCEL).write_bytes(b"")
+    assert folder.load().status == "cancelling"
