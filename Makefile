@@ -35,7 +35,7 @@ unexport PYTHONDONTWRITEBYTECODE
 # workers than the 2 cores here pay; 0 runs them all in this one process.
 # A worker that dies ends the run, naming its test (restarting one under --dist loadfile can hang: pytest-xdist#784).
 # COVERAGE=1 measures the coverage of app/ in the test processes too (the e2e tests' subprocesses are not
-# counted: ~90% now) and fails under 80%: CI sets it; it costs a quarter more CPU, which the 2 cores here feel.
+# counted: ~90% now) and fails under 80%: CI sets it; it costs a quarter to a third more CPU, which the 2 cores here feel.
 TEST_WORKERS ?= 4
 COVERAGE ?=
 test: $(STAMP)
