@@ -141,22 +141,20 @@ async def test_a_resubmitted_file_is_answered_from_the_first_batch_and_pays_noth
     url, fake = upstream
     file_id = put_file(settings.checkpoints_dir, [chat_line(f"r{i}", f"q{i}") for i in range(20)])
     async for client in proxy(settings, url):
-        body = {"input_file_id": file_id, "endpoint": CHAT, "completion_window": "24h"}
-        first = await until(client, (await client.post("/v1/batches", json=body)).json()["id"], final)
-        second = await until(client, (await client.post("/v1/batches", json=body)).json()["id"], final)
+        first = await until(client, await create_batch(client, file_id), final)
+        second = await until(client, await create_batch(client, file_id), final)
         assert fake.generations == 20
         assert second["request_counts"]["completed"] == 20
         # in the totals a person watching reads (hit ratio, generations and tokens saved), as a job's hits are
         totals = (await client.get("/stats")).json()["totals"]
         assert (totals["hits"], totals["misses"], totals["hit_ratio"]) == (20, 20, 0.5)
         assert totals["tokens_saved"] == first["usage"]["total_tokens"]
-        bodies = {
-            o["custom_id"]: o["response"]["body"] for o in read_file(settings.checkpoints_dir, first["output_file_id"])
-        }
-        again = {
-            o["custom_id"]: o["response"]["body"] for o in read_file(settings.checkpoints_dir, second["output_file_id"])
-        }
-        assert again == bodies
+
+        def answers(batch: dict[str, Any]) -> dict[str, Any]:
+            output = read_file(settings.checkpoints_dir, batch["output_file_id"])
+            return {o["custom_id"]: o["response"]["body"] for o in output}
+
+        assert answers(second) == answers(first)
 
 
 class Hung:

@@ -278,19 +278,16 @@ async def get_resume(services: Services, scope: Scope, receive: Receive) -> dict
         try:
             # Complete chunks waiting (left by a crash, or by an output that failed) are tried now.
             await manager.publish_pending(rank)
+            # Chunks published may have gone from the output since the rank was opened.
+            await registry.check_open_output(rank)
+            # A job killed just after a write and started again asks before that write is done: it counts.
+            await manager.writes_settled(RESUME_SETTLE_S)
+            records_per_chunk, last = manager.records_per_chunk, manager.last_chunk_index
+            skip, processed = manager.resume_state()
         except PublishError as exc:
             raise publication_error(
                 exc, services, rank, "this answer is given once they are (the job client retries it)"
             ) from exc
-        except CheckpointDurabilityError as exc:
-            raise storage_error(exc, services) from exc
-        # Chunks published may have gone from the output since the rank was opened.
-        await registry.check_open_output(rank)
-        # A job killed just after a write and started again asks before that write is done: it counts.
-        await manager.writes_settled(RESUME_SETTLE_S)
-        records_per_chunk, last = manager.records_per_chunk, manager.last_chunk_index
-        try:
-            skip, processed = manager.resume_state()
         except CheckpointDurabilityError as exc:  # a failed fsync: what the rank holds is known after a restart
             raise storage_error(exc, services) from exc
         services.note_progress(rank, manager)
