@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from app.http.server import HTTPServer
+from app.http.server import HTTPServer, restartable_port
 from app.service.app import InferProxy, create_server
 from app.service.settings import Settings
 from app.tools.fake_upstream import FakeUpstream
@@ -33,11 +32,9 @@ __all__ = [
 
 
 def free_port() -> int:
-    """A loopback port free now, for a server started next (another may take it first: start it soon)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    """A loopback port free now, for a server started next (another may take it first: start it soon), and
+    again on it after a kill: below the ephemeral range, which other tests' servers and connections draw on."""
+    return restartable_port()
 
 
 def lifespan_optional(app: Any) -> Any:

@@ -51,7 +51,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 import signal
+import socket
 import time
 import typing
 from collections.abc import Awaitable, Callable, Iterable
@@ -301,6 +303,33 @@ class ExitSignal:
 
 class CannotListen(OSError):
     """The address could not be bound (in use, not ours)."""
+
+
+#: Where the kernel's ephemeral ports begin where /proc does not say (Linux's default).
+_EPHEMERAL_LOW = 32768
+
+
+def restartable_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now, for a server that will be stopped and started again on it (a proxy killed
+    and restarted): below the kernel's ephemeral range, so that no bind to port 0 and no outgoing connection
+    of another process is handed it while the server is down. A port of that range if none below is free."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as ranges:
+            low = int(ranges.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = _EPHEMERAL_LOW
+    below = range(max(1024, low - 12_000), low)
+    for port in random.sample(below, min(len(below), 50)):
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:
+        s.bind((host, 0))
+        found: int = s.getsockname()[1]
+        return found
 
 
 class _Lifespan:

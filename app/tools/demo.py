@@ -28,7 +28,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -43,6 +42,7 @@ import orjson
 
 from app.checkpoints.documents import Document, DocumentLike
 from app.http.client import HTTPClient
+from app.http.server import restartable_port
 from app.job.client import ProxyJob
 from app.job.run import run_job
 
@@ -158,13 +158,6 @@ async def run_demo_job(options: DemoOptions) -> None:
 # ------------------------------------------------------------- the parent
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def wait_until_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -209,7 +202,7 @@ class Proxy:
     """`inferproxy serve` for the demo, restartable on the same port and folders."""
 
     def __init__(self, options: DemoOptions, upstream: str) -> None:
-        self.port = _free_port()
+        self.port = restartable_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.args = [
             "serve",
@@ -350,7 +343,7 @@ def upstream_server(options: DemoOptions) -> Iterator[str]:
         check_upstream_answers(root)
         yield root
         return
-    port = _free_port()
+    port = restartable_port()
     proc = inferproxy(
         "fake-upstream", f"--port={port}", f"--latency-ms={options.latency_ms}", f"--model={options.model}", silent=True
     )

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from app.http.asgi import Answer, Receive, Scope, Send
 from app.http.connection import MAX_HEADER_BYTES
-from app.http.server import HTTPServer
+from app.http.server import HTTPServer, restartable_port
 from tests.http.test_server import App, Conn, answer, get, post, read_all, serving
 
 UPGRADE = ("Connection: Upgrade, HTTP2-Settings", "Upgrade: h2c", "HTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA")
@@ -324,3 +326,13 @@ async def test_a_204_is_written_without_content_length_or_body_and_the_connectio
         status, _, body = await conn.response()
         assert (status, body) == (200, b"after")  # nothing of the 204's "body" was taken for this answer
         conn.close()
+
+
+def test_a_port_to_restart_on_is_free_and_below_the_ports_the_kernel_hands_out() -> None:
+    # The demo restarts its killed proxy on the same port: one the kernel gave out (a bind to port 0) could be
+    # given to another process's server in between ("address already in use", once under a loaded test run).
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    port = restartable_port()
+    assert 1024 <= port < low
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
