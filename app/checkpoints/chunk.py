@@ -33,7 +33,7 @@ class Chunk:
     """One chunk of a rank, from its first document (or its completion) until the manager drops it.
 
     `count` is the number of distinct documents in it (without a checkpoints
-    dir, the number written: nothing is remembered then), `ids` their ids,
+    dir, the number written: nothing is remembered then), `ids` their ids (`unsynced` those not yet durable),
     `output` the output writer and file name its documents went to, closed
     when it is published. `file` is its checkpoint file while open, `lock`
     serialises the writes to it.
@@ -43,6 +43,8 @@ class Chunk:
     state: ChunkState = ChunkState.OPEN
     count: int = 0
     ids: set[str] = field(default_factory=set)
+    #: Those of `ids` whose append waits for its fsync: not yet counted by a resume point.
+    unsynced: set[str] = field(default_factory=set)
     output: tuple[OutputWriter, str] | None = None
     warned_duplicate: bool = False  # a repeated id was logged once; the next are not
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)

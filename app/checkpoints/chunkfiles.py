@@ -53,6 +53,10 @@ class ChunkFiles:
                 await asyncio.to_thread(fsync_dir, os.path.dirname(path))
             except BaseException:
                 file.close()
+                # Empty, just made: removed, so that the retry creates it again and fsyncs its name (one
+                # left in place would be found there, and appended to with its name never made durable).
+                with contextlib.suppress(OSError):
+                    os.remove(path)
                 raise
         return file
 

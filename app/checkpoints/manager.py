@@ -62,7 +62,7 @@ from app.checkpoints.resume import (
     read_last_chunk,
     sorted_processed_ids,
 )
-from app.store.cache import RequestCache
+from app.store.cache import CacheWriteError, RequestCache
 from app.store.durable import atomic_write_bytes, fsync_dir, fsync_file
 from app.store.layout import META_FILENAME, CheckpointsLayout, RankPaths
 
@@ -217,6 +217,8 @@ class CheckpointManager:
         self._published = asyncio.Event()  # set (and replaced) as a chunk is published or a publication fails
         self._closing = False
         self._gone: BaseException | None = None  # a chunk forgotten as its file was gone, not said yet
+        #: The output writer last given (a write, a restore): told of a chunk published with no document.
+        self._writer: OutputWriter | None = None
 
     # ------------------------------------------------------------ chunk state
 
@@ -320,6 +322,7 @@ class CheckpointManager:
     ) -> BatchOutcome:
         lines = [encode_document(document) for document in documents]
         self._chunk_files.check_usable()
+        self._writer = output_writer_context
         if self.checkpoints_local_dir is None:
             # datatrove's behaviour without checkpoints: output only, nothing remembered.
             for document in documents:
@@ -368,16 +371,19 @@ class CheckpointManager:
                         name = output_writer_context._get_output_filename(first, rank, chunk_index=chunk_index)
                         chunk.output = (output_writer_context, name)
                     ids.update(fresh)
+                    chunk.unsynced.update(fresh)
                     chunk.count += len(fresh)
                     if chunk.count == self.records_per_chunk:
                         # Decided here, under the lock: a caller cancelled below cannot lose it.
                         chunk.mark_ready()
                 count = chunk.count
+                appended = set(chunk.unsynced)  # this write's and those before it: durable with its fsync
             finally:
                 chunk.lock.release()
             break
         # Outside the chunk lock, so the chunk's other writers share this fsync.
         await self._chunk_files.make_durable(chunk.file)
+        chunk.unsynced -= appended
         if self._publication_due():
             if self.publish_in_background:
                 self._start_publisher(rank)
@@ -518,9 +524,21 @@ class CheckpointManager:
             raise gone.with_traceback(None)
 
     async def _attempt(self, rank: int) -> None:
-        """One round of `_publish_ready`, keeping `publication_failure` up to date."""
+        """One round of `_publish_ready`, keeping `publication_failure` up to date. An error nobody foresaw
+        is a failure like an output's, retried with backoff: were it the publisher's end, the chunks
+        waiting would stay so, and past `max_waiting_chunks` the rank's writes be refused, until a
+        `publish_pending`."""
         try:
-            await self._publish_ready(rank)
+            try:
+                await self._publish_ready(rank)
+            except (PublishError, CheckpointDurabilityError, PublicationAbandoned):
+                raise
+            except Exception as exc:
+                logger.exception("publishing rank %d's chunks failed", rank)
+                raise PublishError(
+                    f"publishing rank {rank}'s chunks failed: {type(exc).__name__}: {exc}",
+                    where=str(self.checkpoints_local_dir),
+                ) from exc
         except PublishError as exc:
             if chunk_file_gone(exc):
                 raise  # no outage to retry: the chunk is forgotten (`_forget_chunk`)
@@ -560,10 +578,13 @@ class CheckpointManager:
 
     def resume_state(self) -> tuple[int, list[str]]:
         """`(docs_to_skip, processed_ids)` as `parse_existing_checkpoints` would return them now, the ids
-        sorted (as `GET /resume` lists them); `CheckpointDurabilityError` once an fsync failed, when what is
-        on disk is no longer known."""
+        sorted (as `GET /resume` lists them), but for those whose fsync has not returned yet (a job skips
+        what is listed: it must be on disk whatever crashes next); `CheckpointDurabilityError` once an fsync
+        failed, when what is on disk is no longer known."""
         self._chunk_files.check_usable()
-        ids = {index: chunk.ids for index, chunk in self._chunks.items()}
+        ids = {
+            index: chunk.ids - chunk.unsynced if chunk.unsynced else chunk.ids for index, chunk in self._chunks.items()
+        }
         return docs_to_skip(self.last_chunk_index, self.records_per_chunk), sorted_processed_ids(
             self.last_chunk_index, ids
         )
@@ -615,10 +636,20 @@ class CheckpointManager:
                             self._forget_chunk(rank, chunk)
                         raise
                     chunk.output = None
+                elif not chunk.count:
+                    await self._publish_empty(rank, chunk)
                 self._fault("output_closed")
                 chunk.mark_published()
                 self._signal_published()
         await self.update_last_chunk_index(rank)
+
+    async def _publish_empty(self, rank: int, chunk: Chunk) -> None:
+        """A chunk declared complete before any document of it was written (the job's last): nothing to
+        close, but an output writer that checks its output against `last_chunk` (`ChunkPublisher`) records
+        it as published empty, else it would take the chunk for one lost from the output."""
+        publish_empty = getattr(self._writer, "publish_empty", None)
+        if publish_empty is not None:
+            await asyncio.to_thread(publish_empty, rank, chunk.index)
 
     def _forget_chunk(self, rank: int, chunk: Chunk) -> None:
         """A complete chunk whose checkpoint file is gone (removed under the running proxy): forget it, as a
@@ -664,6 +695,7 @@ class CheckpointManager:
             return 0
         self._chunk_files.check_usable()
         self._ensure_meta()
+        self._writer = output_writer_context
         rewrite = getattr(output_writer_context, "needs_documents", True)
         async with self.checkpoint_file_lock:
             self.last_chunk_index = max(self.last_chunk_index, self._read_last_chunk(rank))
@@ -827,7 +859,15 @@ class CheckpointManager:
                 logger.info("Finished chunk %d", chunk_index)
                 self._drop(chunk)
                 if self.request_cache is not None:
-                    await self.request_cache.drop_chunk(chunk_index)
+                    try:
+                        await self.request_cache.drop_chunk(chunk_index)
+                    except CacheWriteError as exc:  # the chunk is done: its rows go at the cache's next commit
+                        logger.warning(
+                            "rank %d's chunk %d is published, its cached answers not dropped yet: %s",
+                            rank,
+                            chunk_index,
+                            exc,
+                        )
                 self._fault("cache_rows_dropped")
 
     def remaining(

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gzip
 import logging
 import os
@@ -57,7 +58,13 @@ import orjson
 
 from app.checkpoints.documents import NO_ROLLOUTS_MARKER
 from app.checkpoints.resume import last_published_chunk
-from app.store.durable import atomic_write_bytes, read_jsonl_whole_lines, temporary_target
+from app.store.durable import (
+    atomic_write_bytes,
+    make_dirs_durable,
+    read_jsonl_whole_lines,
+    read_regular,
+    temporary_target,
+)
 from app.store.layout import DEFAULT_OUTPUT_FILENAME, CheckpointsLayout, OutputNames, rank_name
 
 __all__ = [
@@ -191,6 +198,9 @@ class ChunkPublisher:
         self.holds_rank = holds_rank
         self._chunks: dict[str, tuple[int, int]] = {}
         self._abandon: dict[str, threading.Event] = {}  # name -> set to give its publication up
+        #: Whether this process has made (or found) the local output folder: from then on a publication
+        #: never makes it again, and fails while it is gone (`_publish_local`).
+        self._output_made = False
         self._fs: Any = None
         if is_remote(self.output):
             try:
@@ -313,8 +323,9 @@ class ChunkPublisher:
         return found
 
     # -- publishing
-    def _publish(self, name: str, abandon: threading.Event) -> None:
-        rank, chunk_index = self._chunks[name]
+    def _checker(self, name: str, rank: int, abandon: threading.Event) -> Callable[[], None]:
+        """What a publication calls between its pieces and before its rename: it raises
+        `PublicationAbandoned` once the publication is given up, or the rank is no longer this proxy's."""
 
         def check() -> None:
             if abandon.is_set():
@@ -324,35 +335,70 @@ class ChunkPublisher:
                     f"the publication of {name} was given up: this proxy no longer owns rank {rank}"
                 )
 
+        return check
+
+    def _publish(self, name: str, abandon: threading.Event) -> None:
+        rank, chunk_index = self._chunks[name]
+        check = self._checker(name, rank, abandon)
         paths = self.layout.rank(rank)
         data = self._render(paths.chunk_file(chunk_index), name)
         if data is None:
-            empty = self.empty_chunks(rank)
-            if chunk_index not in empty:
-                lines = "".join(f"{chunk}\n" for chunk in sorted({*empty, chunk_index}))
-                try:
-                    atomic_write_bytes(paths.empty_chunks_file, lines.encode(), check=check)
-                except OSError as exc:  # the checkpoints disk refused it, not the output: name that one
-                    logger.error("recording chunk %d of rank %d as published empty failed: %s", chunk_index, rank, exc)
-                    raise PublishError(
-                        f"recording chunk {chunk_index} (nothing in it to publish) in {paths.empty_chunks_file} "
-                        f"failed: {shortened(str(exc))}",
-                        where=self.layout.root,
-                    ) from exc
+            self._record_empty(rank, chunk_index, check)
         elif self._fs is not None:
             check()
             self._fs.pipe_file(f"{self._root.rstrip('/')}/{name}", data, **self._put_options)
         else:
-            atomic_write_bytes(os.path.join(self.output, name), data, check=check)
+            self._publish_local(name, data, check)
         self._chunks.pop(name, None)
+
+    def _publish_local(self, name: str, data: bytes, check: Callable[[], None]) -> None:
+        """Write `name` into the local output folder. The process's first publication makes the folder (the
+        start-up check found its parent); a later one that finds it gone fails (and is retried) rather than
+        make it again: a folder removed, or a file system unmounted under a running proxy (leaving its
+        empty mount point), would take the chunks where nobody looks for them, hidden once it is back."""
+        if not self._output_made:
+            make_dirs_durable(self.output)
+            self._output_made = True
+        try:
+            atomic_write_bytes(os.path.join(self.output, name), data, check=check, under=self.output)
+        except FileNotFoundError:
+            if os.path.lexists(self.output):
+                raise
+            raise FileNotFoundError(
+                errno.ENOENT,
+                f"the output folder {self.output} is gone (removed, or its file system unmounted): bring it "
+                f"back (the chunk is retried meanwhile), or restart with another --output",
+            ) from None
+
+    def publish_empty(self, rank: int, chunk_index: int) -> None:
+        """A chunk with no document at all (the job's last, declared complete before any of its documents
+        was written) is published as nothing: recorded so, not taken for a chunk lost from the output."""
+        check = self._checker(f"chunk {chunk_index} of rank {rank}", rank, threading.Event())
+        self._record_empty(rank, chunk_index, check)
+
+    def _record_empty(self, rank: int, chunk_index: int, check: Callable[[], None]) -> None:
+        paths = self.layout.rank(rank)
+        empty = self.empty_chunks(rank)
+        if chunk_index in empty:
+            return
+        lines = "".join(f"{chunk}\n" for chunk in sorted({*empty, chunk_index}))
+        try:
+            atomic_write_bytes(paths.empty_chunks_file, lines.encode(), check=check)
+        except OSError as exc:  # the checkpoints disk refused it, not the output: name that one
+            logger.error("recording chunk %d of rank %d as published empty failed: %s", chunk_index, rank, exc)
+            raise PublishError(
+                f"recording chunk {chunk_index} (nothing in it to publish) in {paths.empty_chunks_file} "
+                f"failed: {shortened(str(exc))}",
+                where=self.layout.root,
+            ) from exc
 
     def empty_chunks(self, rank: int) -> set[int]:
         """The rank's chunks published as nothing, as `<checkpoints>/empty_chunks/<rank>.txt` records them."""
-        try:
-            with open(self.layout.rank(rank).empty_chunks_file, "rb") as file:
-                return {int(line) for line in file.read().split() if line.isdigit()}
+        try:  # never through a link, never a FIFO (a checkpoints dir is shared)
+            data = read_regular(self.layout.rank(rank).empty_chunks_file)
         except FileNotFoundError:
             return set()
+        return {int(line) for line in data.split() if line.isdigit()}
 
     # -- what a restore checks
     def remove_stale_temporaries(self, rank: int) -> int:

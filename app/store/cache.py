@@ -222,6 +222,9 @@ class RequestCache:
         # Stored but not yet committed, and being committed: lookups see both.
         self._pending: dict[_Key, _Row] = {}
         self._committing: dict[_Key, _Row] = {}
+        # Chunks whose rows are to be deleted: kept until a commit deletes them (one the disk refused is
+        # retried by the writer with the rows).
+        self._drops: set[int] = set()
         self._has_pending = asyncio.Event()
         #: answers stored so far: a lookup that missed is still a miss while this has not moved
         self.stores = 0
@@ -392,10 +395,12 @@ class RequestCache:
         await self._commit()
 
     async def drop_chunk(self, chunk_index: int) -> None:
-        """Delete every entry of a chunk, including ones stored but not yet committed."""
+        """Delete every entry of a chunk, including ones stored but not yet committed. `CacheWriteError` if
+        the disk refuses it now: the drop stays queued, as stored rows do, and the writer retries it."""
         if self._writer is None:
             return
-        await self._commit(drop_chunk=chunk_index)
+        self._drops.add(chunk_index)
+        await self._commit()
 
     async def mark_document_complete(self, doc_id: str) -> None:
         """The document is finished: later lookups for it are misses without a query, until an answer
@@ -432,19 +437,18 @@ class RequestCache:
             self._complete.discard(row.doc_id)  # answered again: served again
         self._has_pending.set()
 
-    async def _commit(self, *, drop_chunk: int | None = None) -> None:
+    async def _commit(self) -> None:
         async with self._write_lock:
             writer = self._writer
             # Completed ids, once they are more than twice those that had answers at the last
             # sweep, are looked up here: amortised, a mark costs a set insertion.
             sweep = list(self._complete) if len(self._complete) > self._sweep_at else []
-            if writer is None or (not self._pending and drop_chunk is None and not sweep):
+            drops = sorted(self._drops)
+            if writer is None or (not self._pending and not drops and not sweep):
                 return  # closed meanwhile, or nothing to do
             batch, self._pending = self._pending, {}
             self._committing = batch
-            work = asyncio.ensure_future(
-                asyncio.to_thread(_write_batch, writer, list(batch.values()), drop_chunk, sweep)
-            )
+            work = asyncio.ensure_future(asyncio.to_thread(_write_batch, writer, list(batch.values()), drops, sweep))
             cancelled = False
             # The thread cannot be cancelled: hold the lock until it is done, so
             # that no second commit ever runs on the same connection.
@@ -459,6 +463,7 @@ class RequestCache:
             error = work.exception()
             if error is None:
                 unanswered, largest = work.result()
+                self._drops.difference_update(drops)
                 self._forget(unanswered)
                 self._before = min(self._before, largest)
                 if sweep:
@@ -466,7 +471,7 @@ class RequestCache:
             else:
                 # Keep the rows for the next attempt; anything stored since is newer and wins.
                 self._pending = batch | self._pending
-                if self._pending:
+                if self._pending or self._drops:
                     self._has_pending.set()
             if cancelled:
                 raise asyncio.CancelledError
@@ -620,17 +625,18 @@ def _insert_rows(conn: sqlite3.Connection, rows: list[_Row]) -> None:
 
 
 def _write_batch(
-    conn: sqlite3.Connection, rows: list[_Row], drop_chunk: int | None = None, sweep: Sequence[str] = ()
+    conn: sqlite3.Connection, rows: list[_Row], drop_chunks: Sequence[int] = (), sweep: Sequence[str] = ()
 ) -> tuple[list[str], int]:
-    """Insert `rows`, then delete the chunk `drop_chunk`, in one transaction. Returns the documents of
+    """Insert `rows`, then delete the chunks `drop_chunks`, in one transaction. Returns the documents of
     `sweep` without any answer then, and the largest rowid after the drop (2**63 without one)."""
     largest = 2**63
     conn.execute("BEGIN")
     try:
         if rows:
             _insert_rows(conn, rows)
-        if drop_chunk is not None:
-            conn.execute("DELETE FROM request_cache WHERE chunk_index = ?", (drop_chunk,))
+        for chunk_index in drop_chunks:
+            conn.execute("DELETE FROM request_cache WHERE chunk_index = ?", (chunk_index,))
+        if drop_chunks:
             largest = conn.execute("SELECT max(rowid) FROM request_cache").fetchone()[0] or 0
         unanswered = _without_answers(conn, sweep)
         conn.execute("COMMIT")

@@ -75,30 +75,56 @@ def fsync_file(path: str) -> None:
         os.close(fd)
 
 
-def make_dirs_durable(path: str) -> None:
-    """Create `path` and any missing parents, fsyncing each parent that gained an entry."""
+def make_dirs_durable(path: str, *, under: str | None = None) -> None:
+    """Create `path` and any missing parents, fsyncing each parent that gained an entry.
+
+    A folder whose parent's fsync fails is removed again (it is empty: just made), so that a retry makes
+    it, and fsyncs its parent, anew: one left in place would be found there and its name never made
+    durable. `under`, if given, must exist already: only folders below it are created (a local output
+    folder gone under a running proxy, its file system unmounted, is not made again on the mount point).
+    """
     missing: list[str] = []
     current = os.path.abspath(path)
+    top = os.path.abspath(under) if under is not None else None
     while not os.path.isdir(current):
+        if current == top:
+            if os.path.lexists(top):
+                raise NotADirectoryError(errno.ENOTDIR, "Not a directory", top)
+            raise FileNotFoundError(errno.ENOENT, "the folder is gone (removed, or its file system unmounted)", top)
         missing.append(current)
         current = os.path.dirname(current)
     for directory in reversed(missing):
-        with contextlib.suppress(FileExistsError):
+        try:
             os.mkdir(directory)
-        fsync_dir(os.path.dirname(directory))
+        except FileExistsError:
+            if not os.path.isdir(directory):  # a file where the folder should be
+                raise NotADirectoryError(errno.ENOTDIR, "Not a directory", directory) from None
+            made = False  # made by another meanwhile
+        else:
+            made = True
+        try:
+            fsync_dir(os.path.dirname(directory))
+        except OSError:
+            if made:
+                with contextlib.suppress(OSError):
+                    os.rmdir(directory)
+            raise
 
 
-def atomic_write_bytes(path: str, data: bytes, *, check: Callable[[], None] | None = None) -> None:
+def atomic_write_bytes(
+    path: str, data: bytes, *, check: Callable[[], None] | None = None, under: str | None = None
+) -> None:
     """Replace `path` with `data`: readers see the old content or the new, never a mix.
 
     The temporary name is unique to this write (`.<name>.<random>.tmp`), so two writers of one
     path never meet in one file: a writer that lost the right to write (a rank taken over by another
     proxy) cannot truncate or cut the other's. `check`, if given, is called before each piece of
     `data` is written and once more just before the rename: raising from it gives the write up,
-    the temporary file removed and `path` untouched.
+    the temporary file removed and `path` untouched. `under`: the folder that must exist already, as
+    `make_dirs_durable` takes it.
     """
     directory = os.path.dirname(os.path.abspath(path))
-    make_dirs_durable(directory)
+    make_dirs_durable(directory, under=under)
     tmp_path = _durable_temp(path, data, check=check)
     try:
         if check is not None:
@@ -245,15 +271,27 @@ class GroupSync:
     `await sync(file)` returns once an fsync of `file` that started after the
     call has finished. Writers arriving while an fsync runs are served
     together by the next one, so N concurrent writers cost about two fsyncs,
-    not N. An fsync error reaches every writer of that round.
+    not N. An fsync error reaches every writer of that round, and every later one (`failed`): Linux
+    reports a writeback error once, so the next fsync's success would say nothing of the pages it lost.
     """
 
     def __init__(self) -> None:
         self._dirty: dict[int, AppendFile] = {}
         self._waiters: list[asyncio.Future[None]] = []
         self._runner: asyncio.Task[None] | None = None
+        #: The error of the first fsync that failed, if one did.
+        self.failed: OSError | None = None
+
+    def _refusal(self) -> OSError:
+        failed = self.failed
+        assert failed is not None
+        error = OSError(failed.errno, f"an earlier fsync of these files failed ({failed})")
+        error.__cause__ = failed
+        return error
 
     async def sync(self, *files: AppendFile) -> None:
+        if self.failed is not None:
+            raise self._refusal()
         for file in files:
             self._dirty[id(file)] = file
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -275,8 +313,12 @@ class GroupSync:
                 self._dirty = {}
                 fds = [f._pin() for f in files]
                 try:
+                    if self.failed is not None:  # joined while the round that failed ran
+                        raise self._refusal()
                     await asyncio.to_thread(_fsync_all, fds)
                 except BaseException as exc:  # every waiter learns of it; none hangs
+                    if isinstance(exc, OSError) and self.failed is None:
+                        self.failed = exc
                     for waiter in waiters:
                         if not waiter.done():
                             waiter.set_exception(exc)

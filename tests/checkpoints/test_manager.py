@@ -6,11 +6,13 @@ import asyncio
 import errno
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+import app.checkpoints.chunkfiles
 import app.store.durable
 from app.checkpoints.chunk import Chunk, ChunkState
 from app.checkpoints.documents import DocumentError
@@ -21,6 +23,7 @@ from app.checkpoints.manager import (
     Document,
     RecordsPerChunkMismatch,
 )
+from app.store.cache import CacheWriteError
 from app.store.durable import UnsafeFileError
 from tests.factories import (
     RecordingWriter,
@@ -33,6 +36,7 @@ from tests.factories import (
     open_cache,
     write_chunk_file,
 )
+from tests.waiting import eventually
 
 
 async def write_all(cm: CheckpointManager, docs: list[Document], writer: RecordingWriter, start: int = 0) -> None:
@@ -470,6 +474,160 @@ async def test_a_failed_fsync_stops_the_manager_until_a_restart(
     with pytest.raises(OSError, match="Restart the job"):
         await cm.write_document(document("c"), 0, 0, writer)
     assert await manager(tmp_path, 10).parse_existing_checkpoints(0, RecordingWriter()) == (0, {"a", "b"})
+
+
+@pytest.mark.parametrize("second", ["x", "y"], ids=["a-retry-of-the-failed-write", "a-new-document"])
+async def test_a_write_whose_fsync_round_follows_a_failed_one_is_refused_too(
+    tmp_path: Path, writer: RecordingWriter, monkeypatch: pytest.MonkeyPatch, second: str
+) -> None:
+    """Linux reports a writeback error to one fsync: the next round's succeeds, though the pages of the first
+    round (the retried document's among them) may be lost. A write waiting for that round is not acknowledged."""
+    cm = manager(tmp_path, 10)
+    await cm.write_document(document("a"), 0, 0, writer)
+    real_fsync, entered, release = os.fsync, threading.Event(), threading.Event()
+    calls = 0
+
+    def fsync(fd: int) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            entered.set()
+            release.wait(10)
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    monkeypatch.setattr(app.store.durable.os, "fsync", fsync)
+    first = asyncio.create_task(cm.write_document(document("x"), 0, 0, writer))
+    await asyncio.to_thread(entered.wait, 10)
+    following = asyncio.create_task(cm.write_document(document(second), 0, 0, writer))
+    await eventually(lambda: cm._chunk_files._sync._waiters, "the write never waited for the next fsync round")
+    release.set()
+    with pytest.raises(OSError, match="could not be made durable"):
+        await first
+    with pytest.raises(OSError, match="could not be made durable"):
+        await following
+    assert calls == 1  # no second fsync was taken for an answer
+
+
+async def test_a_chunk_file_whose_folder_fsync_failed_is_made_again_by_the_retry(
+    tmp_path: Path, writer: RecordingWriter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Were the file left in place, the retry would find it and append to it with its name never made durable."""
+    cm = manager(tmp_path, 10)
+    rank_dir = os.path.dirname(chunk_path(tmp_path, 0))
+    real, synced, failures = app.checkpoints.chunkfiles.fsync_dir, [], [OSError(errno.EIO, "Input/output error")]
+
+    def fsync_dir(path: str) -> None:
+        if failures and os.path.abspath(path) == rank_dir:
+            raise failures.pop()
+        synced.append(os.path.abspath(path))
+        real(path)
+
+    monkeypatch.setattr(app.checkpoints.chunkfiles, "fsync_dir", fsync_dir)
+    with pytest.raises(OSError, match="Input/output error"):
+        await cm.write_document(document("a"), 0, 0, writer)
+    assert not os.path.exists(chunk_path(tmp_path, 0))
+    assert (await cm.write_document(document("a"), 0, 0, writer)).written == 1
+    assert synced == [rank_dir]
+    assert chunk_ids(tmp_path, 0) == ["a"]
+
+
+async def test_resume_never_lists_a_document_whose_fsync_has_not_returned(
+    tmp_path: Path, writer: RecordingWriter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resume waits a while for the writes under way (`writes_settled`), not for ever: a stalled file system
+    outlasts it. A document listed is skipped by the job, so it must be on disk whatever crashes next."""
+    cm = manager(tmp_path, 10)
+    await cm.write_document(document("a"), 0, 0, writer)
+    stalled = asyncio.Event()
+    real_sync = cm._chunk_files._sync.sync
+
+    async def stalled_sync(*files: Any) -> None:
+        await stalled.wait()
+        await real_sync(*files)
+
+    monkeypatch.setattr(cm._chunk_files._sync, "sync", stalled_sync)
+    write = asyncio.create_task(cm.write_document(document("x"), 0, 0, writer))
+    await cm.writes_settled(0.05)
+    assert cm.resume_state() == (0, ["a"])
+    stalled.set()
+    await write
+    assert cm.resume_state() == (0, ["a", "x"])
+
+
+async def test_a_write_cancelled_before_its_fsync_is_listed_once_a_later_write_is_durable(
+    tmp_path: Path, writer: RecordingWriter, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cm = manager(tmp_path, 10)
+    release = asyncio.Event()
+    real_sync = cm._chunk_files._sync.sync
+
+    async def slow_sync(*files: Any) -> None:
+        await release.wait()
+        await real_sync(*files)
+
+    monkeypatch.setattr(cm._chunk_files._sync, "sync", slow_sync)
+    cancelled = asyncio.create_task(cm.write_document(document("a"), 0, 0, writer))
+    await asyncio.sleep(0.01)
+    cancelled.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled
+    assert cm.resume_state() == (0, [])
+    release.set()
+    await cm.write_document(document("b"), 0, 0, writer)
+    assert cm.resume_state() == (0, ["a", "b"])
+
+
+class CacheRefusingOnce:
+    """A request cache whose first `drop_chunk` fails as a full disk makes it fail."""
+
+    def __init__(self) -> None:
+        self.dropped: list[int] = []
+        self.refused = False
+
+    async def drop_chunk(self, chunk_index: int) -> None:
+        if not self.refused:
+            self.refused = True
+            raise CacheWriteError("could not commit 0 cache entries: database or disk is full")
+        self.dropped.append(chunk_index)
+
+
+class OutputFailingOnce(RecordingWriter):
+    """An output writer whose first close raises what nobody foresaw."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.failed = False
+
+    def close_file(self, original_name: str) -> None:
+        if not self.failed:
+            self.failed = True
+            raise RuntimeError("an unforeseen bug")
+        super().close_file(original_name)
+
+
+async def test_the_background_publisher_outlives_a_refused_cache_drop_and_an_unforeseen_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Either used to end the publisher for good: past max_waiting_chunks every write was then refused (503)
+    until a resume or a completion came, and the rank was never idle."""
+    writer, cache = OutputFailingOnce(), CacheRefusingOnce()
+    cm = manager(
+        tmp_path, 1, request_cache=cache, publish_in_background=True, max_waiting_chunks=1,
+        backlog_wait_s=5, retry_backoff_s=0.01, max_retry_backoff_s=0.01,
+    )  # fmt: skip
+    with caplog.at_level(logging.WARNING, logger="app.checkpoints.manager"):
+        await cm.write_document(document("a"), 0, 0, writer)  # its publication fails, then its cache drop
+        await eventually(lambda: cm.last_chunk_index == 0, "the publisher stopped at the unforeseen error")
+        await cm.write_document(document("b"), 0, 1, writer)  # taken: the publisher is there for it
+        await cm.write_document(document("c"), 0, 2, writer)
+        await eventually(lambda: cm.last_chunk_index == 2, "the publisher stopped at the cache's refusal")
+    assert writer.closed == [f"00000_chunk_{index}.jsonl" for index in range(3)]
+    assert "an unforeseen bug" in caplog.text
+    assert "chunk 0 is published, its cached answers not dropped yet" in caplog.text
+    assert cache.dropped == [1, 2]
+    assert cm.publication_failure is None
+    await cm.close()
 
 
 async def test_a_completing_write_cancelled_while_it_waits_for_fsync_still_completes_the_chunk(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -15,8 +16,9 @@ from app.checkpoints.manager import CheckpointManager
 from app.checkpoints.publish import ChunkPublisher, PublishError
 from app.checkpoints.resume import last_published_chunk
 from app.store.layout import OutputNames
-from tests.factories import document, documents, manager
+from tests.factories import chunk_path, document, documents, manager
 from tests.faults import SimulatedCrash
+from tests.waiting import eventually
 
 
 async def test_a_chunk_file_appears_only_when_complete_and_then_whole(tmp_path: Path) -> None:
@@ -63,6 +65,46 @@ async def test_a_chunk_of_removed_documents_publishes_no_file(tmp_path: Path) ->
         await cm.write_document(document("d"), 0, 1, writer)
     assert os.listdir(tmp_path / "out") == ["00000_chunk_1.jsonl"]
     assert cm.last_chunk_index == 1
+
+
+async def test_a_last_chunk_declared_complete_with_no_document_is_published_empty_not_lost(tmp_path: Path) -> None:
+    ckpt, out = tmp_path / "ckpt", tmp_path / "out"
+    publisher = ChunkPublisher(str(out), str(ckpt))
+    cm = manager(ckpt, 2)
+    await cm.restore(0, publisher)
+    for doc_id in ("a", "b"):
+        await cm.write_document(document(doc_id), 0, 0, publisher)
+    await cm.cleanup_last_chunk(0, 1)  # none of chunk 1's documents was written (all failed)
+    assert cm.last_chunk_index == 1
+    assert publisher.empty_chunks(0) == {1}
+    assert publisher.missing_chunks(0, 1) == []  # else every later request of the rank were a 409 output_lost
+    assert os.listdir(out) == ["00000_chunk_0.jsonl"]
+
+
+async def test_an_output_folder_gone_under_the_proxy_is_not_made_again_and_the_chunk_waits_for_it(
+    tmp_path: Path,
+) -> None:
+    """A file system unmounted under the proxy leaves its empty mount point: a folder made there would take the
+    chunks where nobody looks, hidden once the file system is back, and their checkpoints deleted."""
+    ckpt, mount = tmp_path / "ckpt", tmp_path / "mnt"
+    out = mount / "job" / "out"
+    out.mkdir(parents=True)
+    publisher = ChunkPublisher(str(out), str(ckpt))
+    cm = manager(ckpt, 1, publish_in_background=True, retry_backoff_s=0.01, max_retry_backoff_s=0.05)
+    await cm.restore(0, publisher)
+    await cm.write_document(document("a"), 0, 0, publisher)
+    await cm.publish_pending(0)
+    shutil.rmtree(mount / "job")  # unmounted
+    await cm.write_document(document("b"), 0, 1, publisher)
+    with pytest.raises(PublishError, match=r"the output folder .*/mnt/job/out is gone .*bring it back"):
+        await cm.publish_pending(0)
+    assert not (mount / "job").exists()
+    assert cm.waiting_chunks() == [1]
+    assert os.path.exists(chunk_path(ckpt, 1))
+    out.mkdir(parents=True)  # mounted again
+    await eventually(lambda: cm.last_chunk_index == 1, "chunk 1 was never published once its output was back")
+    assert os.listdir(out) == ["00000_chunk_1.jsonl"]
+    await cm.close()
 
 
 async def test_names_and_lines_match_datatrove_jsonl_writer(tmp_path: Path) -> None:

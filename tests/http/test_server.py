@@ -8,7 +8,7 @@ import gc
 import json
 import logging
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -18,6 +18,7 @@ from app.http.connection import MAX_HEADER_BYTES, HTTPConnection
 from app.http.exchange import HIGH_WATER
 from app.http.server import HTTPServer
 from app.service.asgi import Message, Receive, Scope, Send
+from tests.waiting import eventually
 
 
 class App:
@@ -227,15 +228,6 @@ async def test_a_closed_connection_is_freed_at_once_without_the_cyclic_collector
             await eventually(lambda: ref() is None, "the closed connection is left for the cyclic collector")
         finally:
             gc.enable()
-
-
-async def eventually(condition: Callable[[], bool], failure: str) -> None:
-    """Until `condition()` holds, looking every 10 ms for at most 5 s."""
-    for _ in range(500):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(failure)
 
 
 async def test_pipelined_requests_are_answered_in_order_even_when_a_fast_answer_could_overtake() -> None:

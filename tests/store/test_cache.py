@@ -18,6 +18,7 @@ from app.store.durable import is_disk_full
 from app.store.hashing import payload_hash
 from tests.factories import open_cache
 from tests.servers import free_port, wait_for_http
+from tests.waiting import eventually
 
 PAYLOAD = {"messages": [{"role": "user", "content": "hello"}]}
 H = payload_hash(PAYLOAD)
@@ -183,6 +184,23 @@ async def test_a_commit_a_full_disk_refuses_is_a_cache_write_error_caused_by_it(
     cache._writer.execute(f"PRAGMA max_page_count = {2**30}")  # space freed: the queued row is committed
     await cache.flush()
     assert [r[1] for r in rows(tmp_path)] == ["a"]
+    await cache.close()
+
+
+async def test_a_drop_the_disk_refused_stays_queued_and_the_writer_does_it_once_it_can(tmp_path: Path) -> None:
+    cache = await opened(tmp_path, flush_interval_ms=10)
+    await cache.store_result(0, "a", 0, {"v": "a"}, payload_hash=H)
+    await cache.store_result(1, "b", 0, {"v": "b"}, payload_hash=H)
+    await cache.flush()
+    assert cache._writer is not None
+    pages = cache._writer.execute("PRAGMA page_count").fetchone()[0]
+    cache._writer.execute(f"PRAGMA max_page_count = {pages}")
+    await cache.store_result(1, "c", 0, {"v": "x" * 100_000}, payload_hash=H)
+    with pytest.raises(CacheWriteError, match="database or disk is full"):
+        await cache.drop_chunk(0)
+    assert [r[1] for r in rows(tmp_path)] == ["a", "b"]
+    cache._writer.execute(f"PRAGMA max_page_count = {2**30}")  # space freed: nobody asks for the drop again
+    await eventually(lambda: [r[1] for r in rows(tmp_path)] == ["b", "c"], "the queued drop was never done")
     await cache.close()
 
 

@@ -18,6 +18,7 @@ from app.store.durable import (
     atomic_write_bytes,
     create_exclusive_bytes,
     is_disk_full,
+    make_dirs_durable,
     read_jsonl_repairing_tail,
     read_jsonl_whole_lines,
     read_regular,
@@ -165,6 +166,67 @@ async def test_fsync_error_reaches_every_waiter(tmp_path: Path, monkeypatch: pyt
     results = await asyncio.gather(*(group.sync(file) for _ in range(3)), return_exceptions=True)
     file.close()
     assert all(isinstance(r, OSError) for r in results)
+
+
+async def test_after_a_failed_fsync_every_later_sync_fails_though_the_kernel_reports_it_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+
+    def once(fd: int) -> None:
+        calls.append(fd)
+        if len(calls) == 1:
+            raise OSError(errno.EIO, "I/O error")
+
+    monkeypatch.setattr(app.store.durable.os, "fsync", once)
+    group = GroupSync()
+    file = AppendFile(str(tmp_path / "f"))
+    with pytest.raises(OSError, match="I/O error"):
+        await group.sync(file)
+    file.append(b"later\n")
+    with pytest.raises(OSError, match=r"an earlier fsync of these files failed \(\[Errno 5\] I/O error\)"):
+        await group.sync(file)
+    file.close()
+    assert len(calls) == 1
+    assert isinstance(group.failed, OSError)
+    assert group.failed.errno == errno.EIO
+
+
+def test_a_folder_whose_parent_fsync_failed_is_removed_so_that_a_retry_makes_it_durably(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real, synced = app.store.durable.fsync_dir, []
+    failures = [OSError(errno.EIO, "I/O error")]
+
+    def fsync_dir(path: str) -> None:
+        if failures:
+            raise failures.pop()
+        synced.append(path)
+        real(path)
+
+    monkeypatch.setattr(app.store.durable, "fsync_dir", fsync_dir)
+    with pytest.raises(OSError, match="I/O error"):
+        make_dirs_durable(str(tmp_path / "a" / "b"))
+    assert not (tmp_path / "a").exists()
+    make_dirs_durable(str(tmp_path / "a" / "b"))
+    assert synced == [str(tmp_path), str(tmp_path / "a")]
+
+
+def test_a_file_where_a_folder_should_be_is_not_a_directory(tmp_path: Path) -> None:
+    (tmp_path / "out").write_text("a file")
+    with pytest.raises(NotADirectoryError):
+        make_dirs_durable(str(tmp_path / "out"))
+    with pytest.raises(NotADirectoryError):
+        atomic_write_bytes(str(tmp_path / "out" / "f"), b"x", under=str(tmp_path / "out"))
+
+
+def test_a_write_under_a_folder_that_is_gone_makes_nothing(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="the folder is gone"):
+        atomic_write_bytes(str(tmp_path / "out" / "rank" / "f"), b"x", under=str(tmp_path / "out"))
+    assert list(tmp_path.iterdir()) == []
+    (tmp_path / "out").mkdir()
+    atomic_write_bytes(str(tmp_path / "out" / "rank" / "f"), b"x", under=str(tmp_path / "out"))
+    assert (tmp_path / "out" / "rank" / "f").read_bytes() == b"x"
 
 
 @pytest.mark.parametrize(
