@@ -47,6 +47,25 @@ async def write_all(cm: CheckpointManager, docs: list[Document], writer: Recordi
             await cm.write_document(doc, 0, chunk_index, writer)
 
 
+def held_fsyncs(cm: CheckpointManager, monkeypatch: pytest.MonkeyPatch) -> asyncio.Event:
+    """The manager's fsyncs wait, from now on, until the event returned is set (a stalled file system)."""
+    release = asyncio.Event()
+    real_sync = cm._chunk_files._sync.sync
+
+    async def held(*files: Any) -> None:
+        await release.wait()
+        await real_sync(*files)
+
+    monkeypatch.setattr(cm._chunk_files._sync, "sync", held)
+    return release
+
+
+async def waits_for_its_fsync(cm: CheckpointManager, chunk_index: int, doc_id: str) -> None:
+    """Until the write of `doc_id` is appended and waits for its fsync."""
+    chunk = lambda: cm._chunks.get(chunk_index)  # noqa: E731
+    await eventually(lambda: doc_id in getattr(chunk(), "unsynced", ()), f"{doc_id} was never appended")
+
+
 def read_last_chunk(root: Path) -> str:
     return Path(last_chunk_path(root)).read_text()
 
@@ -539,15 +558,9 @@ async def test_resume_never_lists_a_document_whose_fsync_has_not_returned(
     outlasts it. A document listed is skipped by the job, so it must be on disk whatever crashes next."""
     cm = manager(tmp_path, 10)
     await cm.write_document(document("a"), 0, 0, writer)
-    stalled = asyncio.Event()
-    real_sync = cm._chunk_files._sync.sync
-
-    async def stalled_sync(*files: Any) -> None:
-        await stalled.wait()
-        await real_sync(*files)
-
-    monkeypatch.setattr(cm._chunk_files._sync, "sync", stalled_sync)
+    stalled = held_fsyncs(cm, monkeypatch)
     write = asyncio.create_task(cm.write_document(document("x"), 0, 0, writer))
+    await waits_for_its_fsync(cm, 0, "x")
     await cm.writes_settled(0.05)
     assert cm.resume_state() == (0, ["a"])
     stalled.set()
@@ -559,16 +572,9 @@ async def test_a_write_cancelled_before_its_fsync_is_listed_once_a_later_write_i
     tmp_path: Path, writer: RecordingWriter, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cm = manager(tmp_path, 10)
-    release = asyncio.Event()
-    real_sync = cm._chunk_files._sync.sync
-
-    async def slow_sync(*files: Any) -> None:
-        await release.wait()
-        await real_sync(*files)
-
-    monkeypatch.setattr(cm._chunk_files._sync, "sync", slow_sync)
+    release = held_fsyncs(cm, monkeypatch)
     cancelled = asyncio.create_task(cm.write_document(document("a"), 0, 0, writer))
-    await asyncio.sleep(0.01)
+    await waits_for_its_fsync(cm, 0, "a")
     cancelled.cancel()
     with pytest.raises(asyncio.CancelledError):
         await cancelled
@@ -635,16 +641,9 @@ async def test_a_completing_write_cancelled_while_it_waits_for_fsync_still_compl
 ) -> None:
     cm = manager(tmp_path, 2)
     await cm.write_document(document("a"), 0, 0, writer)
-    release = asyncio.Event()
-    real_sync = cm._chunk_files._sync.sync
-
-    async def slow_sync(*files: Any) -> None:
-        await release.wait()
-        await real_sync(*files)
-
-    monkeypatch.setattr(cm._chunk_files._sync, "sync", slow_sync)
+    release = held_fsyncs(cm, monkeypatch)
     completing = asyncio.create_task(cm.write_document(document("b"), 0, 0, writer))
-    await asyncio.sleep(0.01)
+    await waits_for_its_fsync(cm, 0, "b")
     completing.cancel()
     release.set()
     with pytest.raises(asyncio.CancelledError):
