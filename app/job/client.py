@@ -200,10 +200,17 @@ class ProxyJob:
             raise
 
     async def lookup(
-        self, doc_id: str, rollout_idx: int, body: dict[str, Any], *, datatrove_hash: str | None = None
+        self,
+        doc_id: str,
+        rollout_idx: int,
+        body: dict[str, Any],
+        *,
+        datatrove_hash: str | None = None,
+        path: str | None = None,
     ) -> dict[str, Any] | None:
         """The answer the proxy has cached for this request, or None (send the request itself).
-        `datatrove_hash`: the request's `X-Datatrove-Payload-Hash`, which keys it instead of `body`.
+        `datatrove_hash`: the request's `X-Datatrove-Payload-Hash`, which keys it instead of `body`; `path`:
+        the route it goes to (`/v1/chat/completions` or `/v1/completions`), whose answers only are found.
 
         `{"status", "content_type", "body"}` (`"text"` instead of `"body"` for
         an answer that is not JSON), as `POST /lookup` gives it. Lookups made
@@ -220,6 +227,8 @@ class ProxyJob:
             item = {"doc_id": doc_id, "rollout_idx": rollout_idx, "body": body}
             if datatrove_hash is not None:
                 item["datatrove_payload_hash"] = datatrove_hash
+            if path is not None:
+                item["path"] = path
             key = orjson.dumps(item)
         except TypeError:
             return None

@@ -182,7 +182,7 @@ class InferProxy(FastAPI):
             return None
         started = time.perf_counter() if self.request_log.hit_due() else 0.0
         try:
-            found = lookup(services.caches.opened, headers, body)
+            found = lookup(services.caches.opened, path, headers, body)
         except ProxyError:  # a bad header or body: the ASGI path answers with its error
             return None
         extensions[LOOKUP] = found

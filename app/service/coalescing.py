@@ -14,8 +14,8 @@ from collections.abc import Iterator
 
 from app.store.cache import StoredResponse
 
-#: (rank, doc_id, rollout_idx, payload_hash): the cache key of a request.
-CacheKey = tuple[int, str, int, str]
+#: (rank, doc_id, rollout_idx, payload_hash, route): the cache key of a request, and where it goes.
+CacheKey = tuple[int, str, int, str, str]
 
 
 class Flight:

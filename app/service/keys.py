@@ -168,9 +168,10 @@ class Lookup(NamedTuple):
 LOOKUP = "inferproxy.lookup"
 
 
-def lookup(opened: Callable[[int], RequestCache | None], headers: Headers, body: bytes) -> Lookup:
-    """Parse the cache key from `headers`, hash `body`, find the stored answer in the rank's open cache
-    (`opened(rank)`: the service's caches' `opened`, None for a rank whose cache is not open).
+def lookup(opened: Callable[[int], RequestCache | None], path: str, headers: Headers, body: bytes) -> Lookup:
+    """Parse the cache key from `headers`, hash `body`, find the stored answer for `path` (one of
+    `CACHEABLE_PATHS`) in the rank's open cache (`opened(rank)`: the service's caches' `opened`, None for a
+    rank whose cache is not open).
 
     The one lookup of both paths: `answer_fast` (synchronously, in the server's protocol callback)
     and `cacheable` (the ASGI path). `BadRequest` for a bad header or body.
@@ -182,7 +183,9 @@ def lookup(opened: Callable[[int], RequestCache | None], headers: Headers, body:
     cache = opened(key.rank)
     if cache is None:
         return Lookup(key, body, digest, None, False)  # not looked: the cache is not open
-    hit = cache.get_response(key.doc_id, key.rollout_idx, digest, datatrove_results=key.datatrove_hash is not None)
+    hit = cache.get_response(
+        key.doc_id, key.rollout_idx, digest, datatrove_results=key.datatrove_hash is not None, endpoint=path
+    )
     return Lookup(key, body, digest, hit, True, cache, cache.stores)
 
 

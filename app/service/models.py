@@ -85,6 +85,9 @@ class LookupKey(Strict):
         pattern="^[0-9a-f]{32}$",
         description="as `X-Datatrove-Payload-Hash`: the key's payload hash instead of the body's",
     )
+    path: Literal["/v1/chat/completions", "/v1/completions"] | None = Field(
+        None, description="the route the request goes to: only an answer stored for it is found (absent: any)"
+    )
 
 
 class Lookups(RootModel[list[LookupKey]]):

@@ -40,10 +40,10 @@ def store_if_kept(
     *,
     whole: bool,
     error_statuses: list[int],
-    chat: bool,
+    path: str,
 ) -> None:
-    """Store `answer` in `cache` if the policy keeps it; say so when a 2xx is an error in disguise.
-    `chat`: the request's path is `/v1/chat/completions` (else `/v1/completions`)."""
+    """Store `answer` in `cache` if the policy keeps it, for the request's `path` (`/v1/chat/completions` or
+    `/v1/completions`: it is served to that route only); say so when a 2xx is an error in disguise."""
     disguised = error_in_disguise(answer) if whole and 200 <= answer.status < 300 else None
     if disguised is not None:
         logger.warning(
@@ -63,12 +63,14 @@ def store_if_kept(
     ):
         chunk_index = NO_CHUNK if key.chunk_index is None else key.chunk_index
         if key.datatrove_hash is None:
-            cache.store_response(chunk_index, key.doc_id, key.rollout_idx, digest, answer)
+            cache.store_response(chunk_index, key.doc_id, key.rollout_idx, digest, answer, endpoint=path)
             return
-        stored = datatrove_form(answer, chat=chat)
+        stored = datatrove_form(answer, chat=path == "/v1/chat/completions")
         if stored is not None:
             form, error_message = stored
-            cache.store_response(chunk_index, key.doc_id, key.rollout_idx, digest, form, error_message=error_message)
+            cache.store_response(
+                chunk_index, key.doc_id, key.rollout_idx, digest, form, error_message=error_message, endpoint=path
+            )
 
 
 def datatrove_form(answer: StoredResponse, *, chat: bool) -> tuple[StoredResponse, str | None] | None:

@@ -105,16 +105,24 @@ MIGRATIONS: tuple[tuple[str, str], ...] = (
         ALTER TABLE request_cache ADD COLUMN streamed INTEGER NOT NULL DEFAULT 0;
         """,
     ),
+    (
+        # The route an answer was stored for (`/v1/chat/completions`, `/v1/completions`): a body sent to the
+        # other is answered by it, not with this answer. NULL in a row datatrove wrote: served to either.
+        "0003_endpoint_column",
+        """
+        ALTER TABLE request_cache ADD COLUMN endpoint TEXT;
+        """,
+    ),
 )
 
 _INSERT = (
     # OR REPLACE: the newest answer for a key wins, as in datatrove.
     "INSERT OR REPLACE INTO request_cache (chunk_index, doc_id, rollout_idx, payload_hash, "
-    "result, error_message, status_code, content_type, streamed) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)"
+    "result, error_message, status_code, content_type, streamed, endpoint) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
 )
 _SELECT = "SELECT result, error_message FROM request_cache WHERE doc_id = ? AND rollout_idx = ? AND payload_hash = ?"
 _SELECT_RESPONSE = (
-    "SELECT result, error_message, status_code, content_type, streamed FROM request_cache "
+    "SELECT result, error_message, status_code, content_type, streamed, endpoint FROM request_cache "
     "WHERE doc_id = ? AND rollout_idx = ? AND payload_hash = ?"
 )
 # Covered by the primary key's index (its entries hold the rowid): no table page is read.
@@ -166,6 +174,7 @@ class _Row(NamedTuple):
     status_code: int | None
     content_type: str | None
     streamed: int
+    endpoint: str | None = None
 
 
 _Key = tuple[str, int, str]
@@ -323,9 +332,18 @@ class RequestCache:
         self._queue(_Row(chunk_index, doc_id, rollout_idx, payload_hash, None, error_message, None, None, 0))
 
     def get_response(
-        self, doc_id: str, rollout_idx: int, payload_hash: str, *, datatrove_results: bool = True
+        self,
+        doc_id: str,
+        rollout_idx: int,
+        payload_hash: str,
+        *,
+        datatrove_results: bool = True,
+        endpoint: str | None = None,
     ) -> StoredResponse | None:
         """The proxy's lookup: the stored HTTP answer for the key, or None. Synchronous: one point query.
+
+        `endpoint`, the request's route: an answer stored for another is None (the same body sent to
+        `/v1/completions` and to `/v1/chat/completions` gets two different answers, or errors).
 
         Without `datatrove_results` (a request keyed by its body's hash, not datatrove's), a result in
         datatrove's form is None too: stored for a request keyed by datatrove's hash that equals this body's
@@ -338,13 +356,16 @@ class RequestCache:
         )
         if row is not None:
             result, status, content_type, streamed = row.result, row.status_code, row.content_type, row.streamed
+            stored_for = row.endpoint
         else:
             # fetchall, not fetchone: stepping to the end resets the statement, so no
             # read transaction stays open between lookups (it would pin the WAL).
             found = self._lookup.execute(_SELECT_RESPONSE, key).fetchall()
             if not found:
                 return None
-            result, _, status, content_type, streamed = found[0]
+            result, _, status, content_type, streamed, stored_for = found[0]
+        if stored_for is not None and stored_for != endpoint and endpoint is not None:
+            return None
         if result is None:
             return None  # an error datatrove stored as text: not an HTTP answer to replay
         if status is None:  # a result datatrove stored: its JSON, as a 200
@@ -363,9 +384,10 @@ class RequestCache:
         response: StoredResponse,
         *,
         error_message: str | None = None,
+        endpoint: str | None = None,
     ) -> None:
         """Queue an HTTP answer for the next commit (an error answer also fills `error_message`: its body's
-        text, unless given)."""
+        text, unless given), for `endpoint`, the route it answers (None: any, as datatrove stores them)."""
         if self._reader is None:
             return
         error = error_message
@@ -382,6 +404,7 @@ class RequestCache:
                 response.status,
                 response.content_type,
                 int(response.streamed),
+                endpoint,
             )
         )
 
@@ -604,7 +627,7 @@ def count_rows(db_path: str, options: str = "mode=ro") -> int:
 
 #: Rows per INSERT statement, largest first: a batch is written in as few statements as these make.
 _STATEMENT_ROWS = (256, 32, 4, 1)
-_INSERTS = {n: _INSERT + ", (?, ?, ?, ?, ?, ?, ?, ?, ?)" * (n - 1) for n in _STATEMENT_ROWS}
+_INSERTS = {n: _INSERT + ", (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)" * (n - 1) for n in _STATEMENT_ROWS}
 
 
 def _insert_rows(conn: sqlite3.Connection, rows: list[_Row]) -> None:

@@ -58,6 +58,9 @@ async def test_lookup_answers_what_each_request_would_replay_as_a_hit(client: ht
     # and the request itself agrees: a HIT with the same body
     again = await client.post("/v1/chat/completions", json=chat, headers=doc_headers("a"))
     assert (again.headers["x-cache"], again.json()) == ("HIT", first.json())
+    # a lookup naming the route finds only what was stored for it, as the request to that route would
+    routed = [{**key("a", chat), "path": "/v1/chat/completions"}, {**key("a", chat), "path": "/v1/completions"}]
+    assert [a and a["body"] for a in (await client.post("/lookup", json=routed)).json()] == [first.json(), None]
 
 
 @pytest.mark.parametrize(
@@ -70,6 +73,7 @@ async def test_lookup_answers_what_each_request_would_replay_as_a_hit(client: ht
         (b'[{"doc_id": "a", "rollout_idx": -1, "body": {}}]', "rollout_idx must be an integer >= 0"),
         (b'[{"doc_id": "a", "rollout_idx": true, "body": {}}]', "rollout_idx must be an integer >= 0"),
         (b'[{"doc_id": "a"}]', "body must be the request's JSON object"),
+        (b'[{"doc_id": "a", "body": {}, "path": "/v1/embeddings"}]', "path must be /v1/chat/completions or /v1/co"),
         (json.dumps([{"doc_id": "a", "body": {}}] * 4097).encode(), "at most 4096 lookups"),
         (
             b'[{"doc_id": "a", "body": {}}, {"doc_id": "a", "body": {"p": ' + b"[" * 300 + b"]" * 300 + b"}}]",

@@ -113,6 +113,35 @@ async def test_a_400_from_upstream_is_cached_and_replayed_without_a_second_call(
     assert (await env.upstream_stats())["requests"] == 1
 
 
+async def test_an_answer_is_served_to_the_route_it_was_stored_for_and_to_no_other(env: Env) -> None:
+    """The key is datatrove's (doc, rollout, body): a body sent to the wrong route first got a 400 there,
+    which its right route then replayed as a HIT; a body both routes take got a chat.completion on /v1/completions."""
+    body = completion_request()
+    wrong = await env.client.post("/v1/chat/completions", json=body, headers=doc_headers())
+    assert wrong.status_code == 400  # no messages: kept, as a 400 is
+    right = await env.client.post("/v1/completions", json=body, headers=doc_headers())
+    assert (right.status_code, right.headers["x-cache"]) == (200, "MISS")
+    again = await env.client.post("/v1/completions", json=body, headers=doc_headers())
+    assert (again.headers["x-cache"], again.content) == ("HIT", right.content)
+    both = chat_request(prompt="either route takes this")
+    for path, kind in [("/v1/chat/completions", "chat.completion"), ("/v1/completions", "text_completion")]:
+        answer = await env.client.post(path, json=both, headers=doc_headers("both"))
+        assert (answer.headers["x-cache"], answer.json()["object"]) == ("MISS", kind)
+
+
+async def test_identical_bodies_in_flight_to_two_routes_are_not_coalesced(tmp_path: Path) -> None:
+    body = chat_request(prompt="either route takes this")
+    async with fake_upstream(latency_ms=200) as (url, upstream), proxy_client(settings(tmp_path, url)) as client:
+        answers = await asyncio.gather(
+            *(
+                client.post(path, json=body, headers=doc_headers())
+                for path in ["/v1/chat/completions", "/v1/completions"]
+            )
+        )
+        assert [a.json()["object"] for a in answers] == ["chat.completion", "text_completion"]
+        assert upstream.generations == 2
+
+
 @pytest.mark.parametrize("status", [500, 404, 401])
 async def test_errors_outside_cache_error_statuses_are_never_stored(env: Env, status: int) -> None:
     body = chat_request(fake_upstream={"status": status})

@@ -13,7 +13,7 @@ import pytest
 from datatrove.pipeline.inference.checkpointing import RequestCache as DatatroveRequestCache
 
 import app.store.cache
-from app.store.cache import MIGRATIONS, CacheWriteError, RequestCache, apply_migrations
+from app.store.cache import MIGRATIONS, CacheWriteError, RequestCache, StoredResponse, apply_migrations
 from app.store.durable import is_disk_full
 from app.store.hashing import payload_hash
 from tests.factories import open_cache
@@ -204,6 +204,22 @@ async def test_a_drop_the_disk_refused_stays_queued_and_the_writer_does_it_once_
     await cache.close()
 
 
+async def test_an_answer_stored_for_a_route_is_found_for_it_only_and_datatroves_for_any(tmp_path: Path) -> None:
+    cache = await opened(tmp_path, flush_interval_ms=60_000, replay_same_run=True)  # as the proxy's
+    answer = StoredResponse(200, b'{"object": "chat.completion"}', "application/json", False)
+    cache.store_response(0, "a", 0, H, answer, endpoint="/v1/chat/completions")
+    await cache.store_result(0, "d", 0, {"text": "datatrove's"}, payload_hash=H)  # no route: datatrove's own
+    for committed in (False, True):  # pending, then read back from the file
+        assert cache.get_response("a", 0, H, endpoint="/v1/chat/completions") == answer
+        assert cache.get_response("a", 0, H, endpoint="/v1/completions") is None
+        assert cache.get_response("a", 0, H) == answer  # no route asked: any
+        for endpoint in ("/v1/chat/completions", "/v1/completions"):
+            assert cache.get_response("d", 0, H, endpoint=endpoint) is not None
+        if not committed:
+            await cache.flush()
+    await cache.close()
+
+
 async def test_disabled_cache_is_a_no_op(tmp_path: Path) -> None:
     cache = RequestCache(None)
     assert cache.enabled is False
@@ -269,6 +285,7 @@ def test_migrations_from_a_blank_file_create_datatrove_table_plus_response_colum
         "status_code",
         "content_type",
         "streamed",
+        "endpoint",
     ]
     primary_key = sorted((row[5], row[1]) for row in conn.execute("PRAGMA table_info(request_cache)") if row[5])
     assert [name for _, name in primary_key] == ["doc_id", "rollout_idx", "payload_hash"]

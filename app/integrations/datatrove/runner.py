@@ -187,8 +187,8 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
         self.retry_backoff_s = retry_backoff_s
         self._client: HTTPClient | None = None
         self._lookups: ProxyJob | None = None
-        path = "/v1/chat/completions" if config.use_chat else "/v1/completions"
-        self._generate_url = self.proxy_url + path
+        self._path = "/v1/chat/completions" if config.use_chat else "/v1/completions"
+        self._generate_url = self.proxy_url + self._path
 
     def run(self, data: Iterable[Any], rank: int = 0, world_size: int = 1) -> None:
         # datatrove's run() does not hand world_size on to run_async: the proxy learns the job's size here.
@@ -317,7 +317,7 @@ class ProxyInferenceRunner(InferenceRunner):  # type: ignore[misc]  # datatrove 
         client, lookups = self._client, self._lookups
         if client is None or lookups is None:
             raise RuntimeError("ProxyInferenceRunner sends requests only inside run_async()")
-        cached = await lookups.lookup(key[0], key[1], payload, datatrove_hash=datatrove_hash)
+        cached = await lookups.lookup(key[0], key[1], payload, datatrove_hash=datatrove_hash, path=self._path)
         if cached is not None:
             status = cached["status"]
             if status == 200 and isinstance(cached.get("body"), dict):

@@ -96,7 +96,7 @@ class Answerer:
         self, batch: Running, number: int, custom_id: str, rollout: int, digest: str, body: bytes
     ) -> Result | None:
         record = batch.record
-        key = (BATCH_RANK, custom_id, rollout, digest)
+        key = (BATCH_RANK, custom_id, rollout, digest, record.endpoint)
         while (flight := self.flights.get(key)) is not None:
             shared = await flight.answer()
             if shared is not None:

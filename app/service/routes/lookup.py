@@ -9,7 +9,8 @@ about to send asks for all of them at once:
     POST /lookup          X-Rank: 3
     [{"doc_id": "d1", "rollout_idx": 0, "body": {...the request body...}}, ...]
 
-(`"datatrove_payload_hash"` in an item keys it as that header keys the request.)
+(`"datatrove_payload_hash"` in an item keys it as that header keys the request; `"path"`, the route the
+request goes to, finds only an answer stored for that route.)
 
     200 [{"status": 200, "content_type": "application/json", "body": {...}} | null, ...]
 
@@ -27,12 +28,14 @@ import orjson
 
 from app.service.asgi import Receive, Scope, check_json_cost, read_body
 from app.service.errors import BadRequest
-from app.service.keys import rank_of, request_digest
+from app.service.keys import CACHEABLE_PATHS, rank_of, request_digest
 from app.service.services import Services
 from app.store.cache import RequestCache, StoredResponse
 from app.store.hashing import is_payload_hash
 
 MAX_KEYS = 4096
+#: A lookup: doc_id, rollout_idx, payload hash, whether that is datatrove's, and the route (None: any).
+LookupKey = tuple[str, int, str, bool, str | None]
 #: Stored body bytes one answer holds at most: past them, lookups answer null (and their requests hit).
 MAX_ANSWER_BYTES = 16 << 20
 
@@ -52,14 +55,18 @@ async def lookups(services: Services, scope: Scope, receive: Receive) -> bytes:
     return b"[" + b",".join(rendered(answer) for answer in answers) + b"]"
 
 
-def looked_up(cache: RequestCache, keys: list[tuple[str, int, str, bool]]) -> list[StoredResponse | None]:
+def looked_up(cache: RequestCache, keys: list[LookupKey]) -> list[StoredResponse | None]:
     """The stored answers, up to `MAX_ANSWER_BYTES` of bodies in all: null for the rest, whose requests are
     sent (and hit). Without the bound, 4096 lookups of one big answer in a small request are gigabytes."""
     answers: list[StoredResponse | None] = []
     spent = 0
-    for doc_id, rollout_idx, digest, datatrove_keyed in keys:
+    for doc_id, rollout_idx, digest, datatrove_keyed, path in keys:
         found = spent <= MAX_ANSWER_BYTES
-        answer = cache.get_response(doc_id, rollout_idx, digest, datatrove_results=datatrove_keyed) if found else None
+        answer = (
+            cache.get_response(doc_id, rollout_idx, digest, datatrove_results=datatrove_keyed, endpoint=path)
+            if found
+            else None
+        )
         if answer is not None:
             spent += len(answer.body)
             if spent > MAX_ANSWER_BYTES:
@@ -68,9 +75,9 @@ def looked_up(cache: RequestCache, keys: list[tuple[str, int, str, bool]]) -> li
     return answers
 
 
-def parse_keys(body: bytes) -> list[tuple[str, int, str, bool]]:
-    """`(doc_id, rollout_idx, payload_hash, keyed by datatrove's hash)` of each item, validated as the request
-    headers would be."""
+def parse_keys(body: bytes) -> list[LookupKey]:
+    """`(doc_id, rollout_idx, payload_hash, keyed by datatrove's hash, path)` of each item, validated as the
+    request headers would be."""
     check_json_cost(body)
     try:
         items = orjson.loads(body)
@@ -93,6 +100,12 @@ def parse_keys(body: bytes) -> list[tuple[str, int, str, bool]]:
             raise BadRequest(f"lookup {position}: rollout_idx must be an integer >= 0, got {rollout_idx!r}")
         if not isinstance(request, dict):
             raise BadRequest(f"lookup {position}: body must be the request's JSON object")
+        path = item.get("path")
+        if path is not None and path not in CACHEABLE_PATHS:
+            raise BadRequest(
+                f"lookup {position}: path must be {' or '.join(sorted(CACHEABLE_PATHS))} (the route the request goes "
+                f"to), or absent, got {path!r:.80}"
+            )
         given = item.get("datatrove_payload_hash")
         if given is not None:
             if not isinstance(given, str) or not is_payload_hash(given):
@@ -100,10 +113,10 @@ def parse_keys(body: bytes) -> list[tuple[str, int, str, bool]]:
                     f"lookup {position}: datatrove_payload_hash must be 32 lowercase hex digits, as the "
                     f"X-Datatrove-Payload-Hash header, got {given!r:.60}"
                 )
-            keys.append((doc_id, rollout_idx, given, True))
+            keys.append((doc_id, rollout_idx, given, True, path))
             continue
         try:
-            keys.append((doc_id, rollout_idx, request_digest(request), False))
+            keys.append((doc_id, rollout_idx, request_digest(request), False, path))
         except BadRequest as exc:
             raise BadRequest(f"lookup {position}: {exc.message}") from None
     return keys

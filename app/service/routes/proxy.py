@@ -66,7 +66,7 @@ async def cacheable(services: Services, scope: Scope, receive: Receive, send: Se
     found: Lookup | None = extensions.get(LOOKUP) if extensions else None
     if found is None:
         body = await read_body(scope, receive, services.settings.max_body_bytes)
-        found = lookup(services.caches.opened, scope["headers"], body)
+        found = lookup(services.caches.opened, scope["path"], scope["headers"], body)
     key = found.key
     if key.doc_id is None:
         forwarding = forward(services, scope, receive, send, key, found.digest, found.body, b"BYPASS", cache=None)
@@ -75,15 +75,15 @@ async def cacheable(services: Services, scope: Scope, receive: Receive, send: Se
     with services.activity.using(key.rank):
         if not found.looked:
             await services.caches.get(key.rank)
-            found = lookup(services.caches.opened, scope["headers"], found.body)
+            found = lookup(services.caches.opened, scope["path"], scope["headers"], found.body)
         await cached_or_forwarded(services, scope, receive, send, found)
 
 
 async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive, send: Send, found: Lookup) -> None:
-    key, digest, body = found.key, found.digest, found.body
+    key, digest, body, path = found.key, found.digest, found.body, scope["path"]
     assert key.doc_id is not None
     cache = services.caches.opened(key.rank) or await services.caches.get(key.rank)
-    flight_key = (key.rank, key.doc_id, key.rollout_idx, digest)
+    flight_key = (key.rank, key.doc_id, key.rollout_idx, digest, path)
     if not key.no_cache:
         hit, looked_at = found.hit, found.stores if found.cache is cache else -1
         while hit is None:
@@ -95,7 +95,11 @@ async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive
                 # leading, or the key is generated twice; unless nothing at all was stored since.
                 if cache.stores != looked_at:
                     hit = cache.get_response(
-                        key.doc_id, key.rollout_idx, digest, datatrove_results=key.datatrove_hash is not None
+                        key.doc_id,
+                        key.rollout_idx,
+                        digest,
+                        datatrove_results=key.datatrove_hash is not None,
+                        endpoint=path,
                     )
                 break
             shared = await flight.answer()
@@ -189,7 +193,7 @@ async def forward(
         answer,
         whole=whole,
         error_statuses=services.settings.cache_error_statuses,
-        chat=scope["path"] == "/v1/chat/completions",
+        path=scope["path"],
     )
     return answer if whole else None
 
