@@ -189,9 +189,15 @@ class BatchDir:
     def id(self) -> str:
         return self.root.name
 
-    def create(self, record: BatchRecord) -> None:
+    def create(self, record: BatchRecord) -> bool:
+        """The batch's folder made and taken by this process (`claim`) before its record is written: another
+        proxy sharing the folder, looking for batches to carry on, never takes one being created. False,
+        with nothing written, if another process holds it."""
         make_dirs_durable(str(self.root))
+        if not self.claim():
+            return False
         self.save(record)
+        return True
 
     def load(self) -> BatchRecord:
         """The record, `cancelling` if a cancel was asked (`ask_cancel`) of a batch not yet ending; `UnsafeFileError`
@@ -199,14 +205,19 @@ class BatchDir:
         check_safe(str(self.root), folder=True)
         record = BatchRecord.from_json(orjson.loads(read_regular(str(self.root / RECORD))))
         if record.status in ("validating", "in_progress"):
-            try:
-                asked = int(read_regular(str(self.root / CANCEL)))
-            except FileNotFoundError:
-                return record
-            except ValueError:  # not as inferproxy writes it (whole, by a rename): asked all the same
-                asked = int(os.stat(self.root / CANCEL).st_mtime)
-            record.status, record.cancelling_at, record.ending = "cancelling", asked, "cancelled"
+            asked = self.cancel_asked()
+            if asked is not None:
+                record.status, record.cancelling_at, record.ending = "cancelling", asked, "cancelled"
         return record
+
+    def cancel_asked(self) -> int | None:
+        """When a cancel was asked of the batch through any proxy (`ask_cancel`), if one was."""
+        try:
+            return int(read_regular(str(self.root / CANCEL)))
+        except FileNotFoundError:
+            return None
+        except ValueError:  # not as inferproxy writes it (whole, by a rename): asked all the same
+            return int(os.stat(self.root / CANCEL).st_mtime)
 
     def save(self, record: BatchRecord) -> None:
         atomic_write_bytes(str(self.root / RECORD), record.to_json())
@@ -278,7 +289,7 @@ class BatchDir:
             return
         with open_to_read(path) as f:
             for raw in f:
-                if raw.strip():
+                if raw.strip(b" \t\r\n\0"):  # blank, or the NUL bytes a power cut leaves (`results` skips them too)
                     result = _parse_result(raw)
                     yield result.line, result.ok, result.out
 

@@ -110,6 +110,7 @@ class FileWriter:
             with contextlib.suppress(FileNotFoundError):
                 self.part.unlink()
         self._file: BinaryIO = self.part.open("xb")
+        self._renamed = False  # whether `final` is this writer's (its part renamed there)
         self._store = store
         store.writing_ids.add(self.id)
 
@@ -126,10 +127,11 @@ class FileWriter:
         self._file.close()
 
     def abandon(self) -> None:
-        """Remove whatever of the file was written (before its metadata: a committed file stays)."""
+        """Remove whatever of the file this writer wrote (before its metadata: a committed file stays). A
+        `final` it did not rename there is not its own: another process's, under a reserved id it took over."""
         with contextlib.suppress(OSError):
             self._file.close()
-        for path in (self.part, self.final):
+        for path in (self.part, self.final) if self._renamed else (self.part,):
             with contextlib.suppress(OSError):
                 path.unlink()
         self.done()
@@ -198,6 +200,7 @@ class FileStore:
         try:
             writer.finish(self.fsync)
             os.replace(writer.part, writer.final)
+            writer._renamed = True
             if self.fsync:
                 fsync_dir(str(self.root))
             expires_at = None if writer.expires_after is None else writer.created_at + writer.expires_after

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from app.store.batches import CANCEL, BatchDir, BatchRecord
+from app.store.batches import CANCEL, BatchDir, BatchRecord, Result
 
 
 def running(root: Path) -> tuple[BatchDir, BatchRecord]:
@@ -43,3 +43,17 @@ def test_a_cancel_file_that_holds_no_time_still_asks_for_the_cancel(tmp_path: Pa
     folder, _ = running(tmp_path)
     (folder.root / CANCEL).write_bytes(b"")
     assert folder.load().status == "cancelling"
+
+
+def test_a_line_of_nul_bytes_a_power_cut_left_in_the_results_is_skipped_by_every_reader(tmp_path: Path) -> None:
+    """`results` (a restart's read) skipped it, and `outputs` (the output file's) raised on it: the batch then
+    stayed `finalizing`, its files failing to be written every 10 s."""
+    folder = BatchDir(tmp_path / "batch_x")
+    folder.root.mkdir()
+    folder.append([Result(1, True, (1, 1), b'{"a":1}')], fsync=False)
+    with open(folder.root / "results.jsonl", "ab") as f:
+        f.write(b"\0" * 30 + b"\n")
+    folder.append([Result(2, True, (1, 1), b'{"a":2}')], fsync=False)
+    assert [done.line for done in folder.results()] == [1, 2]
+    assert [result.line for result in folder.results_in_order()] == [1, 2]
+    assert list(folder.outputs()) == [(1, True, b'{"a":1}'), (2, True, b'{"a":2}')]

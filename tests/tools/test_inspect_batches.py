@@ -24,6 +24,7 @@ def batch(root: Path, *, input_file_id: str = "file-000000000000000000000000", s
     record = BatchRecord(batch_id, "/v1/chat/completions", input_file_id, "24h", 0, 86400, 7, status=status, total=3)
     folder = BatchDir(root / "batches" / batch_id)
     folder.create(record)
+    folder.release()  # as a proxy that stopped left it
     return folder
 
 
@@ -57,7 +58,7 @@ def test_a_dir_with_batches_only_is_a_checkpoints_dir_and_misses_no_records_per_
         "problems",
     }
     assert shown["results"] == {"completed": 1, "failed": 1, "bytes": shown["results"]["bytes"], "torn": None}
-    assert (shown["input_file_exists"], shown["owner"], shown["problems"]) == (True, None, [])
+    assert (shown["input_file_exists"], shown["owner"], shown["problems"]) == (True, {"held": False}, [])
     assert report["files"] == [
         {"id": upload.id, "filename": "in.jsonl", "purpose": "batch", "bytes": 3, "created_at": upload.created_at}
     ]

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import re
 import secrets
@@ -268,9 +269,9 @@ class BatchEngine:
         )
         folder = BatchDir(self.root / record.id)
         try:
-            await asyncio.to_thread(folder.create, record)
-            claimed = await asyncio.to_thread(folder.claim)
+            claimed = await asyncio.to_thread(folder.create, record)
         except OSError:  # a full or read-only disk: no folder is left of a batch never created
+            folder.release()
             await asyncio.to_thread(shutil.rmtree, folder.root, True)
             raise
         if not claimed:
@@ -281,6 +282,7 @@ class BatchEngine:
     def get(self, batch_id: str) -> BatchRecord:
         running = self.running.get(batch_id)
         if running is not None:
+            self._see_cancel(running)
             return running.record
         if not is_batch_id(batch_id):
             raise BatchNotFound(batch_id)
@@ -300,6 +302,22 @@ class BatchEngine:
                 continue
         return sorted(found, key=lambda r: r.id, reverse=True)  # ids sort as the batches were made
 
+    def _see_cancel(self, batch: Running) -> None:
+        """A cancel asked through another proxy sharing the folder (its `cancel` file), taken the moment this
+        one, which runs the batch, is asked about it: else it would show `in_progress`, and send new lines,
+        until its next save, after the other answered `cancelling`."""
+        record = batch.record
+        if record.status != "in_progress" or batch.stopping.is_set():
+            return
+        try:
+            asked = batch.dir.cancel_asked()
+        except OSError:
+            return  # looked at again at the next save
+        if asked is not None:
+            record.status, record.cancelling_at, record.ending = "cancelling", asked, "cancelled"
+            batch.stopping.set()
+            batch.saved_counts = (-2, -2)  # saved at the next save: batch.json says it, not only the file
+
     async def cancel(self, batch_id: str) -> BatchRecord:
         """`cancelling` at once (no new line is sent), `cancelled` once the lines in flight are done and the
         files are written. A batch another proxy runs is cancelled by it, when it sees the record."""
@@ -307,12 +325,13 @@ class BatchEngine:
         if record.status not in ("validating", "in_progress"):
             return record
         running = self.running.get(batch_id)
-        record.status, record.cancelling_at, record.ending = "cancelling", int(time.time()), "cancelled"
-        if running is None:  # not ours to run: the owner sees it at its next save (within SAVE_EVERY_S)
+        cancel: dict[str, Any] = {"status": "cancelling", "cancelling_at": int(time.time()), "ending": "cancelled"}
+        if running is None:  # not ours to run: the owner sees it at once (`get`), or at its next save
             folder = BatchDir(self.root / batch_id)
-            await asyncio.to_thread(folder.ask_cancel, record.cancelling_at)
-            return record
-        await asyncio.to_thread(running.dir.save, record)
+            await asyncio.to_thread(folder.ask_cancel, cancel["cancelling_at"])
+            return dataclasses.replace(record, **cancel)
+        # kept before it is shown and carried out: a cancel the disk refused is neither (the client's retry is)
+        await self._transition(running, **cancel)
         running.stopping.set()
         return record
 
@@ -408,24 +427,24 @@ class BatchEngine:
             checked = None
         except UnsafeFileError as exc:  # a link put in its place: never read through
             checked, missing = None, str(exc)
+        changes: dict[str, Any]
         if checked is None:
-            record.errors = [{"code": "missing_input_file", "line": None, "param": "input_file_id", "message": missing}]
-            record.status, record.failed_at = "failed", int(time.time())
+            errors = [{"code": "missing_input_file", "line": None, "param": "input_file_id", "message": missing}]
+            changes = {"errors": errors, "status": "failed", "failed_at": int(time.time())}
         elif checked.bad or not checked.lines:
-            record.errors = checked.errors or [
+            errors = checked.errors or [
                 {"code": "empty_file", "line": None, "param": None, "message": "the input file has no lines"}
             ]
-            record.status, record.failed_at = "failed", int(time.time())
+            changes = {"errors": errors, "status": "failed", "failed_at": int(time.time())}
             logger.info("batch %s failed validation: %d bad lines", record.id, checked.bad)
         else:
-            record.total = checked.lines
-            record.status, record.in_progress_at = "in_progress", int(time.time())
+            changes = {"total": checked.lines, "status": "in_progress", "in_progress_at": int(time.time())}
         fresh = await asyncio.to_thread(batch.dir.load)
         if fresh.status == "cancelling" and record.ending != "cancelled":  # through another proxy, meanwhile
-            record.cancelling_at, record.ending = fresh.cancelling_at, "cancelled"
-        if record.ending == "cancelled":  # cancelled while it was being checked
-            record.status = "cancelling" if record.status == "in_progress" else record.status
-        await self._save(batch)
+            changes.update(cancelling_at=fresh.cancelling_at, ending="cancelled")
+        if changes.get("ending", record.ending) == "cancelled" and changes["status"] == "in_progress":
+            changes["status"] = "cancelling"  # cancelled while it was being checked
+        await self._transition(batch, **changes)
 
     async def _load_results(self, batch: Running) -> None:
         """The lines done so far, from results.jsonl (the counts are its: a crash cannot set them back)."""
@@ -447,7 +466,8 @@ class BatchEngine:
                 add_tokens(usage, done.tokens)
             return completed, failed, usage
 
-        record.completed, record.failed, record.usage = await asyncio.to_thread(read)
+        # to its end (its repair of a torn tail cuts results.jsonl): never past the batch's lock
+        record.completed, record.failed, record.usage = await run_to_end(asyncio.to_thread(read))
         batch.completed_at_start = record.completed + record.failed
 
     async def _wind_down(self, batch: Running, *helpers: asyncio.Task[None]) -> None:
@@ -466,6 +486,9 @@ class BatchEngine:
         if not batch.loaded:  # else just read back by `adopt`
             await self._load_results(batch)
         batch.loaded = False
+        # A step the disk refused before (`_drive`) is being done again, and its writes went through: were the
+        # refusal kept until this step returns, its lines (which wait for the writes to go through) never would.
+        self._written(batch, "step")
         saver = asyncio.create_task(self._save_progress(batch))
         writer = asyncio.create_task(self._writer(batch))
         lost: str | None = None
@@ -496,7 +519,7 @@ class BatchEngine:
             return
         now = int(time.time())
         if record.completed + record.failed >= record.total:
-            record.status, record.finalizing_at, record.ending = "finalizing", now, "completed"
+            ending = "completed"
         elif lost is not None:  # the lines not run cannot be: what finished goes to the files, the batch fails
             message = (
                 f"the input file could not be read any more ({lost}) with {record.completed + record.failed} of "
@@ -504,24 +527,35 @@ class BatchEngine:
                 f"create a new batch for the rest (the lines done are answered from the cache)"
             )
             logger.warning("batch %s failed: %s", record.id, message)
-            record.errors = [{"code": "missing_input_file", "line": None, "param": "input_file_id", "message": message}]
-            record.status, record.finalizing_at, record.ending = "finalizing", now, "failed"
+            errors = [{"code": "missing_input_file", "line": None, "param": "input_file_id", "message": message}]
+            await self._transition(batch, errors=errors, status="finalizing", finalizing_at=now, ending="failed")
+            return
         elif now >= record.expires_at:
-            record.status, record.finalizing_at, record.ending = "finalizing", now, "expired"
+            ending = "expired"
         else:
             if not batch.stopping.is_set():  # lines that could not be recorded (a full disk): again, later
                 await asyncio.sleep(5)
             return  # or stopped (shutdown): carries on at the next start
-        await self._save(batch)
+        await self._transition(batch, status="finalizing", finalizing_at=now, ending=ending)
 
-    async def _save(self, batch: Running) -> None:
+    async def _save(self, batch: Running, record: BatchRecord | None = None) -> None:
+        """`batch.json` replaced with `record` (the batch's own by default)."""
         try:
-            await asyncio.to_thread(batch.dir.save, batch.record)
+            await asyncio.to_thread(batch.dir.save, record or batch.record)
         except OSError as exc:
             if is_disk_full(exc):
                 self._refused(batch, "record", exc)
             raise
         self._written(batch, "record")
+
+    async def _transition(self, batch: Running, **changes: Any) -> None:
+        """The record's `changes` (a status and what goes with it) saved, then made: one the disk refuses
+        leaves the record as it was, and as `batch.json` says, so that the step that asked for them is done
+        again once it takes them. Made first, a status would be shown (and acted on) that no restart finds,
+        and the step that saves it not done again (a batch `finalizing` for ever, one never sent)."""
+        await self._save(batch, dataclasses.replace(batch.record, **changes))
+        for name, value in changes.items():
+            setattr(batch.record, name, value)
 
     def _refused(self, batch: Running, what: str, exc: OSError | sqlite3.Error) -> None:
         """A write of the batch refused by a full disk: the batch pauses (no new line) until it goes through.
@@ -693,27 +727,31 @@ class BatchEngine:
         if record.ending is None:
             record.ending = "cancelled" if record.status == "cancelling" else "completed"
         if record.output_file_id is None and record.error_file_id is None:
-            record.output_file_id, record.error_file_id = new_file_id(time.time()), new_file_id(time.time())
-            await self._save(batch)
+            ids = {"output_file_id": new_file_id(time.time()), "error_file_id": new_file_id(time.time())}
+            await self._transition(batch, **ids)
         await self._load_results(batch)  # the done lines (for the expired ones' errors) and the counts
-        has = await asyncio.to_thread(write_files, self.files, batch)
+        # To its end, even if the proxy stops meanwhile: the batch's lock is let go only after it, else the proxy
+        # taking the batch over would write the same reserved file ids as this thread.
+        has = await run_to_end(asyncio.to_thread(write_files, self.files, batch))
         if is_remote(self.settings.output):
             written = [i for i, kept in zip((record.output_file_id, record.error_file_id), has, strict=True) if kept]
             await upload(self.files, self.settings, record, [file_id for file_id in written if file_id is not None])
         now = int(time.time())
-        record.output_file_id = record.output_file_id if has[0] else None
-        record.error_file_id = record.error_file_id if has[1] else None
-        record.status = record.ending
+        changes: dict[str, Any] = {
+            "output_file_id": record.output_file_id if has[0] else None,
+            "error_file_id": record.error_file_id if has[1] else None,
+            "status": record.ending,
+        }
         if record.ending == "completed":
-            record.completed_at = now
+            changes["completed_at"] = now
         elif record.ending == "expired":
-            record.expired_at = now
-            record.failed = record.total - record.completed  # the lines not run are in the error file
+            changes["expired_at"] = now
+            changes["failed"] = record.total - record.completed  # the lines not run are in the error file
         elif record.ending == "failed":
-            record.failed_at = now
+            changes["failed_at"] = now
         else:
-            record.cancelled_at = now
-        await self._save(batch)
+            changes["cancelled_at"] = now
+        await self._transition(batch, **changes)
         logger.info(
             "batch %s %s: %d completed, %d failed of %d",
             record.id,

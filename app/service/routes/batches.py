@@ -158,3 +158,13 @@ async def cancel(services: Services, batch_id: str) -> dict[str, Any]:
         return batch_object(await engine_of(services).cancel(batch_id))
     except BatchNotFound:
         raise NotFound(f"No batch found with id {batch_id!r}", param="batch_id") from None
+    except OSError as exc:
+        where = services.settings.checkpoints_dir
+        if is_disk_full(exc):
+            raise InsufficientStorage(
+                f"the cancel cannot be kept: the checkpoints disk is full ({refusal_reason(exc)}), and the batch "
+                f"runs on; free space under {where}, then cancel it again"
+            ) from exc
+        if exc.errno in UNWRITABLE_ERRNOS:
+            raise checkpoints_unwritable(exc, where, "the cancel cannot be kept: ") from exc
+        raise
