@@ -55,6 +55,10 @@ class RankLocks:
     def __len__(self) -> int:
         return len(self._locks)
 
+    def __contains__(self, rank: int) -> bool:
+        """Whether a task holds or awaits the rank's lock."""
+        return rank in self._locks
+
     @contextlib.asynccontextmanager
     async def hold(self, rank: int) -> AsyncIterator[None]:
         lock, users = self._locks.get(rank) or (asyncio.Lock(), 0)
@@ -215,6 +219,10 @@ class RankRegistry(ABC, Generic[T]):
         """The lock under which the rank's `T` is opened (and closed when the rank is released)."""
         return self._opening.hold(rank)
 
+    def is_opening(self, rank: int) -> bool:
+        """Whether a task holds or awaits the rank's opening lock (opening its `T`, say)."""
+        return rank in self._opening
+
     def take(self, rank: int) -> T | None:
         """Forget the rank's `T` without closing it: the caller closes it."""
         return self._opened.pop(rank, None)
@@ -254,6 +262,11 @@ class CacheRegistry(RankRegistry[RequestCache]):
     ) -> None:
         super().__init__(root, ownership, admit)
         self.flush_interval_ms = flush_interval_ms
+        #: Whether the rank's checkpoints are open, or being opened (`CheckpointRegistry` says).
+        self.checkpoints_hold: Callable[[int], bool] = lambda rank: False
+
+    def _holds_otherwise(self, rank: int) -> bool:
+        return self.checkpoints_hold(rank)
 
     async def _open(self, rank: int) -> RequestCache:
         # replay_same_run: the proxy answers a repeated request with the first answer at once.
@@ -300,6 +313,7 @@ class CheckpointRegistry(RankRegistry[CheckpointManager]):
         self.caches = CacheRegistry(
             settings.checkpoints_dir, ownership, self.admit, flush_interval_ms=settings.flush_interval_ms
         )
+        self.caches.checkpoints_hold = lambda rank: rank in self._opened or self.is_opening(rank)
         self.layout = CheckpointsLayout(self.root)
         self.publisher = ChunkPublisher(
             settings.output, self.root, settings.output_filename, holds_rank=self.ownership.owns
@@ -373,7 +387,8 @@ class CheckpointRegistry(RankRegistry[CheckpointManager]):
         return manager
 
     def _holds_otherwise(self, rank: int) -> bool:
-        return self.caches.opened(rank) is not None
+        # or opens it now: that open saw the rank owned and claimed nothing, so it must stay owned
+        return self.caches.opened(rank) is not None or self.caches.is_opening(rank)
 
     async def _close(self, rank: int, opened: CheckpointManager) -> None:
         """Let a publication under way finish within `shutdown_grace_s` (then give it up); a rank with one
@@ -485,10 +500,20 @@ class CheckpointRegistry(RankRegistry[CheckpointManager]):
         await manager.cleanup_last_chunk(rank, chunk_index)
         if manager.last_chunk_index == chunk_index:
             # The rank dir is gone: close its cache, start afresh on the next use, let another proxy have it.
-            await manager.close()
-            self._opened.pop(rank, None)
-            await self.caches.discard(rank)
-            self.ownership.release(rank)
+            # Under both opening locks, as `_release`: a request opening the rank's cache meanwhile waits, and
+            # then claims the rank anew; else it opened it as still owned, and kept it open once let go.
+            async with self._opening.hold(rank), self.caches.opening(rank):
+                if self._opened.get(rank) is manager:
+                    del self._opened[rank]
+                cache = self.caches.take(rank)
+                try:
+                    try:
+                        await manager.close()
+                    finally:
+                        if cache is not None:
+                            await cache.close()
+                finally:
+                    self._let_go(rank, not manager.publishing())
         return manager
 
     async def release_idle(self, idle_s: float) -> list[int]:
