@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import time
 from collections.abc import Iterator
@@ -378,6 +379,72 @@ def test_a_bad_input_is_refused_naming_its_first_bad_lines_and_nothing_is_sent_o
         == "inferproxy run-batch: -i -: run-batch reads a file, not standard input: write it to a file first"
     )
     assert list(upstream.stats()["by_path"]) == ["GET /v1/models"]  # the fixture's readiness wait, nothing else
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "link"])
+def test_an_output_that_is_no_regular_file_is_refused_and_left_as_it_is(
+    upstream: Upstream, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """Renamed over, `-o /dev/null` became a file (a root's run replaced the system's /dev/null), a FIFO too,
+    and a link a file in its place."""
+    source = write_input(tmp_path / "in.jsonl", [chat_line("a", "question")])
+    target = tmp_path / "out"
+    if kind == "fifo":
+        os.mkfifo(target)
+    elif kind == "device":
+        os.mknod(target, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # a null device of its own
+    else:
+        (tmp_path / "real.jsonl").write_text("")
+        target.symlink_to(tmp_path / "real.jsonl")
+    before = os.lstat(target)
+    result = run_batch_here(capsys, upstream, "-i", str(source), "-o", str(target))
+    assert result.returncode == 2
+    said = {"fifo": "is a FIFO, not a file", "device": "is a device, not a file", "link": "is a symbolic link (to "}
+    assert last_line(result).startswith(f"inferproxy run-batch: -o {target} {said[kind]}"), result.stderr
+    assert (os.lstat(target).st_mode, os.lstat(target).st_ino) == (before.st_mode, before.st_ino)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["in.jsonl", "out", *(["real.jsonl"] * (kind == "link"))]
+    )
+    assert upstream.stats()["generations"] == 0
+
+
+def test_a_state_removed_while_the_run_works_ends_it_in_one_line(slow_upstream: Upstream, tmp_path: Path) -> None:
+    lines = [chat_line(f"line-{i}", f"question {i}") for i in range(300)]
+    source = write_input(tmp_path / "in.jsonl", lines)
+    output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
+    args = ("run-batch", f"--upstream={slow_upstream.url}", *fast(), "-i", str(source), "-o", str(output))
+    with process(*args, read_stderr=True) as proc:
+        wait_for_results(state, 20, proc)
+        shutil.rmtree(state)
+        assert proc.wait(timeout=60) == 1
+        assert proc.stderr is not None
+        said = proc.stderr.read().decode().strip().splitlines()
+    assert "Traceback" not in "\n".join(said)
+    assert said[-1] == (
+        f"inferproxy run-batch: the run's state in {state} was removed while it ran, and what it had done with it: "
+        f"rerun the same command to start over"
+    )
+
+
+def test_an_input_fifo_nobody_writes_to_does_not_keep_sigterm_from_stopping_it(
+    upstream: Upstream, tmp_path: Path
+) -> None:
+    source = tmp_path / "in.fifo"
+    os.mkfifo(source)
+    args = ("run-batch", f"--upstream={upstream.url}", *fast(), "-i", str(source), "-o", str(tmp_path / "out.jsonl"))
+    with process(*args, read_stderr=True) as proc:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "out.jsonl.inferproxy" / "run-batch.json").exists():  # its open of the FIFO blocks
+            assert time.monotonic() < deadline
+            assert proc.poll() is None
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 128 + signal.SIGTERM
+        assert proc.stderr is not None
+        said = proc.stderr.read().decode().strip().splitlines()[-1]
+    assert (
+        said == "inferproxy run-batch: stopped by SIGTERM before the batch started; rerun the same command to carry on"
+    )
 
 
 def test_another_input_on_the_same_state_is_refused(upstream: Upstream, tmp_path: Path) -> None:

@@ -376,6 +376,8 @@ class BatchEngine:
                 except Exception as exc:
                     if self._closing:
                         raise
+                    if not batch.gone and not await asyncio.to_thread(batch.dir.root.is_dir):
+                        self._gone(batch)  # removed by hand while it was finalized, say: never tried again
                     if batch.gone:
                         break
                     if is_disk_full(exc):  # said once (`_refused`), no traceback: tried again until space is freed

@@ -6,13 +6,14 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 import orjson
 
-from app.checkpoints.output import is_remote
+from app.checkpoints.output import OutputError, is_remote
 from app.store.batches import BatchDir
 from app.store.durable import fsync_dir, make_dirs_durable
 
@@ -71,6 +72,9 @@ def write_output(folder: BatchDir, output: str, state: Path, fsync: bool) -> Wri
                 part.unlink()
         return written
     target = Path(output.removeprefix("file://")).absolute()
+    with contextlib.suppress(FileNotFoundError):  # checked at the start; made since: never renamed over
+        if not stat.S_ISREG(target.lstat().st_mode):
+            raise OutputError(f"-o {output} is no longer a regular file: give a file's path")
     make_dirs_durable(str(target.parent))
     part = target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
     try:

@@ -9,9 +9,11 @@ import contextlib
 import os
 import shutil
 import signal
+import stat
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -25,6 +27,7 @@ from app.checkpoints.output import (
     redact_url,
     scrub,
 )
+from app.checkpoints.publish import in_daemon_thread
 from app.service.app import upstream_pool
 from app.service.batches.engine import BatchEngine, BatchNotFound
 from app.service.coalescing import Flights
@@ -103,6 +106,14 @@ class Runner:
                 code, message = self._stopped("before the batch started")
             except (RunBatchError, OutputError, FolderError, OSError) as exc:
                 code, message = failure(exc)
+            except BatchNotFound:  # its folder removed under it (the engine said so in a WARNING line)
+                code, message = (
+                    UNANSWERED,
+                    (
+                        f"the run's state in {self.options.state} was removed while it ran, and what it had done with "
+                        f"it: rerun the same command to start over"
+                    ),
+                )
             if code == BAD_INPUT and self.state.created:
                 # nothing of this run is worth keeping: no folder left behind either, removed while the lock
                 # is held so that no other run-batch can have begun on it
@@ -110,6 +121,23 @@ class Runner:
             return code, message
         finally:
             self.state.unlock()
+
+    async def _reading(self, read: Callable[[], Identity]) -> Identity:
+        """`read()` of the input, in a daemon thread; given up (`Stopped`) at SIGTERM or SIGINT if it does not
+        stop by itself within a second: a FIFO no process writes to yet (`-i pipe`), or a pipe whose
+        writer is idle, blocks its open or its read for ever, and must not keep the run from stopping
+        (the thread goes with the process; what it copied is swept at the next run)."""
+        reading = asyncio.ensure_future(in_daemon_thread(read, "read input"))
+        stopping = asyncio.ensure_future(self._stopping.wait())
+        try:
+            await asyncio.wait((reading, stopping), return_when=asyncio.FIRST_COMPLETED)
+            if not reading.done():
+                await asyncio.wait((reading,), timeout=1.0)
+            if not reading.done():
+                raise Stopped
+            return reading.result()
+        finally:
+            stopping.cancel()
 
     def _stopped(self, where: str) -> tuple[int, str]:
         name = signal.Signals(self.signal).name
@@ -126,7 +154,7 @@ class Runner:
         if data.get("xxh128") is None:
             await self._first_run(input_id)
         else:
-            identity = await asyncio.to_thread(scan_input, options.input, None, self.stop)
+            identity = await self._reading(lambda: scan_input(options.input, None, self.stop))
             if (identity.bytes, identity.xxh128) != (data["bytes"], data["xxh128"]):
                 raise RunBatchError(self._not_this_input(input_id, identity))
         sends = await asyncio.to_thread(self._outlook)
@@ -232,7 +260,7 @@ class Runner:
                 return scan_input(self.options.input, out, self.stop)
 
         try:
-            identity = await asyncio.to_thread(copy)
+            identity = await self._reading(copy)
             why = await asyncio.to_thread(refusal, self.shown, identity, self.files.path(file_id))
         except RunBatchError:
             await asyncio.to_thread(self.state.clear)
@@ -320,9 +348,31 @@ def check_locations(options: Options) -> None:
         check_output(output.rstrip("/").rsplit("/", 1)[0])
     else:
         path = Path(output.removeprefix("file://"))
+        check_output_file(path, output)
         if path.is_dir():
             raise RunBatchError(f"-o {output} is a folder: give the output file's path (e.g. {path / 'out.jsonl'})")
         if not is_remote(options.input) and path.absolute() == Path(options.input.removeprefix("file://")).absolute():
             raise RunBatchError(f"-o {output} is the input: give another path for the output")
         check_folder(str(path.absolute().parent), "-o")
     check_folder(str(options.state), "--checkpoints-dir", room=True)
+
+
+def check_output_file(path: Path, shown: str) -> None:
+    """OUTPUT is written whole, a finished file renamed over it: what is there must be a regular file (or
+    nothing, or a folder, said apart). Renamed over, a device (`-o /dev/null`), a FIFO or a socket would
+    be replaced by a file, and a symbolic link by one in its place, the file it points to left as it was."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        raise RunBatchError(
+            f"-o {shown} is a symbolic link (to {os.readlink(path)}): give the path of the file itself "
+            f"(run-batch writes OUTPUT whole, renaming a finished file over it, which would replace the link)"
+        )
+    if not (stat.S_ISREG(mode) or stat.S_ISDIR(mode)):
+        kind = "a FIFO" if stat.S_ISFIFO(mode) else "a socket" if stat.S_ISSOCK(mode) else "a device"
+        raise RunBatchError(
+            f"-o {shown} is {kind}, not a file: give a file's path (run-batch writes OUTPUT whole, renaming a "
+            f"finished file over it, which would replace {shown})"
+        )
