@@ -208,6 +208,18 @@ async def test_a_body_over_max_body_bytes_is_refused_with_413(tmp_path: Path) ->
         assert upstream.requests == 0
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+async def test_a_body_declared_over_max_body_bytes_is_refused_before_it_is_sent(tmp_path: Path, path: str) -> None:
+    """Offered to the fast path, it was waited for (its bytes never came) where every other route said 413."""
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url, body_timeout_s=300)) as proxy:
+        host, port = proxy.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 9999999999\r\n\r\n".encode())
+        status = await asyncio.wait_for(reader.readline(), 60)  # the body would be waited for 300 s
+        writer.close()
+        assert status.startswith(b"HTTP/1.1 413 "), status
+
+
 async def test_a_stream_is_replayed_byte_for_byte_as_event_stream(env: Env) -> None:
     body = completion_request(stream=True, stream_options={"include_usage": True})
     first = await env.client.post("/v1/completions", json=body, headers=doc_headers())
