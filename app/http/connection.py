@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 MAX_HEADER_BYTES = 64 * 1024
 FAST_BODY_BYTES = 256 * 1024
+#: Seconds a client may take nothing of an answer written to it (its buffers full) before it is cut.
+SEND_STALL_S = 60.0
 MAX_UNSENT = 256 * 1024  # answers queued in the outbox past this go to the transport at once, and its flow control
 DISCARD_BYTES = 64 * 1024 * 1024  # of a body left unread by an early answer, read and dropped before closing
 LINGER_S = 2.0  # after a refusal, how long what the client still sends is read and dropped
@@ -463,8 +465,17 @@ class HTTPConnection(asyncio.Protocol):
         return self.outbox.take_back(data)
 
     async def drain(self) -> None:
+        """Until the client takes what is buffered for it. One that takes nothing for `SEND_STALL_S` (a process
+        frozen by SIGSTOP or a suspended job, its connection still open) is cut: its answer's writer (a
+        stream's leader, which identical requests wait for) must not wait on it for ever."""
         if self.writable is not None and not self.writable.is_set() and self.state is not CLOSED:
-            await self.writable.wait()
+            try:
+                await asyncio.wait_for(self.writable.wait(), SEND_STALL_S)
+            except TimeoutError:
+                logger.info(
+                    "closing a connection from %s: it took nothing of its answer for %g s", self.client, SEND_STALL_S
+                )
+                self.abort_transport()
 
     # -- writing, flow control and closing ----------------------------------------
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import socket
 import sqlite3
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
@@ -13,13 +14,15 @@ import openai
 import orjson
 import pytest
 
+import app.http.connection
+from app.service.asgi import Receive, Scope, Send
 from app.service.routes.proxy import StreamBrokeOff, v1_hint
 from app.service.settings import Settings
 from app.service.storage_policy import error_in_disguise
 from app.store.cache import StoredResponse
 from app.store.hashing import payload_hash
 from tests.factories import chat_request, completion_request, doc_headers
-from tests.servers import fake_upstream, free_port, proxy_client, serve_proxy
+from tests.servers import fake_upstream, free_port, proxy_client, serve_in_loop, serve_proxy
 
 # Under both servers: the app must behave the same under the built-in one and under uvicorn.
 pytestmark = pytest.mark.usefixtures("http_server")
@@ -291,6 +294,55 @@ async def test_identical_requests_in_flight_share_one_upstream_call(tmp_path: Pa
         assert sorted(a.headers["x-cache"] for a in answers) == ["COALESCED"] * 7 + ["MISS"]
         assert len({a.content for a in answers}) == 1
         assert upstream.generations == 1
+
+
+def long_stream(streaming: asyncio.Event) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    """An upstream streaming a long generation (some 15 MB of events), then [DONE]; `streaming` set as it begins."""
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        while (await receive()).get("more_body"):
+            pass
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        streaming.set()
+        event = b'data: {"choices":[{"index":0,"delta":{"content":"' + b"x" * 150 + b'"}}]}\n\n'
+        for _ in range(80_000):
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+    return app
+
+
+async def test_a_stream_whose_client_reads_nothing_is_cut_and_its_followers_are_answered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client frozen with its connection open (SIGSTOP, a suspended job) kept its stream's leader waiting to
+    write, and every identical request (the restarted job's) waiting for that leader, for ever."""
+    monkeypatch.setattr(app.http.connection, "SEND_STALL_S", 0.5, raising=False)
+    streaming = asyncio.Event()
+    body = chat_request(stream=True)
+    async with (
+        serve_in_loop(long_stream(streaming)) as upstream,
+        serve_proxy(settings(tmp_path, upstream, http="builtin")) as url,
+    ):
+        frozen = socket.socket()
+        frozen.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        frozen.connect(("127.0.0.1", int(url.rsplit(":", 1)[1])))
+        payload = orjson.dumps(body)
+        frozen.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"x-doc-id: d\r\ncontent-length: %d\r\n\r\n%b" % (len(payload), payload)
+        )
+        try:
+            await asyncio.wait_for(streaming.wait(), 30)  # the frozen client's request leads: the next follows it
+            async with httpx.AsyncClient(base_url=url, timeout=60) as client:
+                follower = await client.post("/v1/chat/completions", json=body, headers={"X-Doc-Id": "d"})
+        finally:
+            frozen.close()
+        assert follower.status_code == 200
+        assert follower.content.endswith(b"data: [DONE]\n\n")
 
 
 async def test_503_with_retry_after_is_retried_until_it_succeeds(env: Env) -> None:
