@@ -122,6 +122,26 @@ async def test_the_openai_sdk_uploads_lists_reads_and_deletes_files(proxy: str, 
     assert len(kept(tmp_path)) == 4  # two files, each its bytes and its metadata
 
 
+@pytest.mark.parametrize(
+    ("disposition", "stored"),
+    [
+        ("filename*=UTF-8''%C3%A9t%C3%A9.jsonl", "été.jsonl"),  # RFC 6266's form for a name beyond ASCII
+        ("filename=\"ete.jsonl\"; filename*=UTF-8''%C3%A9t%C3%A9.jsonl", "été.jsonl"),  # it wins over filename
+        ("filename*=ISO-8859-1'fr'%E9t%E9.jsonl", "été.jsonl"),
+        ("filename=\"plain.jsonl\"; filename*=no-such-charset''x", "plain.jsonl"),  # one that does not decode
+    ],
+)
+async def test_a_filename_given_as_filename_star_is_the_files_name(proxy: str, disposition: str, stored: str) -> None:
+    body = (
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{BOUNDARY}\r\nContent-Disposition: form-data; name="file"; {disposition}\r\n\r\n{{}}\n\r\n'
+        f"--{BOUNDARY}--\r\n"
+    ).encode()
+    answer = await upload(proxy, body)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["filename"] == stored
+
+
 async def test_every_file_route_needs_the_api_key(proxy: str) -> None:
     async with httpx.AsyncClient(base_url=proxy) as client:
         made = await client.post(

@@ -19,9 +19,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 from dataclasses import asdict
 from typing import Any, BinaryIO
-from urllib.parse import parse_qsl, quote
+from urllib.parse import parse_qsl, quote, unquote_to_bytes
 
 from python_multipart.exceptions import FormParserError, MultipartParseError
 from python_multipart.multipart import MultipartParser, parse_options_header
@@ -172,7 +173,7 @@ class Upload:
             return
         if self.writer is not None:
             raise BadRequest("the form holds two `file` fields: upload one file per request")
-        filename = options.get(b"filename")
+        filename = starred_filename(self.headers.get(b"content-disposition") or b"") or options.get(b"filename")
         if not filename:
             raise BadRequest('the `file` field needs a filename (Content-Disposition: ...; filename="input.jsonl")')
         if len(filename) > MAX_FILENAME_BYTES:
@@ -469,3 +470,19 @@ async def disconnected(receive: Receive) -> None:
     """Once the client is gone (what is left of the request's body, if any, ignored)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+
+
+#: RFC 6266's `filename*=charset'language'percent-encoded` (RFC 8187), which python-multipart leaves out.
+_STARRED = re.compile(rb"""(?:^|;)\s*filename\*\s*=\s*([A-Za-z0-9!#$&+.^_`|~-]+)'[A-Za-z0-9-]*'([^\s;]+)""")
+
+
+def starred_filename(disposition: bytes) -> bytes | None:
+    """The part's `filename*` as UTF-8 bytes (it takes precedence over `filename`, RFC 6266), if it has one
+    that decodes; else None."""
+    found = _STARRED.search(disposition)
+    if found is None:
+        return None
+    try:
+        return unquote_to_bytes(found.group(2)).decode(found.group(1).decode("ascii")).encode()
+    except (LookupError, UnicodeDecodeError):
+        return None
