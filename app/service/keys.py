@@ -116,7 +116,7 @@ def parse_doc_id(value: bytes) -> str:
 
 
 def parse_datatrove_hash(value: bytes) -> str:
-    text = value.decode("latin-1").strip()
+    text = value.decode("utf-8", "replace").strip()  # shown as sent in an error
     if not is_payload_hash(text):
         raise BadRequest(
             f"X-Datatrove-Payload-Hash must be 32 lowercase hex digits (datatrove's RequestCache.prepare_payload "
@@ -128,7 +128,7 @@ def parse_datatrove_hash(value: bytes) -> str:
 
 def parse_int(value: bytes, header: str, *, maximum: int = MAX_INT64) -> int:
     """A non-negative integer up to `maximum` (by default what SQLite and orjson store: 64 bits)."""
-    text = value.decode("latin-1").strip()
+    text = value.decode("utf-8", "replace").strip()
     limit = "2^63-1" if maximum == MAX_INT64 else str(maximum)
     # the length first: int() of more than 4300 digits raises ValueError
     if not text.isascii() or not text.isdigit() or len(text) > len(str(maximum)) or int(text) > maximum:
