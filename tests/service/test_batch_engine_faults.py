@@ -22,19 +22,13 @@ from app.service.upstream import UpstreamPool
 from app.store.batches import BatchDir, BatchRecord
 from app.store.files import FileStore, FileWriter
 from tests.servers import fake_upstream
-from tests.service.test_batches import CHAT, chat_line, put_file
+from tests.service.test_batches import CHAT, batch_settings, chat_line, put_file
 from tests.waiting import eventually
 
 
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return Settings(
-        checkpoints_dir=tmp_path / "checkpoints",
-        output=str(tmp_path / "output"),
-        retry_backoff_s=0.01,
-        upstream_retries=0,
-        batch_retries=0,
-    )
+    return batch_settings(tmp_path, batch_retries=0)
 
 
 @pytest.fixture(autouse=True)

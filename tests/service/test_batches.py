@@ -76,15 +76,17 @@ def final(batch: dict[str, Any]) -> bool:
     return batch["status"] in ("completed", "failed", "expired", "cancelled")
 
 
+def batch_settings(tmp_path: Path, **overrides: Any) -> Settings:
+    """Settings for batches under `tmp_path`, retrying quickly."""
+    defaults: dict[str, Any] = {"retry_backoff_s": 0.01, "upstream_retries": 0, "batch_retries": 2}
+    return Settings(
+        checkpoints_dir=tmp_path / "checkpoints", output=str(tmp_path / "output"), **{**defaults, **overrides}
+    )
+
+
 @pytest.fixture
 def settings(tmp_path: Path) -> Settings:
-    return Settings(
-        checkpoints_dir=tmp_path / "checkpoints",
-        output=str(tmp_path / "output"),
-        retry_backoff_s=0.01,
-        upstream_retries=0,
-        batch_retries=2,
-    )
+    return batch_settings(tmp_path)
 
 
 @pytest.fixture

@@ -80,6 +80,28 @@ def output_of(path: Path) -> list[dict[str, Any]]:
     return [orjson.loads(line) for line in path.read_bytes().splitlines()]
 
 
+def said_by(proc: subprocess.Popen[bytes]) -> list[str]:
+    """The lines a run-batch started with `read_stderr` wrote to stderr, once it has ended."""
+    assert proc.stderr is not None
+    return proc.stderr.read().decode().strip().splitlines()
+
+
+def a_run(
+    upstream: Upstream, tmp_path: Path, count: int = 300
+) -> tuple[list[dict[str, Any]], Path, Path, tuple[str, ...]]:
+    """`count` lines in `in.jsonl`, and the arguments of the run-batch that answers them into `out.jsonl`: the
+    lines, OUTPUT, its state folder, the arguments."""
+    lines = [chat_line(f"line-{i}", f"question {i}") for i in range(count)]
+    source = write_input(tmp_path / "in.jsonl", lines)
+    output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
+    return (
+        lines,
+        output,
+        state,
+        ("run-batch", f"--upstream={upstream.url}", *fast(), "-i", str(source), "-o", str(output)),
+    )
+
+
 def last_line(result: subprocess.CompletedProcess[str]) -> str:
     return result.stderr.strip().splitlines()[-1]
 
@@ -192,16 +214,12 @@ def test_killed_with_sigkill_again_and_again_it_carries_on_and_writes_each_line_
 
 
 def test_sigterm_stops_it_cleanly_and_a_rerun_carries_on(slow_upstream: Upstream, tmp_path: Path) -> None:
-    lines = [chat_line(f"line-{i}", f"question {i}") for i in range(300)]
-    source = write_input(tmp_path / "in.jsonl", lines)
-    output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
-    args = ("run-batch", f"--upstream={slow_upstream.url}", *fast(), "-i", str(source), "-o", str(output))
+    lines, output, state, args = a_run(slow_upstream, tmp_path)
     with process(*args, read_stderr=True) as proc:
         wait_for_results(state, 50, proc)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
-        assert proc.stderr is not None
-        said = proc.stderr.read().decode().strip().splitlines()[-1]
+        said = said_by(proc)[-1]
     assert said.startswith("inferproxy run-batch: stopped by SIGTERM with "), said
     assert said.endswith("lines done; rerun the same command to carry on"), said
     assert not output.exists()
@@ -311,8 +329,7 @@ def test_lines_the_upstream_stops_answering_name_the_last_error_in_the_final_lin
         wait_for_results(state, 20, proc)
         slow_upstream.proc.kill()  # gone mid-run: the lines left get no answer
         assert proc.wait(timeout=60) == 1
-        assert proc.stderr is not None
-        said = proc.stderr.read().decode().strip().splitlines()[-1]
+        said = said_by(proc)[-1]
     assert " lines got no answer from the upstream after every retry (the last: " in said, said
     assert "refused" in said.lower(), said
 
@@ -409,16 +426,12 @@ def test_an_output_that_is_no_regular_file_is_refused_and_left_as_it_is(
 
 
 def test_a_state_removed_while_the_run_works_ends_it_in_one_line(slow_upstream: Upstream, tmp_path: Path) -> None:
-    lines = [chat_line(f"line-{i}", f"question {i}") for i in range(300)]
-    source = write_input(tmp_path / "in.jsonl", lines)
-    output, state = tmp_path / "out.jsonl", tmp_path / "out.jsonl.inferproxy"
-    args = ("run-batch", f"--upstream={slow_upstream.url}", *fast(), "-i", str(source), "-o", str(output))
+    _, _, state, args = a_run(slow_upstream, tmp_path)
     with process(*args, read_stderr=True) as proc:
         wait_for_results(state, 20, proc)
         shutil.rmtree(state)
         assert proc.wait(timeout=60) == 1
-        assert proc.stderr is not None
-        said = proc.stderr.read().decode().strip().splitlines()
+        said = said_by(proc)
     assert "Traceback" not in "\n".join(said)
     assert said[-1] == (
         f"inferproxy run-batch: the run's state in {state} was removed while it ran, and what it had done with it: "
@@ -440,8 +453,7 @@ def test_an_input_fifo_nobody_writes_to_does_not_keep_sigterm_from_stopping_it(
             time.sleep(0.05)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 128 + signal.SIGTERM
-        assert proc.stderr is not None
-        said = proc.stderr.read().decode().strip().splitlines()[-1]
+        said = said_by(proc)[-1]
     assert (
         said == "inferproxy run-batch: stopped by SIGTERM before the batch started; rerun the same command to carry on"
     )

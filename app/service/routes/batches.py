@@ -97,17 +97,26 @@ async def create(services: Services, scope: Scope, receive: Receive) -> dict[str
     try:
         record = await engine_of(services).create(input_file_id, endpoint, window, metadata)
     except OSError as exc:
-        where = services.settings.checkpoints_dir
         if is_disk_full(exc):
             logger.warning("a batch could not be created: the checkpoints disk is full (%s)", exc)
-            raise InsufficientStorage(
-                f"the batch cannot be created: the checkpoints disk is full ({refusal_reason(exc)}), and nothing "
-                f"of it was kept; free space under {where}, then create it again"
-            ) from exc
-        if exc.errno in UNWRITABLE_ERRNOS:
-            raise checkpoints_unwritable(exc, where, "the batch cannot be created: ") from exc
-        raise
+        raise refused(
+            exc, services, "the batch cannot be created", "nothing of it was kept", "create it again"
+        ) from exc
     return batch_object(record)
+
+
+def refused(exc: OSError, services: Services, what: str, kept: str, again: str) -> Exception:
+    """What to answer for a write of the batches' that the checkpoints dir refused: 507 for a full disk, 503 for
+    one that takes no write (read-only, its permissions gone), else `exc` itself (a 500)."""
+    where = services.settings.checkpoints_dir
+    if is_disk_full(exc):
+        return InsufficientStorage(
+            f"{what}: the checkpoints disk is full ({refusal_reason(exc)}), and {kept}; free space under {where}, "
+            f"then {again}"
+        )
+    if exc.errno in UNWRITABLE_ERRNOS:
+        return checkpoints_unwritable(exc, where, f"{what}: ")
+    return exc
 
 
 def check_metadata(metadata: Any) -> dict[str, str] | None:
@@ -159,12 +168,4 @@ async def cancel(services: Services, batch_id: str) -> dict[str, Any]:
     except BatchNotFound:
         raise NotFound(f"No batch found with id {batch_id!r}", param="batch_id") from None
     except OSError as exc:
-        where = services.settings.checkpoints_dir
-        if is_disk_full(exc):
-            raise InsufficientStorage(
-                f"the cancel cannot be kept: the checkpoints disk is full ({refusal_reason(exc)}), and the batch "
-                f"runs on; free space under {where}, then cancel it again"
-            ) from exc
-        if exc.errno in UNWRITABLE_ERRNOS:
-            raise checkpoints_unwritable(exc, where, "the cancel cannot be kept: ") from exc
-        raise
+        raise refused(exc, services, "the cancel cannot be kept", "the batch runs on", "cancel it again") from exc
