@@ -59,6 +59,10 @@ class Host(Site, typing.Protocol):
         """The paths whose whole `POST`s are offered to `fast` first."""
 
     @property
+    def fast_body_bytes(self) -> int:
+        """The largest body offered to `fast` (one declared, or found, larger goes to the app at once)."""
+
+    @property
     def keep_alive_s(self) -> float: ...
     @property
     def head_timeout_s(self) -> float: ...
@@ -300,7 +304,8 @@ class HTTPConnection(asyncio.Protocol):
         elif method == "POST" and self.server.fast_paths and request.path in self.server.fast_paths:
             # Buffered whole and answered in on_message_complete if the fast path can; one declared larger
             # than it takes goes to the app at once, which refuses one over its limit (413) before its body.
-            request.deferred = not request.expect_continue and _declared_length(request.headers) <= FAST_BODY_BYTES
+            limit = self.server.fast_body_bytes
+            request.deferred = not request.expect_continue and _declared_length(request.headers) <= limit
         if not request.deferred:
             self._schedule(request)
 
@@ -318,7 +323,7 @@ class HTTPConnection(asyncio.Protocol):
             return
         request.add_body(body)
         if request.deferred:
-            if request.body_size > FAST_BODY_BYTES:
+            if request.body_size > self.server.fast_body_bytes:
                 request.deferred = False
                 self._schedule(request)
         elif request.body_size > HIGH_WATER:
@@ -468,14 +473,26 @@ class HTTPConnection(asyncio.Protocol):
         """Until the client takes what is buffered for it. One that takes nothing for `SEND_STALL_S` (a process
         frozen by SIGSTOP or a suspended job, its connection still open) is cut: its answer's writer (a
         stream's leader, which identical requests wait for) must not wait on it for ever."""
-        if self.writable is not None and not self.writable.is_set() and self.state is not CLOSED:
+        writable = self.writable
+        if writable is None or writable.is_set() or self.state is CLOSED:
+            return
+        buffered = self.transport.get_write_buffer_size()
+        while True:
             try:
-                await asyncio.wait_for(self.writable.wait(), SEND_STALL_S)
+                await asyncio.wait_for(writable.wait(), SEND_STALL_S)
+                return
             except TimeoutError:
+                if self.state is CLOSED:
+                    return
+                now = self.transport.get_write_buffer_size()
+                if now < buffered:  # it reads, if slowly (a big answer's pieces take a while on a slow link)
+                    buffered = now
+                    continue
                 logger.info(
                     "closing a connection from %s: it took nothing of its answer for %g s", self.client, SEND_STALL_S
                 )
                 self.abort_transport()
+                return
 
     # -- writing, flow control and closing ----------------------------------------
 

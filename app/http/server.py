@@ -38,7 +38,7 @@ The server is three modules: this one (listening, lifespan, shutdown),
 `app.http.exchange` (one request's ASGI cycle and the framing of its answer).
 
 The fast path: for `POST` to one of `fast_paths`, the body is buffered (up
-to `FAST_BODY_BYTES`) and the whole request handed to `fast(...)`
+to `fast_body_bytes`, at most `FAST_BODY_BYTES`) and the whole request handed to `fast(...)`
 synchronously, inside the protocol callback, before any task, scope or
 message exists. It returns the complete answer (a cache hit) or None, in
 which case the request goes to the ASGI app like any other. The server
@@ -59,7 +59,7 @@ import typing
 from collections.abc import Awaitable, Callable, Iterable
 
 from app.http.asgi import ASGIApp, ErrorRenderer, FastHandler, Message, plain_error
-from app.http.connection import MAX_TURNED_AWAY_LINGERING, HTTPConnection
+from app.http.connection import FAST_BODY_BYTES, MAX_TURNED_AWAY_LINGERING, HTTPConnection
 from app.http.exchange import CLOCK, status_line
 
 logger = logging.getLogger(__name__)
@@ -76,6 +76,7 @@ class HTTPServer:
         port: int = 8080,
         fast: FastHandler | None = None,
         fast_paths: Iterable[str] = (),
+        fast_body_bytes: int = FAST_BODY_BYTES,
         render_error: ErrorRenderer = plain_error,
         keep_alive_s: float = 5.0,
         head_timeout_s: float = 30.0,
@@ -92,6 +93,7 @@ class HTTPServer:
         self.host, self.port = host, port
         self.fast = fast
         self.fast_paths = frozenset(fast_paths) if fast is not None else frozenset()
+        self.fast_body_bytes = min(fast_body_bytes, FAST_BODY_BYTES)
         self.render_error = render_error
         self.keep_alive_s = keep_alive_s
         self.head_timeout_s = head_timeout_s

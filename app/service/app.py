@@ -440,6 +440,7 @@ def create_server(settings: Settings, app: InferProxy | None = None) -> Server:
         port=settings.port,
         fast=app.answer_fast,
         fast_paths=CACHEABLE_PATHS,
+        fast_body_bytes=settings.max_body_bytes,  # a larger one is the app's 413, at once
         render_error=render_error,
         shutdown_grace_s=settings.shutdown_grace_s,
         on_shutdown=app.shutting_down,

@@ -51,6 +51,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
 import sqlite3
 import tempfile
@@ -178,6 +179,18 @@ class _Row(NamedTuple):
 
 
 _Key = tuple[str, int, str]
+
+#: An OpenAI answer's `object` and the route that answers with it: which route a row answered when it was
+#: stored before the rows kept theirs (`endpoint` NULL, by an inferproxy from before migration 0003).
+_OBJECT = re.compile(rb'"object"\s*:\s*"(chat\.completion|text_completion)')
+_ROUTE_OF_OBJECT = {b"chat.completion": "/v1/chat/completions", b"text_completion": "/v1/completions"}
+
+
+def route_of(body: bytes | None) -> str | None:
+    """The route whose answer `body` is (a completion, or a stream of its chunks); None for another body (an
+    error answers either route)."""
+    found = _OBJECT.search(body) if body else None
+    return None if found is None else _ROUTE_OF_OBJECT[found.group(1)]
 
 
 def apply_migrations(conn: sqlite3.Connection) -> list[str]:
@@ -364,8 +377,13 @@ class RequestCache:
             if not found:
                 return None
             result, _, status, content_type, streamed, stored_for = found[0]
-        if stored_for is not None and stored_for != endpoint and endpoint is not None:
-            return None
+        if endpoint is not None and stored_for != endpoint:
+            if stored_for is None and status is not None:  # an inferproxy's row from before routes were kept
+                stored_for = route_of(result)
+            if stored_for is not None and stored_for != endpoint:
+                return None
+            if stored_for is None and status is not None:  # an error, for either route: not told, not served
+                return None
         if result is None:
             return None  # an error datatrove stored as text: not an HTTP answer to replay
         if status is None:  # a result datatrove stored: its JSON, as a 200

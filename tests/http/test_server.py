@@ -7,17 +7,20 @@ import contextlib
 import gc
 import json
 import logging
+import socket
 import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 
+import app.http.connection
 from app.http.asgi import Answer
 from app.http.connection import MAX_HEADER_BYTES, HTTPConnection
 from app.http.exchange import HIGH_WATER
 from app.http.server import HTTPServer
 from app.service.asgi import Message, Receive, Scope, Send
+from tests.servers import lifespan_optional
 from tests.waiting import eventually
 
 
@@ -732,3 +735,42 @@ async def test_fast_answers_made_in_one_turn_are_written_together_at_its_end() -
 @pytest.fixture(autouse=True)
 def _log_errors(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="app")
+
+
+async def test_a_client_reading_a_big_answer_slowly_is_not_taken_for_one_that_reads_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The stall cut (`SEND_STALL_S`) timed one wait for the whole buffered piece: a client below a piece per
+    stall (a MiB of a file's content in 60 s: 17 KB/s) was cut part-way though it read all along."""
+    monkeypatch.setattr(app.http.connection, "SEND_STALL_S", 0.3)
+    piece = b"x" * (96 << 10)  # over the write buffer's high water, and over a second at the client's pace
+    small_buffers = asyncio.Event()
+
+    async def big(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return
+        await small_buffers.wait()
+        await send(
+            {"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % (2 * len(piece)))]}
+        )
+        await send({"type": "http.response.body", "body": piece, "more_body": True})
+        await send({"type": "http.response.body", "body": piece, "more_body": False})
+
+    async with serving(lifespan_optional(big)) as server:
+        client = socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        client.connect(("127.0.0.1", server.port))
+        client.setblocking(False)
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(client, b"GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        await eventually(lambda: len(server.connections) == 1, "the connection was never accepted")
+        # the kernel's buffers small on both ends, as across a slow link: the pieces wait in the server's
+        (connection,) = server.connections
+        connection.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        small_buffers.set()
+        received = 0
+        while chunk := await loop.sock_recv(client, 4096):  # some 200 KB/s
+            received += len(chunk)
+            await asyncio.sleep(0.02)
+        client.close()
+    assert received > 2 * len(piece)  # the head, and the whole body

@@ -74,6 +74,8 @@ async def test_lookup_answers_what_each_request_would_replay_as_a_hit(client: ht
         (b'[{"doc_id": "a", "rollout_idx": true, "body": {}}]', "rollout_idx must be an integer >= 0"),
         (b'[{"doc_id": "a"}]', "body must be the request's JSON object"),
         (b'[{"doc_id": "a", "body": {}, "path": "/v1/embeddings"}]', "path must be /v1/chat/completions or /v1/co"),
+        (b'[{"doc_id": "a", "body": {}, "path": ["/v1/completions"]}]', "lookup 0: path must be"),
+        (b'[{"doc_id": "a", "body": {}, "path": {"a": 1}}]', "lookup 0: path must be"),
         (json.dumps([{"doc_id": "a", "body": {}}] * 4097).encode(), "at most 4096 lookups"),
         (
             b'[{"doc_id": "a", "body": {}}, {"doc_id": "a", "body": {"p": ' + b"[" * 300 + b"]" * 300 + b"}}]",
@@ -175,7 +177,8 @@ async def stored(tmp_path: Path, answers: dict[str, bytes]) -> dict[str, Any]:
     cache = await open_cache(tmp_path / "ckpt")
     request = chat_request()
     for doc_id, body in answers.items():
-        cache.store_response(0, doc_id, 0, payload_hash(request), StoredResponse(200, body, "application/json"))
+        answer = StoredResponse(200, body, "application/json")
+        cache.store_response(0, doc_id, 0, payload_hash(request), answer, endpoint="/v1/chat/completions")
     await cache.close()
     return request
 

@@ -212,12 +212,16 @@ async def test_a_body_over_max_body_bytes_is_refused_with_413(tmp_path: Path) ->
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
-async def test_a_body_declared_over_max_body_bytes_is_refused_before_it_is_sent(tmp_path: Path, path: str) -> None:
+@pytest.mark.parametrize(("limit", "declared"), [(None, 9_999_999_999), (1000, 2000)])
+async def test_a_body_declared_over_max_body_bytes_is_refused_before_it_is_sent(
+    tmp_path: Path, path: str, limit: int | None, declared: int
+) -> None:
     """Offered to the fast path, it was waited for (its bytes never came) where every other route said 413."""
-    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url, body_timeout_s=300)) as proxy:
+    limits = {"body_timeout_s": 300} | ({"max_body_bytes": limit} if limit else {})
+    async with fake_upstream() as (url, _), serve_proxy(settings(tmp_path, url, **limits)) as proxy:
         host, port = proxy.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 9999999999\r\n\r\n".encode())
+        writer.write(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {declared}\r\n\r\n".encode())
         status = await asyncio.wait_for(reader.readline(), 60)  # the body would be waited for 300 s
         writer.close()
         assert status.startswith(b"HTTP/1.1 413 "), status

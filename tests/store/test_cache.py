@@ -21,6 +21,7 @@ from tests.servers import free_port, wait_for_http
 from tests.waiting import eventually
 
 PAYLOAD = {"messages": [{"role": "user", "content": "hello"}]}
+ROUTES = ("/v1/chat/completions", "/v1/completions")
 H = payload_hash(PAYLOAD)
 RESULT = {"text": "world", "finish_reason": "stop", "usage": {"prompt_tokens": 1}, "reasoning": "scratchpad"}
 
@@ -217,6 +218,30 @@ async def test_an_answer_stored_for_a_route_is_found_for_it_only_and_datatroves_
             assert cache.get_response("d", 0, H, endpoint=endpoint) is not None
         if not committed:
             await cache.flush()
+    await cache.close()
+
+
+async def test_a_row_stored_before_routes_were_kept_is_served_to_the_route_its_answer_names(tmp_path: Path) -> None:
+    """Upgraded, a cache kept serving an old row to either route: a 400 the wrong route got, to the right one."""
+    cache = await opened(tmp_path, flush_interval_ms=60_000, replay_same_run=True)
+    assert cache._writer is not None
+    old = {
+        "chat": (200, b'{"id": "c", "object": "chat.completion", "choices": []}'),
+        "text": (200, b'{"id":"t","object":"text_completion","choices":[]}'),
+        "stream": (200, b'data: {"id":"s","object":"chat.completion.chunk"}\n\ndata: [DONE]\n\n'),
+        "error": (400, b'{"error": {"message": "messages: Field required"}}'),
+    }
+    for doc_id, (status, body) in old.items():  # as an inferproxy wrote them before migration 0003
+        cache._writer.execute(
+            "INSERT INTO request_cache (chunk_index, doc_id, rollout_idx, payload_hash, result, status_code, "
+            "content_type, streamed) VALUES (0, ?, 0, ?, ?, ?, 'application/json', 0)",
+            (doc_id, H, body, status),
+        )
+    served = {
+        doc_id: [cache.get_response(doc_id, 0, H, endpoint=route) is not None for route in ROUTES] for doc_id in old
+    }
+    assert served == {"chat": [True, False], "text": [False, True], "stream": [True, False], "error": [False, False]}
+    assert all(cache.get_response(doc_id, 0, H) is not None for doc_id in old)  # no route asked: any
     await cache.close()
 
 

@@ -425,6 +425,27 @@ def test_an_output_that_is_no_regular_file_is_refused_and_left_as_it_is(
     assert upstream.stats()["generations"] == 0
 
 
+@pytest.mark.parametrize("spelling", ["sub/../in.jsonl", "here/in.jsonl"])
+def test_the_input_spelled_another_way_as_output_is_refused_and_left_as_it_is(
+    upstream: Upstream,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    spelling: str,
+) -> None:
+    """Compared as written, `-o sub/../in.jsonl` (or through a link to its folder) was renamed over the input."""
+    monkeypatch.chdir(tmp_path)
+    source = write_input(tmp_path / "in.jsonl", [chat_line("a", "question")])
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "here").symlink_to(tmp_path)
+    before = source.read_bytes()
+    result = run_batch_here(capsys, upstream, "-i", "in.jsonl", "-o", spelling)
+    assert result.returncode == 2
+    assert last_line(result) == f"inferproxy run-batch: -o {spelling} is the input: give another path for the output"
+    assert source.read_bytes() == before
+    assert upstream.stats()["generations"] == 0
+
+
 def test_a_state_removed_while_the_run_works_ends_it_in_one_line(slow_upstream: Upstream, tmp_path: Path) -> None:
     _, _, state, args = a_run(slow_upstream, tmp_path)
     with process(*args, read_stderr=True) as proc:

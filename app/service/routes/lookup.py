@@ -101,7 +101,7 @@ def parse_keys(body: bytes) -> list[LookupKey]:
         if not isinstance(request, dict):
             raise BadRequest(f"lookup {position}: body must be the request's JSON object")
         path = item.get("path")
-        if path is not None and path not in CACHEABLE_PATHS:
+        if path is not None and (not isinstance(path, str) or path not in CACHEABLE_PATHS):
             raise BadRequest(
                 f"lookup {position}: path must be {' or '.join(sorted(CACHEABLE_PATHS))} (the route the request goes "
                 f"to), or absent, got {path!r:.80}"

@@ -351,7 +351,7 @@ def check_locations(options: Options) -> None:
         check_output_file(path, output)
         if path.is_dir():
             raise RunBatchError(f"-o {output} is a folder: give the output file's path (e.g. {path / 'out.jsonl'})")
-        if not is_remote(options.input) and path.absolute() == Path(options.input.removeprefix("file://")).absolute():
+        if not is_remote(options.input) and path.resolve() == Path(options.input.removeprefix("file://")).resolve():
             raise RunBatchError(f"-o {output} is the input: give another path for the output")
         check_folder(str(path.absolute().parent), "-o")
     check_folder(str(options.state), "--checkpoints-dir", room=True)
