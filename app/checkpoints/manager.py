@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 from app.checkpoints.chunk import Chunk, ChunkState
 from app.checkpoints.chunkfiles import CheckpointDurabilityError, ChunkFiles, FsyncPolicy
 from app.checkpoints.documents import Document, DocumentLike, OutputWriter, encode_document, is_removed
+from app.checkpoints.output import redact_url
 from app.checkpoints.publish import ChunkFileGone, PublicationAbandoned, PublishError, chunk_file_gone, in_daemon_thread
 from app.checkpoints.resume import (
     ChunkScan,
@@ -86,6 +87,9 @@ D = TypeVar("D", bound=DocumentLike)
 _SHOWN_CHUNKS = 10  # incomplete chunks named in a warning
 #: How long `close` waits for a publication it gave up to notice (it checks between 1 MiB pieces).
 _ABANDON_WAIT_S = 5.0
+#: How long a caller that publishes what is pending (a resume point, the last chunk's completion) waits for a
+#: publication under way before it is told the output stalls (503, asked again): an upload may hang for ever.
+PUBLICATION_WAIT_S = 30.0
 
 
 class ChunkCompleteError(ValueError):
@@ -219,6 +223,7 @@ class CheckpointManager:
         self._gone: BaseException | None = None  # a chunk forgotten as its file was gone, not said yet
         #: The output writer last given (a write, a restore): told of a chunk published with no document.
         self._writer: OutputWriter | None = None
+        self._attempt_started = 0.0  # when the last publication attempt began (time.monotonic)
 
     # ------------------------------------------------------------ chunk state
 
@@ -501,8 +506,11 @@ class CheckpointManager:
         asked = time.monotonic()
         try:
             if self._publish_lock.locked():
-                async with self._publish_lock:
-                    pass
+                try:
+                    async with asyncio.timeout(PUBLICATION_WAIT_S), self._publish_lock:
+                        pass
+                except TimeoutError:
+                    raise self._stalled(rank) from None
                 self._say_gone()
                 failure = self.publication_failure
                 if failure is not None and failure.failed_at >= asked:
@@ -517,6 +525,16 @@ class CheckpointManager:
             if self.publish_in_background and self._publication_due():
                 self._start_publisher(rank)
 
+    def _stalled(self, rank: int) -> PublishError:
+        """A publication under way past `PUBLICATION_WAIT_S`, for a caller that will not wait longer (a resume
+        point, the last chunk's completion: answered 503, asked again)."""
+        ran = time.monotonic() - self._attempt_started
+        output = getattr(self._writer, "output", None)
+        return PublishError(
+            f"a publication of rank {rank}'s chunks has run for {ran:.0f} s without ending (a stalled output?)",
+            where=redact_url(output) if isinstance(output, str) else "the output",
+        )
+
     def _say_gone(self) -> None:
         """Raise, once, the error of a chunk forgotten since its file was found gone: the job hears of it."""
         gone, self._gone = self._gone, None
@@ -528,6 +546,7 @@ class CheckpointManager:
         is a failure like an output's, retried with backoff: were it the publisher's end, the chunks
         waiting would stay so, and past `max_waiting_chunks` the rank's writes be refused, until a
         `publish_pending`."""
+        self._attempt_started = time.monotonic()
         try:
             try:
                 await self._publish_ready(rank)

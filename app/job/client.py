@@ -54,6 +54,14 @@ class _RetriedConflict(ProxyJobError):
     """A 409 to a request sent again after its first attempt's answer was lost."""
 
 
+@dataclass
+class _Sent:
+    """What one checkpoint call learnt over its attempts: whether one's answer was lost (the connection
+    closed after the request went), so that a 409 to a later one may be that attempt's own doing."""
+
+    answer_lost: bool = False
+
+
 @dataclass(frozen=True)
 class Resume:
     records_per_chunk: int
@@ -88,6 +96,7 @@ class ProxyJob:
         client: HTTPClient | None = None,
         owned_wait_s: float = 180.0,
         unavailable_wait_s: float = 3600.0,
+        unreachable_wait_s: float = 120.0,
         total_documents: int | None = None,
         total_ranks: int | None = None,
     ) -> None:
@@ -98,6 +107,8 @@ class ProxyJob:
         self.retries = retries
         self.owned_wait_s = owned_wait_s
         self.unavailable_wait_s = unavailable_wait_s
+        self.unreachable_wait_s = unreachable_wait_s
+        self._reached = False  # whether the proxy has answered this job yet
         self._auth = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
         self._total = [(b"x-total-documents", str(total_documents).encode())] if total_documents is not None else []
         self._ranks = [(b"x-total-ranks", str(total_ranks).encode())] if total_ranks is not None else []
@@ -175,7 +186,7 @@ class ProxyJob:
         try:
             await self._post_documents(b"[" + b",".join(line for line, _ in batch) + b"]", len(batch), chunk_index)
         except ProxyJobError as exc:
-            if len(batch) == 1 or not _maybe_one_documents_fault(exc):
+            if len(batch) == 1 or not maybe_one_documents_fault(exc):
                 _settle(batch, exc)
                 return
             for one in batch:  # all or nothing: find out which document it was
@@ -303,9 +314,10 @@ class ProxyJob:
         started = time.monotonic()
         delay = 0.5
         warned: set[type] = set()
+        sent = _Sent()  # across the retries after a 503: an answer lost before it is lost still
         while True:
             try:
-                return await self._call_once(method, path, body, extra)
+                return await self._call_once(method, path, body, extra, sent)
             except (RankOwnedElsewhere, ProxyUnavailable) as exc:
                 unavailable = isinstance(exc, ProxyUnavailable)
                 wait_s = self.unavailable_wait_s if unavailable else self.owned_wait_s
@@ -319,17 +331,29 @@ class ProxyJob:
                 await asyncio.sleep(pause)
                 delay = min(delay * 2, 10.0)
 
-    async def _call_once(self, method: str, path: str, body: bytes, extra: Sequence[tuple[bytes, bytes]]) -> Any:
+    async def _call_once(
+        self, method: str, path: str, body: bytes, extra: Sequence[tuple[bytes, bytes]], sent: _Sent | None = None
+    ) -> Any:
+        """The call, retried while the proxy cannot be reached (it restarts: every call here is safe to repeat),
+        `retries` times, and once the proxy has answered this job before (then it is restarting, where one
+        never reached is more likely a wrong URL) for at least `unreachable_wait_s`; its answer, or its
+        refusal raised."""
+        sent = sent or _Sent()
         headers = [(b"x-rank", str(self.rank).encode()), (b"content-type", b"application/json"), *self._auth, *extra]
-        for attempt in range(self.retries + 1):
+        started = time.monotonic()
+        attempt = 0
+        while True:
             try:
                 async with self._client.request(method, self.base_url + path, headers=headers, body=body) as answer:
                     data = await answer.read()
-            except (ConnectError, ConnectionLost):
-                # the proxy restarting: every call here is safe to repeat
-                if attempt == self.retries:
+                self._reached = True
+            except (ConnectError, ConnectionLost) as exc:
+                sent.answer_lost = sent.answer_lost or isinstance(exc, ConnectionLost)  # it may have been taken
+                waited = time.monotonic() - started
+                if attempt >= self.retries and (not self._reached or waited >= self.unreachable_wait_s):
                     raise
                 await asyncio.sleep(min(0.2 * 2**attempt, 5.0))
+                attempt += 1
                 continue
             if answer.status != 200:
                 try:
@@ -341,11 +365,10 @@ class ProxyJob:
                     raise RankOwnedElsewhere(answer.status, message)
                 if answer.status == 503:
                     raise ProxyUnavailable(answer.status, message, _retry_after_s(answer.header(b"retry-after")))
-                if answer.status == 409 and attempt > 0:
+                if answer.status == 409 and sent.answer_lost:
                     raise _RetriedConflict(answer.status, message)
                 raise ProxyJobError(answer.status, message)
             return orjson.loads(data)
-        raise AssertionError("unreachable")
 
 
 def _retry_after_s(value: bytes | None) -> float | None:
@@ -388,7 +411,9 @@ def _batches(
 _DOCUMENT_REFUSALS = frozenset({400, 409, 413})
 
 
-def _maybe_one_documents_fault(error: ProxyJobError) -> bool:
+def maybe_one_documents_fault(error: ProxyJobError) -> bool:
+    """Whether a refusal may be one document's fault (malformed, for a complete chunk, too large), not the
+    rank's or the proxy's (another proxy's rank, a wrong API key, a full disk, a failure at the proxy)."""
     return error.status in _DOCUMENT_REFUSALS and not isinstance(error, RankOwnedElsewhere)
 
 

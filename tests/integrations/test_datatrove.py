@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import subprocess
 import sys
@@ -22,6 +23,7 @@ from datatrove.pipeline.writers import JsonlWriter
 from datatrove.pipeline.writers.disk_base import DiskWriter
 from datatrove.utils.logging import logger
 
+import app.integrations.datatrove.checkpoints as adapter
 from app.integrations.datatrove import ProxyInferenceRunner, with_inferproxy_checkpointing
 from app.service.app import create_app
 from app.service.settings import Settings
@@ -645,3 +647,46 @@ async def test_a_rank_declares_the_jobs_world_size_and_its_total_at_its_end_so_t
             assert [path for path, _, _ in sent] == ["/resume", "/chunks/1/complete"]
             assert upstream.generations == generations
             assert (await client.get("/stats")).json()["job"]["finished"] is True
+
+
+def scripted_proxy(tmp_path: Path, documents_answer: bytes, generated: list[str]) -> Callable[[str], bytes | None]:
+    """A proxy that resumes rank 0 from nothing, has no /lookup, answers every POST /documents with
+    `documents_answer` and every generation with a completion (its path noted in `generated`)."""
+
+    def reply(path: str) -> bytes | None:
+        if path == "/resume":
+            return http_answer(200, resume_answer(tmp_path / "out"))
+        if path == "/documents":
+            return documents_answer
+        if path == "/lookup":
+            return http_answer(404, {"error": {"message": "no lookup"}})
+        generated.append(path)
+        return http_answer(200, {"choices": [{"message": {"content": "ok"}, "finish_reason": "stop"}], "usage": {}})
+
+    return reply
+
+
+@pytest.mark.parametrize(
+    ("status", "kind", "message"),
+    [
+        (500, "server_error", "a checkpoint file could not be made durable earlier (EIO); restart inferproxy serve"),
+        (503, "output_unavailable", "rank 0: 8 complete chunks wait for the output"),
+    ],
+)
+async def test_a_refusal_of_the_whole_rank_fails_the_task_at_once_not_at_the_end_of_its_input(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, status: int, kind: str, message: str
+) -> None:
+    """Each was taken for one document's fault: the task generated its whole input, logged each document as not
+    in the output, and failed at its end; a 503 past unavailable_wait_s was waited out again by every batch."""
+    monkeypatch.setattr(adapter, "ProxyJob", functools.partial(adapter.ProxyJob, unavailable_wait_s=0.5))
+    generated: list[str] = []
+    answer = http_answer(status, {"error": {"message": message, "type": kind, "code": status}}, retry_after="0")
+    async with raw_server(scripted_proxy(tmp_path, answer, generated)) as url:
+        env = Env(url, FakeUpstream(), tmp_path)
+        config = InferenceConfig(
+            server_type="endpoint", endpoint_url=url, model_name_or_path="m", max_concurrent_generations=4,
+            metric_interval=3600,
+        )  # fmt: skip
+        with pytest.raises(ServerError, match=f"cannot checkpoint rank 0: {message[:30]}"):
+            await env.runner(config=config).run_async(documents(60), rank=0)
+    assert len(generated) <= 8  # the documents in flight when the first was refused, not the 60

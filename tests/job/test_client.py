@@ -11,13 +11,14 @@ from typing import Any
 
 import pytest
 
-from app.http.client import HTTPClient, ReadTimeout
+from app.http.client import ConnectError, ConnectionLost, HTTPClient, ReadTimeout
 from app.job.client import ProxyJob, ProxyJobError
-from app.service.app import create_app
+from app.service.app import create_app, create_server
+from app.service.asgi import send_bytes
 from app.service.settings import Settings
 from tests.canned import canned_server
 from tests.job.conftest import Env
-from tests.servers import serve_in_loop
+from tests.servers import free_port, serve_in_loop
 
 
 async def test_service_errors_arrive_as_proxy_job_errors(env: Env) -> None:
@@ -177,3 +178,86 @@ async def test_close_gives_up_on_documents_unanswered_after_its_grace(tmp_path: 
         with pytest.raises(asyncio.CancelledError):
             await sent
         assert answered == []
+
+
+def restarting_settings(tmp_path: Path, port: int) -> Settings:
+    return Settings(
+        upstream=["http://127.0.0.1:9"],
+        checkpoints_dir=tmp_path / "ckpt",
+        output=str(tmp_path / "out"),
+        records_per_chunk=4,
+        host="127.0.0.1",
+        port=port,
+    )
+
+
+async def test_a_document_sent_while_its_proxy_restarts_is_written_once_it_is_back(tmp_path: Path) -> None:
+    """A refused connection was retried 5 times 0.2 s apart, doubling: 6.2 s, where a proxy restarted by its
+    supervisor (and checking its output as it starts) takes longer; the task then failed."""
+    port = free_port()
+    first = create_server(restarting_settings(tmp_path, port))
+    await first.start()
+    job = ProxyJob(f"http://127.0.0.1:{port}")
+    await job.write_documents([{"id": "d0", "text": "t"}], 0)
+    await first.shutdown()  # it restarts: back 7 s later
+    restarted: list[Any] = []
+
+    async def restart() -> None:
+        await asyncio.sleep(7)
+        second = create_server(restarting_settings(tmp_path, port))
+        await second.start()
+        restarted.append(second)
+
+    back = asyncio.create_task(restart())
+    try:
+        await job.write_documents([{"id": "d1", "text": "t"}], 0)
+        assert (await job.resume()).processed_ids == {"d0", "d1"}
+    finally:
+        await back
+        await job.close()
+        for server in restarted:
+            await server.shutdown()
+
+
+async def test_a_proxy_never_reached_fails_the_call_after_its_retries(tmp_path: Path) -> None:
+    """The wait for a restart is for a proxy the job has reached before: one never reached is a wrong URL."""
+    job = ProxyJob(f"http://127.0.0.1:{free_port()}", retries=2)
+    with pytest.raises(ConnectError):
+        await job.resume()
+    await job.close()
+
+
+async def test_an_answer_lost_then_a_503_then_409_for_the_chunk_it_completed_counts_as_written(tmp_path: Path) -> None:
+    """The 409 was taken for a refusal once a 503 came between the lost answer and it: each document of the
+    batch, written and published, then failed (run_job died; the datatrove runner logged each as lost)."""
+    app = create_app(restarting_settings(tmp_path, 0))
+    documents_seen = 0
+
+    async def refusing_once(scope: Any, receive: Any, send: Any) -> None:
+        nonlocal documents_seen
+        if scope["type"] == "http" and scope["path"] == "/documents":
+            documents_seen += 1
+            if documents_seen == 2:  # the retry meets the restarted proxy's 503 (its output not listable yet)
+                await send_bytes(send, 503, [(b"retry-after", b"0")], b'{"error": {"message": "x", "code": 503}}')
+                return
+        await app(scope, receive, send)
+
+    async with serve_in_loop(refusing_once) as proxy:
+        job = ProxyJob(proxy)
+        real_request, lost = job._client.request, []
+
+        @contextlib.asynccontextmanager
+        async def answer_lost_once(method: str, url: str, **kwargs: Any) -> AsyncIterator[Any]:
+            async with real_request(method, url, **kwargs) as response:
+                if url.endswith("/documents") and not lost:
+                    lost.append(True)
+                    await response.read()  # written, durable, its chunk complete: then the proxy dies
+                    raise ConnectionLost("the proxy died before answering", before_response=True)
+                yield response
+
+        job._client.request = answer_lost_once  # type: ignore[method-assign]
+        try:
+            answer = await job.write_documents([{"id": f"d{i}", "text": "t"} for i in range(4)], 0)
+        finally:
+            await job.close()
+    assert (answer["chunk_index"], answer["duplicates"]) == (0, 4)

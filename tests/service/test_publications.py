@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import os
+import re
 import threading
 import traceback
 from collections.abc import Iterator
@@ -15,9 +16,11 @@ from typing import Any
 import httpx
 import pytest
 
+import app.checkpoints.manager
 import app.checkpoints.publish
 from app.checkpoints.manager import PublicationBacklog
 from app.checkpoints.publish import ChunkPublisher, PublicationAbandoned, PublishError
+from app.http.client import HTTPClient
 from app.job.client import ProxyJob
 from app.service.settings import Settings
 from app.store.durable import atomic_write_bytes, temporary_target
@@ -88,6 +91,31 @@ async def test_a_ranks_writes_are_answered_while_its_upload_is_stalled(tmp_path:
         resume = (await client.get("/resume")).json()  # answered once what waits is published
         assert (resume["last_chunk_index"], resume["processed_ids"]) == (0, ["d3", "d4"])
     assert sorted(os.listdir(tmp_path / "out")) == ["00000_chunk_0.jsonl"]
+
+
+async def test_a_resume_point_asked_while_an_upload_stalls_is_a_503_and_the_job_client_waits_it_out(
+    tmp_path: Path, stall: Stall, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GET /resume (and the last chunk's completion) waited for a stalled publication without bound: a job
+    restarted meanwhile hung until its client's read timeout (600 s, a raw ReadTimeout), or for days."""
+    monkeypatch.setattr(app.checkpoints.manager, "PUBLICATION_WAIT_S", 0.5)
+    async with serve_proxy(config(tmp_path)) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+        assert (await post(client, 0, docs(0, 3))).status_code == 200  # completes chunk 0: its upload hangs
+        await asyncio.to_thread(stall.started.wait, 10)
+        answer = await client.get("/resume")
+        assert (answer.status_code, answer.json()["error"]["type"]) == (503, "output_unavailable")
+        assert re.search(r"has run for \d+ s without ending \(a stalled output\?\)", answer.json()["error"]["message"])
+        assert "retry-after" in answer.headers
+        completing = await client.post("/chunks/1/complete")
+        assert completing.status_code == 503
+        job = ProxyJob(url, client=HTTPClient(read_timeout=3.0))
+        resuming = asyncio.create_task(job.resume())  # retried, as a 503 is, until the output is back
+        await asyncio.sleep(1.0)  # a few of its 503s
+        stall.release()
+        try:
+            assert (await resuming).last_chunk_index == 1  # chunk 0, then the last, 1, declared complete (empty)
+        finally:
+            await job.close()
 
 
 async def test_past_max_waiting_chunks_new_documents_get_503_and_nothing_is_written(

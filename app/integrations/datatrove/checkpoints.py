@@ -18,7 +18,7 @@ from datatrove.utils.logging import logger
 from app.checkpoints.output import is_remote
 from app.checkpoints.publish import check_output_filename
 from app.http.client import ConnectError, ConnectionLost, HTTPClient, ReadTimeout
-from app.job.client import ProxyJob, ProxyJobError, RankOwnedElsewhere, Resume
+from app.job.client import ProxyJob, ProxyJobError, RankOwnedElsewhere, Resume, maybe_one_documents_fault
 from app.job.run import NEW_JOB_ADVICE
 
 UNREACHABLE = (ConnectError, ConnectionLost, ReadTimeout)
@@ -181,10 +181,15 @@ class ProxyCheckpointManager:
         doc_id = str(document.id)
         try:
             await self._job_for(rank).write_document(as_checkpoint_dict(document), chunk_index)
-        except RankOwnedElsewhere as exc:
-            # Not this document's fault, and every later one would wait as long again: fail the task now.
-            raise ServerError(f"the proxy at {self.proxy_url} cannot checkpoint rank {rank}: {exc.message}") from exc
         except ProxyJobError as exc:
+            if isinstance(exc, RankOwnedElsewhere) or not maybe_one_documents_fault(exc):
+                # Not this document's fault (the rank owned elsewhere, its checkpoints refusing every write, the
+                # output away past unavailable_wait_s, a wrong key): every later one would meet it again, after
+                # its generation was paid for. The task fails now, for the executor to run it again.
+                raise ServerError(
+                    f"the proxy at {self.proxy_url} cannot checkpoint rank {rank}: {exc.message}; the task fails "
+                    f"so that the executor runs it again"
+                ) from exc
             self._refuse(doc_id, chunk_index, str(exc))
         except TypeError as exc:  # orjson: a value in the document that JSON cannot hold
             self._refuse(doc_id, chunk_index, f"it cannot be sent as JSON ({exc}): keep metadata JSON-serialisable")
