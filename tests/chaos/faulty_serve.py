@@ -91,7 +91,8 @@ def faulty_connection(log: FaultLog) -> type[sqlite3.Connection]:
                 if self.statements:
                     log.happened("cache_mid_batch", db=self.db_path, keys=self.inserted)
                 self.statements += 1
-                self.inserted += tuple((parameters[i + 1], parameters[i + 2]) for i in range(0, len(parameters), 9))
+                row = sql.partition("VALUES")[2].partition(")")[0].count("?")  # a row's values: its columns
+                self.inserted += tuple((parameters[i + 1], parameters[i + 2]) for i in range(0, len(parameters), row))
             elif sql == "COMMIT" and self.statements:
                 log.happened("cache_commit", db=self.db_path, keys=self.inserted)
             return super().execute(sql, parameters)

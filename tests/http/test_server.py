@@ -742,8 +742,8 @@ async def test_a_client_reading_a_big_answer_slowly_is_not_taken_for_one_that_re
 ) -> None:
     """The stall cut (`SEND_STALL_S`) timed one wait for the whole buffered piece: a client below a piece per
     stall (a MiB of a file's content in 60 s: 17 KB/s) was cut part-way though it read all along."""
-    monkeypatch.setattr(app.http.connection, "SEND_STALL_S", 0.3)
-    piece = b"x" * (96 << 10)  # over the write buffer's high water, and over a second at the client's pace
+    monkeypatch.setattr(app.http.connection, "SEND_STALL_S", 1.0)
+    piece = b"x" * (256 << 10)  # over the write buffer's high water, and well over a stall at the client's pace
     small_buffers = asyncio.Event()
 
     async def big(scope: Scope, receive: Receive, send: Send) -> None:
