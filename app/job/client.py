@@ -56,8 +56,8 @@ class _RetriedConflict(ProxyJobError):
 
 @dataclass
 class _Sent:
-    """What one checkpoint call learnt over its attempts: whether one's answer was lost (the connection
-    closed after the request went), so that a 409 to a later one may be that attempt's own doing."""
+    """What one checkpoint call learnt over its attempts: whether one's answer may have been lost (a connection
+    that broke, or could not be made), so that a 409 to a later one may be that attempt's own doing."""
 
     answer_lost: bool = False
 
@@ -347,8 +347,11 @@ class ProxyJob:
                 async with self._client.request(method, self.base_url + path, headers=headers, body=body) as answer:
                     data = await answer.read()
                 self._reached = True
-            except (ConnectError, ConnectionLost) as exc:
-                sent.answer_lost = sent.answer_lost or isinstance(exc, ConnectionLost)  # it may have been taken
+            except (ConnectError, ConnectionLost):
+                # It may have been taken, its answer lost: a refused connection too, for the HTTP client sends a
+                # request again by itself, on a new connection, when a kept-alive one closed before any answer
+                # (taken for a server that had closed it idle; a proxy killed mid-request looks the same).
+                sent.answer_lost = True
                 waited = time.monotonic() - started
                 if attempt >= self.retries and (not self._reached or waited >= self.unreachable_wait_s):
                     raise
