@@ -36,7 +36,8 @@ RolloutFn = Callable[[DocumentLike, int, dict[str, str]], Awaitable[Any]]
 #: Said with "all N documents were already done": a rerun and a new job that ends within the old one's last
 #: chunk look alike, by position.
 NEW_JOB_ADVICE = (
-    "if this is a new job, not a rerun, give it its own --checkpoints-dir: its documents were taken for the old job's"
+    "if this is a new job, not a rerun, give it a checkpoints dir of its own (inferproxy serve --checkpoints-dir): "
+    "its documents were taken for the old job's"
 )
 
 
@@ -99,10 +100,11 @@ async def run_job(
         processed = set(state.processed_ids)
         if state.docs_to_skip or processed:
             logger.info(
-                "rank %d: resuming: skipping the first %d documents (their chunks are published) and %d more "
-                "checkpointed since",
+                "rank %d: resuming: skipping the documents of the chunks published (the first %d positions: chunks of "
+                "%d) and %d more checkpointed since",
                 rank,
                 state.docs_to_skip,
+                rpc,
                 len(processed),
             )
         slots = asyncio.Semaphore(concurrency)

@@ -392,7 +392,8 @@ async def test_a_rerun_of_a_finished_rank_says_it_had_nothing_to_do_and_a_new_jo
             (
                 "INFO",
                 "rank 0: all 6 documents were already done: nothing to do (if this is a new job, not a rerun, give "
-                "it its own --checkpoints-dir: its documents were taken for the old job's)",
+                "it a checkpoints dir of its own (inferproxy serve --checkpoints-dir): its documents were taken for "
+                "the old job's)",
             )
         ]
         said.clear()

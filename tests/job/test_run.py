@@ -44,13 +44,14 @@ async def test_a_finished_job_run_again_says_at_info_that_it_is_done_and_warns_o
     assert messages == [
         (
             "INFO",
-            "rank 0: resuming: skipping the first 12 documents (their chunks are published) and 0 more "
-            "checkpointed since",
+            "rank 0: resuming: skipping the documents of the chunks published (the first 12 positions: chunks of "
+            "4) and 0 more checkpointed since",
         ),
         (
             "INFO",
             "rank 0: all 10 documents were already done: nothing to do (if this is a new job, not a rerun, "
-            "give it its own --checkpoints-dir: its documents were taken for the old job's)",
+            "give it a checkpoints dir of its own (inferproxy serve --checkpoints-dir): its documents were taken for "
+            "the old job's)",
         ),
     ]
 
@@ -64,8 +65,8 @@ async def test_a_job_resumed_part_way_says_at_info_what_it_skips(env: Env, caplo
         report = await run_job(DOCS, env.rollout, base_url=env.proxy, progress=False)
     assert (report.written, report.skipped) == (5, 5)
     assert (
-        "rank 0: resuming: skipping the first 4 documents (their chunks are published) and 1 more checkpointed since"
-        in caplog.text
+        "rank 0: resuming: skipping the documents of the chunks published (the first 4 positions: chunks of 4) and 1 "
+        "more checkpointed since" in caplog.text
     )
 
 

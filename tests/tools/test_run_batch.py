@@ -204,8 +204,12 @@ def test_killed_with_sigkill_again_and_again_it_carries_on_and_writes_each_line_
             proc.wait(timeout=10)
             kills += 1
         assert not output.exists()  # whole or not at all
+    batch_id = orjson.loads((state / "run-batch.json").read_bytes())["batch_id"]
+    results = (state / "batches" / batch_id / "results.jsonl").read_bytes().split(b"\n")[:-1]  # whole lines
+    done = len({orjson.loads(result)["line"] for result in results})  # durable: batch.json may count fewer
     result = run_cli(*args, timeout=120)
     assert result.returncode == 0, result.stderr
+    assert f"inferproxy run-batch: resuming: {done} of 400 lines already done\n" in result.stderr
     custom_ids = [o["custom_id"] for o in output_of(output)]
     assert custom_ids == [line["custom_id"] for line in lines]
     # only what was in flight at each kill was generated twice

@@ -12,7 +12,7 @@ import pytest
 
 from tests.servers import free_port, process, wait_for_http
 from tests.vllm import tiny_model
-from tests.vllm.helpers import Proxy
+from tests.vllm.helpers import Proxy, close_clients
 from tests.vllm.server import VLLM
 
 
@@ -36,6 +36,12 @@ def vllm_server(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield server
     finally:
         server.kill()
+
+
+@pytest.fixture(autouse=True)
+def clients_closed() -> Iterator[None]:
+    yield
+    close_clients()
 
 
 @pytest.fixture

@@ -24,8 +24,20 @@ class Proxy:
     output: Path
 
 
+#: The OpenAI clients a test made, closed at its end (`close_clients`): left to the garbage collector, their
+#: sockets were found unclosed in whichever later test it ran in, a ResourceWarning failing that one.
+_OPENED: list[OpenAI] = []
+
+
 def openai_client(url: str) -> OpenAI:
-    return OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, default_headers={"X-Rank": "0"})
+    client = OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, default_headers={"X-Rank": "0"})
+    _OPENED.append(client)
+    return client
+
+
+def close_clients() -> None:
+    while _OPENED:
+        _OPENED.pop().close()
 
 
 def async_openai_client(url: str) -> AsyncOpenAI:

@@ -199,7 +199,9 @@ class Runner:
         except (OSError, ValueError):  # not created yet (a first run, or killed before it was): run it all
             return True
         if record.status not in FINAL:
-            done = record.completed + record.failed
+            # batch.json's counts are saved every 2 s: a kill leaves the lines since in results.jsonl alone
+            folder = BatchDir(Path(self.batches_dir) / record.id)
+            done = max(record.completed + record.failed, sum(1 for _ in folder.results_in_order()))
             self.say(f"resuming: {done:,} of {record.total:,} lines already done" if record.total else "resuming")
             return True
         if record.status == "failed":
