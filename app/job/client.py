@@ -96,7 +96,7 @@ class ProxyJob:
         client: HTTPClient | None = None,
         owned_wait_s: float = 180.0,
         unavailable_wait_s: float = 3600.0,
-        unreachable_wait_s: float = 120.0,
+        unreachable_wait_s: float = 30.0,
         total_documents: int | None = None,
         total_ranks: int | None = None,
     ) -> None:

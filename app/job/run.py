@@ -66,6 +66,7 @@ async def run_job(
     progress: bool | None = None,
     total_documents: int | None = None,
     total_ranks: int | None = None,
+    unreachable_wait_s: float = 30.0,
 ) -> JobReport:
     """datatrove's inference loop against the checkpoint service; see the module docstring.
 
@@ -76,12 +77,20 @@ async def run_job(
     then). `total_documents` is the input's length if it has one; the proxy is
     told it, for its own progress and ETA, and told the input's length at the
     end in any case, with the last chunk. `total_ranks`: how many ranks the
-    job has, so that the proxy can say when all of them are finished.
+    job has, so that the proxy can say when all of them are finished. `unreachable_wait_s`: how long a proxy
+    the job has reached, then cannot, is waited for (it restarts) before the job fails.
     """
     start = time.monotonic()
     if total_documents is None and isinstance(documents, Sized):
         total_documents = len(documents)
-    job = ProxyJob(base_url, rank, api_key, total_documents=total_documents, total_ranks=total_ranks)
+    job = ProxyJob(
+        base_url,
+        rank,
+        api_key,
+        total_documents=total_documents,
+        total_ranks=total_ranks,
+        unreachable_wait_s=unreachable_wait_s,
+    )
     report = JobReport()
     shown = Progress(
         f"rank {rank}", total_documents, sys.stderr, interactive=sys.stderr.isatty() if progress is None else progress

@@ -79,6 +79,7 @@ async def job(
             records_per_chunk=records_per_chunk,
             on_written=count,
             progress=False,
+            unreachable_wait_s=1.0,  # its proxy killed for good: the job fails at once, and is run elsewhere
         )
     finally:
         await http.close()
