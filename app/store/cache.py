@@ -377,13 +377,14 @@ class RequestCache:
             if not found:
                 return None
             result, _, status, content_type, streamed, stored_for = found[0]
-        if endpoint is not None and stored_for != endpoint:
-            if stored_for is None and status is not None:  # an inferproxy's row from before routes were kept
-                stored_for = route_of(result)
-            if stored_for is not None and stored_for != endpoint:
-                return None
-            if stored_for is None and status is not None:  # an error, for either route: not told, not served
-                return None
+        # Another route's answer is none of this one's. One stored without a route is datatrove's (no status:
+        # either route's), else an inferproxy's from before routes were kept: the route it names (an error: none).
+        if (
+            endpoint is not None
+            and stored_for != endpoint
+            and (stored_for is not None or (status is not None and route_of(result) != endpoint))
+        ):
+            return None
         if result is None:
             return None  # an error datatrove stored as text: not an HTTP answer to replay
         if status is None:  # a result datatrove stored: its JSON, as a 200

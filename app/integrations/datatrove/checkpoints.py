@@ -18,7 +18,7 @@ from datatrove.utils.logging import logger
 from app.checkpoints.output import is_remote
 from app.checkpoints.publish import check_output_filename
 from app.http.client import ConnectError, ConnectionLost, HTTPClient, ReadTimeout
-from app.job.client import ProxyJob, ProxyJobError, RankOwnedElsewhere, Resume, maybe_one_documents_fault
+from app.job.client import ProxyJob, ProxyJobError, Resume, maybe_one_documents_fault
 from app.job.run import NEW_JOB_ADVICE
 
 UNREACHABLE = (ConnectError, ConnectionLost, ReadTimeout)
@@ -182,7 +182,7 @@ class ProxyCheckpointManager:
         try:
             await self._job_for(rank).write_document(as_checkpoint_dict(document), chunk_index)
         except ProxyJobError as exc:
-            if isinstance(exc, RankOwnedElsewhere) or not maybe_one_documents_fault(exc):
+            if not maybe_one_documents_fault(exc):
                 # Not this document's fault (the rank owned elsewhere, its checkpoints refusing every write, the
                 # output away past unavailable_wait_s, a wrong key): every later one would meet it again, after
                 # its generation was paid for. The task fails now, for the executor to run it again.

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import logging
 import re
 import secrets
@@ -303,11 +304,12 @@ class BatchEngine:
         return sorted(found, key=lambda r: r.id, reverse=True)  # ids sort as the batches were made
 
     def _see_cancel(self, batch: Running) -> None:
-        """A cancel asked through another proxy sharing the folder (its `cancel` file), taken the moment this
-        one, which runs the batch, is asked about it: else it would show `in_progress`, and send new lines,
-        until its next save, after the other answered `cancelling`."""
+        """A cancel asked through another proxy sharing the folder (its `cancel` file), taken by this one, which
+        runs the batch, when it is asked about the batch (else it would show `in_progress`, and send new lines,
+        after the other answered `cancelling`), at each save and at the end of its lines. Kept in batch.json
+        at the next save, never saved over."""
         record = batch.record
-        if record.status != "in_progress" or batch.stopping.is_set():
+        if record.status != "in_progress":
             return
         try:
             asked = batch.dir.cancel_asked()
@@ -514,9 +516,9 @@ class BatchEngine:
             await run_to_end(self._wind_down(batch, saver, writer))
         if self._closing:
             return
-        fresh = await asyncio.to_thread(batch.dir.load)
-        if fresh.status == "cancelling" and record.status == "in_progress":  # cancelled through another proxy
-            record.status, record.cancelling_at, record.ending = "cancelling", fresh.cancelling_at, "cancelled"
+        if not await asyncio.to_thread(batch.dir.root.is_dir):  # removed by hand: given up (`_drive`)
+            raise FileNotFoundError(errno.ENOENT, "the batch's folder was removed", str(batch.dir.root))
+        self._see_cancel(batch)
         if record.status == "cancelling":
             return
         now = int(time.time())
@@ -637,12 +639,7 @@ class BatchEngine:
                 self._gone(batch)
                 return
             try:
-                fresh = await asyncio.to_thread(batch.dir.load)
-                if fresh.status == "cancelling" and record.status == "in_progress":
-                    # cancelled through another proxy sharing the dir: kept, not saved over
-                    record.status, record.cancelling_at, record.ending = "cancelling", fresh.cancelling_at, "cancelled"
-                    batch.stopping.set()
-                    counts = (-2, -2)
+                self._see_cancel(batch)
                 if counts != batch.saved_counts:  # also after a save the disk refused: tried again
                     await self._save(batch)
                     batch.saved_counts = counts
