@@ -572,18 +572,42 @@ def _check_row(row: _Row) -> None:
         raise TypeError(f"error_message must be a str, got {type(row.error_message).__name__}")
 
 
+#: How long opening a cache file waits for other processes opening or writing it.
+OPEN_TIMEOUT_S = 30.0
+
+
+def _set_wal(writer: sqlite3.Connection) -> None:
+    """Put the file in WAL mode, waiting for others that hold it meanwhile.
+
+    Switching to WAL takes the file's exclusive lock, and SQLite answers SQLITE_BUSY at once, without its busy
+    handler, when another connection holds a lock it would deadlock on: so proxies started together on one
+    file (one checkpoints dir shared by a node's proxies, and the batches' answers cache in it) failed to
+    start. The switch is tried again until OPEN_TIMEOUT_S."""
+    deadline = time.monotonic() + OPEN_TIMEOUT_S
+    pause = 0.005
+    while True:
+        try:
+            writer.execute("PRAGMA journal_mode=WAL")
+            return
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode & 0xFF != sqlite3.SQLITE_BUSY or time.monotonic() + pause > deadline:
+                raise
+        time.sleep(pause)
+        pause = min(pause * 2, 0.2)
+
+
 def _open(db_path: str) -> tuple[sqlite3.Connection, sqlite3.Connection, int]:
     # SQLite follows links, and writes its WAL and index beside the file: none may be a link.
     for suffix in SQLITE_SUFFIXES:
         check_safe(db_path + suffix)
     # isolation_level=None: transactions are explicit, one BEGIN/COMMIT per batch.
-    writer = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False, timeout=30.0)
+    writer = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False, timeout=OPEN_TIMEOUT_S)
     try:
-        writer.execute("PRAGMA journal_mode=WAL")
+        _set_wal(writer)
         # FULL: a commit is on disk when it returns; with one commit per window it costs little.
         writer.execute("PRAGMA synchronous=FULL")
         apply_migrations(writer)
-        reader = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False, timeout=30.0)
+        reader = sqlite3.connect(db_path, isolation_level=None, check_same_thread=False, timeout=OPEN_TIMEOUT_S)
         # Lookups read pages through a memory map and a larger page cache: a point
         # query over a big cache then costs no read() system calls.
         reader.execute(f"PRAGMA mmap_size={READER_MMAP_BYTES}")

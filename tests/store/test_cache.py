@@ -5,6 +5,8 @@ import os
 import sqlite3
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,14 @@ import pytest
 from datatrove.pipeline.inference.checkpointing import RequestCache as DatatroveRequestCache
 
 import app.store.cache
-from app.store.cache import MIGRATIONS, CacheWriteError, RequestCache, StoredResponse, apply_migrations
+from app.store.cache import (
+    MIGRATIONS,
+    CacheWriteError,
+    RequestCache,
+    StoredResponse,
+    apply_migrations,
+    count_rows,
+)
 from app.store.durable import is_disk_full
 from app.store.hashing import payload_hash
 from tests.factories import open_cache
@@ -243,6 +252,30 @@ async def test_a_row_stored_before_routes_were_kept_is_served_to_the_route_its_a
     assert served == {"chat": [True, False], "text": [False, True], "stream": [True, False], "error": [False, False]}
     assert all(cache.get_response(doc_id, 0, H) is not None for doc_id in old)  # no route asked: any
     await cache.close()
+
+
+async def test_caches_opening_one_new_file_together_all_open_it(tmp_path: Path) -> None:
+    # Proxies started together on one checkpoints dir open its files together. Switching a new file to WAL
+    # takes its exclusive lock, and SQLite refuses that at once, without waiting, while another connection
+    # holds a lock it needs: one proxy in three of CI's started that way died with "database is locked".
+    async def open_and_store(folder: Path) -> None:
+        cache = await opened(folder)
+        await cache.store_result(0, f"doc-{threading.get_ident()}", 0, RESULT, payload_hash=H)
+        await cache.close()
+
+    def open_at_once(folder: Path, barrier: threading.Barrier) -> None:
+        barrier.wait()
+        asyncio.run(open_and_store(folder))
+
+    for round_ in range(30):
+        (tmp_path / str(round_) / "00000").mkdir(parents=True)
+        barrier = threading.Barrier(4)
+        with ThreadPoolExecutor(4) as pool:
+            opening = [pool.submit(open_at_once, tmp_path / str(round_), barrier) for _ in range(4)]
+        assert [future.exception() for future in opening] == [None] * 4
+        reopened = await opened(tmp_path / str(round_))
+        assert await asyncio.to_thread(count_rows, str(reopened.db_path)) == 4
+        await reopened.close()
 
 
 async def test_disabled_cache_is_a_no_op(tmp_path: Path) -> None:
