@@ -27,7 +27,8 @@ MAX_RANK = 99_999
 MAX_INT64 = 2**63 - 1
 
 
-_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: C0, DEL and C1: every character of Unicode's category Cc.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
 
 
 class RequestKey(NamedTuple):

@@ -42,6 +42,10 @@ def test_all_headers_are_read() -> None:
         ({"x_doc_id": ""}, "X-Doc-Id", "must not be empty"),
         ({"x_doc_id": "a" * 1025}, "X-Doc-Id", "at most 1024 bytes, got 1025"),
         ({"x_doc_id": "a\tb"}, "X-Doc-Id", "control characters"),
+        # C1 controls are control characters too (NEL, CSI: a terminal's escape sequence in one character)
+        ({"x_doc_id": "a\u0085b"}, "X-Doc-Id", "control characters"),
+        ({"x_doc_id": "a\u009bb"}, "X-Doc-Id", "control characters"),
+        ({"x_doc_id": "a\u0080b"}, "X-Doc-Id", "control characters"),
     ],
 )
 def test_bad_values_name_the_header_and_say_what_is_expected(headers: dict[str, str], param: str, message: str) -> None:
