@@ -1,9 +1,11 @@
 """Request coalescing: identical cacheable requests in flight share one upstream generation.
 
 The first request of a key that misses leads a `Flight`; an identical one arriving meanwhile joins it
-and is answered with the leader's answer (`X-Cache: COALESCED`) instead of generating it again. A
-leader that gets no whole answer (upstream unreachable, stream cut, its client gone mid-stream) lands
-its flight empty: its followers then look again, and one of them leads.
+and is answered with the leader's answer (`X-Cache: COALESCED`) instead of generating it again: the
+upstream's whole answer, whatever its status, or the proxy's own error where the upstream gave none
+(timed out, unreachable after every retry, too busy), which sending again in turn would only repeat,
+each follower waiting as long again. A leader that gets no whole answer otherwise (a stream cut, its
+client gone mid-stream) lands its flight empty: its followers then look again, and one of them leads.
 """
 
 from __future__ import annotations
@@ -11,29 +13,39 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
+from typing import NamedTuple
 
+from app.service.errors import ProxyError
 from app.store.cache import StoredResponse
 
 #: (rank, doc_id, rollout_idx, payload_hash, route): the cache key of a request, and where it goes.
 CacheKey = tuple[int, str, int, str, str]
 
 
+class Landing(NamedTuple):
+    """What a flight's leader got, for its followers: the upstream's whole answer with the headers passed on
+    beside it (`Retry-After`), or the proxy's own error the leader was answered."""
+
+    answer: StoredResponse | ProxyError
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
 class Flight:
-    """One generation under way. Its one state is its future: flying, then landed with the leader's whole
-    answer or with None (no whole answer)."""
+    """One generation under way. Its one state is its future: flying, then landed with what the leader got
+    or with None (no whole answer)."""
 
     __slots__ = ("_landed",)
 
     def __init__(self) -> None:
-        self._landed: asyncio.Future[StoredResponse | None] = asyncio.get_running_loop().create_future()
+        self._landed: asyncio.Future[Landing | None] = asyncio.get_running_loop().create_future()
 
-    async def answer(self) -> StoredResponse | None:
-        """The leader's answer, once it lands; a follower whose client leaves meanwhile leaves the flight alone."""
+    async def answer(self) -> Landing | None:
+        """What the leader got, once it lands; a follower whose client leaves meanwhile leaves the flight alone."""
         return await asyncio.shield(self._landed)
 
-    def land(self, answer: StoredResponse | None) -> None:
+    def land(self, landing: Landing | None) -> None:
         if not self._landed.done():
-            self._landed.set_result(answer)
+            self._landed.set_result(landing)
 
 
 class Flights:

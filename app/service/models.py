@@ -148,7 +148,7 @@ class Health(Strict):
 
 class Ready(Strict):
     status: Literal["ready"]
-    upstreams: dict[str, bool] = Field(description="each upstream's URL and whether it answered last")
+    upstreams: dict[str, bool] = Field(description="each upstream's URL and whether it answered `GET /v1/models` now")
 
 
 class UpstreamView(Strict):

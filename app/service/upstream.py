@@ -452,10 +452,16 @@ class UpstreamPool:
                     reason,
                 )
 
-    async def probe_all(self) -> bool:
-        """True if at least one replica answers `GET /v1/models` now."""
-        results = await asyncio.gather(*(self.probe(r, timeout_s=2.0) for r in self.replicas))
-        return any(results)
+    async def probe_all(self) -> list[bool]:
+        """Whether each replica answers `GET /v1/models` now (for `/readyz`). One that does is routed to again;
+        one that does not is left in the routing: only a request's failure takes a replica out, not a
+        listing of models slow on a busy server."""
+        reasons = await asyncio.gather(*(self.why_not_answering(r, timeout_s=2.0) for r in self.replicas))
+        for replica, reason in zip(self.replicas, reasons, strict=True):
+            if reason is None and not replica.healthy:
+                logger.info("upstream %s is healthy again", replica.url)
+                replica.healthy = True
+        return [reason is None for reason in reasons]
 
     async def _probe_unhealthy_forever(self) -> None:
         while True:

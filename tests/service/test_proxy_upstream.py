@@ -14,13 +14,15 @@ import pytest
 
 from app.http.client import HTTPClient
 from app.http.client_connection import ClientConnection
-from app.service.asgi import Message
+from app.service.affinity import ranking
+from app.service.asgi import Message, Receive, Scope, Send
 from app.service.routes.proxy import stream_through
 from app.service.settings import Settings
-from app.service.upstream import Replica, UpstreamResponse
+from app.service.upstream import Replica, UpstreamPool, UpstreamResponse
+from app.tools.fake_upstream import FakeUpstream
 from tests.canned import canned_server
 from tests.factories import chat_request, doc_headers
-from tests.servers import fake_upstream, free_port, proxy_client, serve_proxy
+from tests.servers import fake_upstream, free_port, proxy_client, serve_in_loop, serve_proxy
 
 ANSWER = orjson.dumps({"object": "chat.completion", "choices": [{"message": {"content": "hi"}}]})
 
@@ -204,3 +206,93 @@ async def test_a_client_that_leaves_as_its_stream_ends_never_drops_a_connection_
             other.cancel()
             await client.close()
     assert (upstream.connections, len(upstream.heads)) == (1, 2)  # sent once, on the connection the stream had
+
+
+async def test_identical_requests_waiting_on_a_timed_out_one_get_its_504_and_are_not_sent_again(
+    tmp_path: Path,
+) -> None:
+    # A read timeout is not retried (the GPU may still be working on it), and identical requests in flight
+    # cost one generation: the leader's 504 landed its flight empty, and each follower in turn sent the
+    # request again and waited a read_timeout_s of its own (a review: 4 sent, the last answered after 2 s).
+    body = chat_request(fake_upstream={"latency_ms": 3000})  # silent far past read_timeout_s
+    async with (
+        fake_upstream() as (url, upstream),
+        proxy_client(settings(tmp_path, url, read_timeout_s=0.5)) as client,
+    ):
+        answers = await asyncio.gather(
+            *(client.post("/v1/chat/completions", json=body, headers=doc_headers()) for _ in range(4))
+        )
+        sent = upstream.requests
+        totals = (await client.get("/stats")).json()["totals"]
+    assert sorted((a.status_code, a.headers["x-cache"]) for a in answers) == [
+        (504, "COALESCED"),
+        (504, "COALESCED"),
+        (504, "COALESCED"),
+        (504, "MISS"),
+    ]
+    assert {a.json()["error"]["type"] for a in answers} == {"upstream_timeout"}
+    assert sent == 1
+    assert totals["coalesced"] == 0  # no generation saved
+
+
+async def test_an_identical_request_sharing_an_upstream_429_gets_its_retry_after(tmp_path: Path) -> None:
+    # An upstream 429 is passed on as it came, with its Retry-After: the follower's answer was rebuilt from
+    # the stored form, which has no Retry-After, and counted as coalesced, a generation saved.
+    body = chat_request(fake_upstream={"status": 429, "retry_after": 7, "latency_ms": 300})
+    async with fake_upstream() as (url, upstream), proxy_client(settings(tmp_path, url, upstream_retries=0)) as client:
+        answers = await asyncio.gather(
+            *(client.post("/v1/chat/completions", json=body, headers=doc_headers()) for _ in range(2))
+        )
+        totals = (await client.get("/stats")).json()["totals"]
+    assert sorted((a.status_code, a.headers["x-cache"]) for a in answers) == [(429, "COALESCED"), (429, "MISS")]
+    assert [a.headers.get("retry-after") for a in answers] == ["7", "7"]
+    assert upstream.requests == 1
+    assert totals["coalesced"] == 0
+
+
+async def test_an_identical_request_sharing_a_kept_answer_is_counted_coalesced(tmp_path: Path) -> None:
+    body = chat_request(fake_upstream={"latency_ms": 300})
+    async with fake_upstream() as (url, upstream), proxy_client(settings(tmp_path, url)) as client:
+        answers = await asyncio.gather(
+            *(client.post("/v1/chat/completions", json=body, headers=doc_headers()) for _ in range(2))
+        )
+        totals = (await client.get("/stats")).json()["totals"]
+    assert sorted((a.status_code, a.headers["x-cache"]) for a in answers) == [(200, "COALESCED"), (200, "MISS")]
+    assert answers[0].content == answers[1].content
+    assert (upstream.requests, totals["coalesced"], totals["misses"]) == (1, 1, 1)
+
+
+class SlowModels:
+    """A working replica (the fake upstream, answering as model `slow`) whose `GET /v1/models` takes
+    `delay_s`, as a busy engine's API server may."""
+
+    def __init__(self, delay_s: float) -> None:
+        self.fake = FakeUpstream(model="slow")
+        self.delay_s = delay_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] == "/v1/models":
+            await asyncio.sleep(self.delay_s)
+        await self.fake(scope, receive, send)
+
+
+async def test_readyz_takes_no_replica_out_of_the_routing(tmp_path: Path) -> None:
+    # Only a request's failure takes a replica out (a refused connection, a 502/503): /readyz's 2 s probe
+    # marked a replica slow to list its models unhealthy, and its documents moved to the other replica.
+    async with (
+        serve_in_loop(SlowModels(2.5)) as slow,
+        fake_upstream(model="fast") as (fast, _),
+        proxy_client(
+            Settings(upstream=[slow, fast], retry_backoff_s=0.001, checkpoints_dir=tmp_path / "ckpt")
+        ) as client,
+    ):
+        replicas = UpstreamPool([slow, fast]).replicas
+        doc = next(f"doc-{i}" for i in range(100) if ranking(f"doc-{i}".encode(), replicas)[0].url == slow)
+        before = await client.post("/v1/completions", json={"prompt": "x"}, headers={"X-Doc-Id": doc})
+        assert before.json()["model"] == "slow"  # its home replica
+        ready = await client.get("/readyz")
+        assert (ready.status_code, ready.json()["upstreams"]) == (200, {slow: False, fast: True})
+        healthy = {u["url"]: u["healthy"] for u in (await client.get("/stats")).json()["upstreams"]}
+        after = await client.post("/v1/completions", json={"prompt": "y"}, headers={"X-Doc-Id": doc})
+    assert healthy == {slow: True, fast: True}
+    assert after.json()["model"] == "slow"

@@ -23,7 +23,7 @@ from app.ops.metrics import RankCounters, tokens_in
 from app.service.affinity import request_key
 from app.service.batches.outputs import answer_result, failure_result
 from app.service.batches.running import Running
-from app.service.coalescing import Flights
+from app.service.coalescing import Flights, Landing
 from app.service.errors import ProxyError, UpstreamFailure
 from app.service.settings import Settings
 from app.service.storage_policy import cacheable_status, error_in_disguise
@@ -98,8 +98,8 @@ class Answerer:
         record = batch.record
         key = (BATCH_RANK, custom_id, rollout, digest, record.endpoint)
         while (flight := self.flights.get(key)) is not None:
-            shared = await flight.answer()
-            if shared is not None:
+            landed = await flight.answer()
+            if landed is not None and isinstance(shared := landed.answer, StoredResponse):  # it lands no error
                 self.counts.coalesced += 1
                 self.counts.tokens_saved += tokens_in(shared.body)
                 return answer_result(record.serial, number, custom_id, shared, {})
@@ -120,7 +120,7 @@ class Answerer:
                 result = dataclasses.replace(result, ok=False)
             if kept and (answer.status >= 300 or (result.ok and not disguised)):
                 self.answers.store_response(record.serial, custom_id, rollout, digest, answer)
-                flight.land(answer)
+                flight.land(Landing(answer))
             return result
 
     async def _send(

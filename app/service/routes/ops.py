@@ -39,9 +39,10 @@ HEALTHY = b'{"status":"ok"}'
 async def readiness(services: Services) -> dict[str, Any]:
     """Ready while at least one upstream answers `GET /v1/models`; `ServiceUnavailable` (503) otherwise."""
     replicas = services.pool.replicas
-    if not await services.pool.probe_all():
+    answering = await services.pool.probe_all()
+    if not any(answering):
         raise ServiceUnavailable("no upstream answers GET /v1/models: " + ", ".join(r.url for r in replicas))
-    return {"status": "ready", "upstreams": {r.url: r.healthy for r in replicas}}
+    return {"status": "ready", "upstreams": {r.url: ok for r, ok in zip(replicas, answering, strict=True)}}
 
 
 async def stats(services: Services) -> bytes:

@@ -38,10 +38,11 @@ from app.service.asgi import (
     send_bytes,
     send_error,
 )
+from app.service.coalescing import Landing
 from app.service.errors import NotFound, ProxyError
 from app.service.keys import LOOKUP, Lookup, RequestKey, lookup, stored_answer
 from app.service.services import Services
-from app.service.storage_policy import is_whole, store_if_kept
+from app.service.storage_policy import cacheable_status, is_whole, store_if_kept
 from app.service.upstream import UpstreamResponse, response_headers
 from app.store.cache import RequestCache, StoredResponse
 from app.tasks import cancel_and_wait
@@ -102,10 +103,9 @@ async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive
                         endpoint=path,
                     )
                 break
-            shared = await flight.answer()
-            if shared is not None:
-                services.metrics.replayed(key.rank, True, shared.body)
-                await send_answer(send, stored_answer(shared, b"COALESCED", digest))
+            landed = await flight.answer()
+            if landed is not None:
+                await send_landed(services, send, key, digest, landed)
                 return
             # the leader got no whole answer (its client left mid-stream): look again, maybe lead
         if hit is not None:
@@ -117,6 +117,20 @@ async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive
     with services.flights.lead(flight_key, joinable=not key.no_cache and not key.no_store) as flight:
         forwarding = forward(services, scope, receive, send, key, digest, body, state, cache=cache)
         flight.land(await (kept_by_nobody(receive, body, forwarding) if key.no_store else forwarding))
+
+
+async def send_landed(services: Services, send: Send, key: RequestKey, digest: str, landed: Landing) -> None:
+    """A follower's answer: what its flight's leader got. Counted as coalesced (a generation saved) if it is
+    an answer the cache would keep: a 429 or a 5xx shared saved nothing."""
+    shared = landed.answer
+    if isinstance(shared, ProxyError):
+        await send_error(send, shared, [(b"x-cache", b"COALESCED"), (b"x-payload-hash", digest.encode())])
+        return
+    if cacheable_status(shared.status, services.settings.cache_error_statuses):
+        services.metrics.replayed(key.rank, True, shared.body)
+    answer = stored_answer(shared, b"COALESCED", digest)
+    answer.headers.extend(landed.headers)
+    await send_answer(send, answer)
 
 
 async def send_answer(send: Send, answer: Answer) -> None:
@@ -149,12 +163,13 @@ async def forward(
     state: bytes,
     *,
     cache: RequestCache | None,
-) -> StoredResponse | None:
+) -> Landing | None:
     """Forward to the upstream and pass the answer back as it arrives.
 
-    Returns the whole answer when one was received (whatever its status),
-    None when there was none (upstream unreachable, stream cut short);
-    stores it as `app.service.storage_policy` says.
+    Returns, for the requests waiting on it, the whole answer when one was received (whatever its status)
+    with the headers passed on beside it, or the proxy's error it was answered instead (the upstream
+    unreachable, timed out, busy); None when there was neither (an answer cut short, or framed by the
+    connection's close). Stores the answer as `app.service.storage_policy` says.
     """
     pool = services.pool
     ours: Headers = [(b"x-cache", state), (b"x-payload-hash", digest.encode())]
@@ -171,8 +186,8 @@ async def forward(
                 else:
                     counters.misses += 1
             content_type = upstream.content_type
-            headers: Headers = [(b"content-type", content_type.encode("latin-1")), *ours]
-            headers += [(k, v) for k, v in response_headers(upstream.headers) if k in _PASSED_ON]
+            passed_on = tuple((k, v) for k, v in response_headers(upstream.headers) if k in _PASSED_ON)
+            headers: Headers = [(b"content-type", content_type.encode("latin-1")), *ours, *passed_on]
             if content_type.startswith("text/event-stream"):
                 data = await stream_through(upstream, receive, send, headers, services.settings.max_response_bytes)
                 if data is None:
@@ -185,7 +200,7 @@ async def forward(
             whole = is_whole(answer, framed_by_close=upstream.framed_by_close)
     except ProxyError as error:
         await send_error(send, error, ours)
-        return None
+        return Landing(error)
     store_if_kept(
         cache,
         key,
@@ -195,7 +210,7 @@ async def forward(
         error_statuses=services.settings.cache_error_statuses,
         path=scope["path"],
     )
-    return answer if whole else None
+    return Landing(answer, passed_on) if whole else None
 
 
 async def stream_through(
