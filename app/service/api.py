@@ -357,9 +357,8 @@ async def delete_file(request: Request, file_id: FILE_ID) -> Response:
     services = services_of(request)
     if services.batches is not None and services.files.get(file_id) is not None:  # expired: 404, as if deleted
         services.batches.check_deletable(file_id)
+        await batches.forget_output(services, file_id)
     deleted = await asyncio.to_thread(files.delete, services, file_id)
-    if services.batches is not None:
-        await services.batches.file_deleted(file_id)
     return json_answer(orjson.dumps(deleted))
 
 

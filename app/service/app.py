@@ -332,7 +332,7 @@ class InferProxy(FastAPI):
                 metrics=Metrics(enabled=settings.metrics, max_tracked_ranks=settings.max_tracked_ranks),
             )
             counted = services.metrics.batch_lines if settings.metrics else None  # as the requests are, or not
-            batches = BatchEngine(settings, pool, services.flights, files, layout.batches_dir, counted)
+            batches = BatchEngine(settings, pool, services.flights, files, layout.batches_dir, counted, per_host=True)
             await batches.start()
             stack.push_async_callback(batches.close)  # before the pool closes: its lines stop first
             services.batches = batches

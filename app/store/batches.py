@@ -3,7 +3,10 @@
     <batches_dir>/<batch_id>/batch.json      the batch as `GET /v1/batches/{id}` shows it (replaced atomically)
     <batches_dir>/<batch_id>/results.jsonl   one line per input line answered: {"line", "ok", "out"}
     <batches_dir>/<batch_id>/owner.lock      flock'ed by the proxy running the batch
-    <batches_dir>/answers/00000/replay.sqlite3  the answers of every batch, found across batches
+    <batches_dir>/answers/<host>/00000/replay.sqlite3  the answers of the batches run on one host, found
+                                                across them (`host_answers`)
+    <batches_dir>/answers/forgotten/<serial>    a batch whose output file was deleted: every host's
+                                                cache drops its answers
 
 A line is done once its result is in `results.jsonl` and fsynced: the counts a batch shows are those of
 that file, so they never go back after a crash. `out` is the line of the output file (`ok`) or of the
@@ -18,6 +21,7 @@ import fcntl
 import os
 import re
 import secrets
+import socket
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -31,6 +35,7 @@ from app.store.durable import (
     JsonlLines,
     atomic_write_bytes,
     check_safe,
+    fsync_dir,
     make_dirs_durable,
     open_regular,
     open_to_read,
@@ -45,8 +50,44 @@ OWNER = "owner.lock"
 #: A cancel asked through a proxy that does not run the batch: its time, for the owner to carry out. Never
 #: `batch.json`, which only the owner writes (a save of its counts could land over the cancel and lose it).
 CANCEL = "cancel"
-#: The folder of the answers' cache (a `RequestCache` base dir; its rank 0 holds every batch's answers).
+#: The folder of the answers' caches (each a `RequestCache` base dir whose rank 0 holds the answers).
 ANSWERS = "answers"
+#: Under ANSWERS: the serials of the batches whose answers are forgotten (their output file deleted).
+FORGOTTEN = "forgotten"
+#: Under ANSWERS: the rank folder of a cache of all the batches in one file, as proxies kept it before
+#: `host_answers` (and as `inferproxy run-batch` keeps it: one process).
+SHARED_RANK = "00000"
+#: The start of a host's folder under ANSWERS (`host_answers`).
+HOST_PREFIX = "host-"
+
+
+def host_answers(answers_dir: str) -> str:
+    """This host's answers' cache folder under `answers_dir`: `host-<hostname>-<boot id, 8 digits>`.
+
+    Proxies on many hosts may share a checkpoints dir, and SQLite's WAL keeps a file's index in memory
+    shared by its processes, which only processes on one kernel can share: one file written from two hosts
+    is corrupted. The boot id tells kernels apart where hostnames collide (containers named alike); the
+    proxies of one host share its file."""
+    host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "unnamed"
+    try:
+        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
+            boot = f.read().strip().replace("-", "")[:8]
+    except OSError:  # not Linux: the hostname alone
+        boot = ""
+    return os.path.join(answers_dir, f"{HOST_PREFIX}{host}-{boot}" if boot else f"{HOST_PREFIX}{host}")
+
+
+def take_shared_answers(answers_dir: str, folder: str) -> None:
+    """Move the one answers' file of before (`SHARED_RANK`, every host's), if any, into this host's new
+    `folder`: a rename, so that on a shared dir one host gets it and the others start their own."""
+    legacy = os.path.join(answers_dir, SHARED_RANK)
+    if os.path.isdir(legacy) and not os.path.islink(legacy) and not os.path.lexists(folder):
+        make_dirs_durable(folder)
+        with contextlib.suppress(OSError):  # gone meanwhile: another proxy took it
+            os.rename(legacy, os.path.join(folder, SHARED_RANK))
+            fsync_dir(folder)
+            fsync_dir(answers_dir)
+
 
 #: A batch's statuses; those a proxy still has work for, and those that are final.
 ACTIVE = frozenset({"validating", "in_progress", "finalizing", "cancelling"})
@@ -63,6 +104,22 @@ def new_batch_id(now: float) -> str:
 def is_batch_id(value: str) -> bool:
     hexes = value[len(BATCH_ID_PREFIX) :]
     return value.startswith(BATCH_ID_PREFIX) and len(hexes) == _ID_HEX and all(c in "0123456789abcdef" for c in hexes)
+
+
+def forget_answers(answers_dir: str, serial: int) -> None:
+    """Record, durably, that the answers of batch `serial` are forgotten: every host's cache drops them."""
+    folder = os.path.join(answers_dir, FORGOTTEN)
+    make_dirs_durable(folder)
+    atomic_write_bytes(os.path.join(folder, str(serial)), b"")
+
+
+def forgotten_answers(answers_dir: str) -> list[int]:
+    """The serials `forget_answers` recorded."""
+    try:
+        names = os.listdir(os.path.join(answers_dir, FORGOTTEN))
+    except FileNotFoundError:
+        return []
+    return [int(name) for name in names if name.isdigit() and name.isascii()]
 
 
 @dataclass(slots=True)

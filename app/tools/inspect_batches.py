@@ -4,7 +4,7 @@ Per batch (`<checkpoints>/batches/<id>/`): its record as `GET /v1/batches/{id}` 
 results.jsonl holds (what a restarted proxy carries the batch on from: batch.json's counts lag them), a torn
 last line there, its input file and whether it is still there, and whether a live process runs it (its
 `owner.lock`: a proxy, or `inferproxy run-batch`; the file names neither). Per file (`<checkpoints>/files/`):
-what `GET /v1/files` lists. Then the answers' cache the batches share. Everything is read by the store's
+what `GET /v1/files` lists. Then the answers' caches the batches share (one per host). Everything is read by the store's
 own readers (`BatchDir`, `FileStore`, `count_entries`, `probe_owner`) in their read-only forms; links and
 special files are problem lines, never opened.
 """
@@ -16,7 +16,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.store.batches import ACTIVE, ANSWERS, RECORD, RESULTS, BatchDir, BatchRecord, ResultsScan, is_batch_id
+from app.store.batches import (
+    ACTIVE,
+    ANSWERS,
+    HOST_PREFIX,
+    RECORD,
+    RESULTS,
+    BatchDir,
+    BatchRecord,
+    ResultsScan,
+    is_batch_id,
+)
 from app.store.durable import CorruptFileError, UnsafeFileError, check_safe
 from app.store.files import FileStore, StoredFile, is_file_id
 from app.store.layout import CheckpointsLayout
@@ -89,15 +99,37 @@ def inspect_api(layout: CheckpointsLayout, read_cache: CacheReader) -> ApiReport
         for name in names:
             if is_batch_id(name):
                 report.batches.append(_batch(os.path.join(layout.batches_dir, name), store))
-        answers = CheckpointsLayout(os.path.join(layout.batches_dir, ANSWERS))
-        if _safe_folder(answers.root, report.problems) and _safe_folder(answers.rank(0).rank_dir, report.problems):
-            try:
-                numbers = read_cache(answers.rank(0).cache_file, report.problems)
-            except UnsafeFileError as exc:
-                report.problems.append(f"the batches' answers not read: {exc}")
-            else:
-                report.answers = None if numbers is None else CacheNumbers(*numbers)
+        report.answers = _answers(os.path.join(layout.batches_dir, ANSWERS), read_cache, report.problems)
     return report
+
+
+def _answers(answers_dir: str, read_cache: CacheReader, problems: list[str]) -> CacheNumbers | None:
+    """The answers' caches summed: each host's (`host-*/`), and the one of every host a proxy kept before
+    (or `inferproxy run-batch` keeps); None without any."""
+    if not _safe_folder(answers_dir, problems) or not os.path.isdir(answers_dir):
+        return None
+    try:
+        hosts = sorted(name for name in os.listdir(answers_dir) if name.startswith(HOST_PREFIX))
+    except OSError as exc:
+        problems.append(f"cannot list {answers_dir}: {exc.strerror}")
+        return None
+    total: CacheNumbers | None = None
+    for base in [answers_dir, *(os.path.join(answers_dir, name) for name in hosts)]:
+        rank = CheckpointsLayout(base).rank(0)
+        if not _safe_folder(base, problems) or not _safe_folder(rank.rank_dir, problems):
+            continue
+        try:
+            numbers = read_cache(rank.cache_file, problems)
+        except UnsafeFileError as exc:
+            problems.append(f"the batches' answers not read: {exc}")
+            continue
+        if numbers is not None:
+            entries, size = numbers
+            if total is not None:
+                entries = None if total.entries is None or entries is None else total.entries + entries
+                size += total.bytes
+            total = CacheNumbers(entries, size)
+    return total
 
 
 def _safe_folder(path: str, problems: list[str]) -> bool:
@@ -271,7 +303,7 @@ def tables(report: ApiReport, size: Callable[[int], str]) -> list[str]:
     if report.answers is not None and (report.batches or report.answers.entries != 0):  # every proxy makes one
         entries = report.answers.entries
         count = "? entries" if entries is None else f"{entries:,} entr{'y' if entries == 1 else 'ies'}"
-        where = f"batches/{ANSWERS}/00000/replay.sqlite3"
+        where = f"batches/{ANSWERS}/{HOST_PREFIX}*/00000/replay.sqlite3"
         lines += ["", f"the batches' answers: {count}, {size(report.answers.bytes)} ({where})"]
     return lines
 

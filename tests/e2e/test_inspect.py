@@ -282,7 +282,8 @@ def test_inspect_of_a_proxy_killed_mid_batch_reports_its_batches_files_and_damag
 
         stored = [{key: item[key] for key in ("id", "filename", "purpose", "bytes", "created_at")} for item in listed]
         assert report["files"] == [item for item in stored if item["id"] != lost]
-        answers = checkpoints / "batches" / "answers" / "00000"
+        (host,) = (checkpoints / "batches" / "answers").iterdir()  # the proxy's host's
+        answers = host / "00000"
         assert report["answers"]["entries"] == entries_of_a_copy(answers, tmp_path / "answers")
         assert report["answers"]["bytes"] == sum(
             (answers / name).stat().st_size for name in ("replay.sqlite3", "replay.sqlite3-wal")

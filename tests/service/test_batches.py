@@ -16,6 +16,7 @@ import httpx
 import orjson
 import pytest
 
+import app.service.batches.engine
 import app.store.batches
 from app.service.asgi import Receive, Scope, Send, send_bytes
 from app.service.batches.answers import line_request
@@ -24,10 +25,12 @@ from app.service.coalescing import Flights
 from app.service.settings import Settings
 from app.service.upstream import UpstreamPool
 from app.store.batches import BatchDir
+from app.store.cache import count_rows
 from app.store.files import FileStore
 from app.store.hashing import payload_hash
 from app.tools import status
 from tests.servers import fake_upstream, serve_in_loop, serve_proxy
+from tests.waiting import eventually
 
 CHAT = "/v1/chat/completions"
 
@@ -818,3 +821,55 @@ async def test_a_create_with_a_field_of_the_wrong_kind_names_the_kind_json_calls
             answer = await client.post("/v1/batches", content=orjson.dumps(body))
             assert answer.status_code == 400, answer.text
             assert answer.json()["error"]["message"].startswith(expected), answer.text
+
+
+async def test_proxies_of_two_hosts_keep_answers_apart_and_both_forget_an_output_deleted_through_either(
+    settings: Settings, upstream: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # One answers' file written by the proxies of every host sharing the checkpoints dir is one SQLite WAL
+    # written from two kernels: corrupted. Each host has its own; a deletion through one host's proxy is
+    # carried out by the other's at its next look at the batches.
+    url, fake = upstream
+    monkeypatch.setattr(app.service.batches.engine, "ADOPT_EVERY_S", 0.05)
+    file_id = put_file(settings.checkpoints_dir, [chat_line(f"r{i}", f"q{i}") for i in range(10)])
+    answers = settings.checkpoints_dir / "batches" / "answers"
+    monkeypatch.setattr(app.store.batches.socket, "gethostname", lambda: "node-a")
+    async for on_a in proxy(settings, url):
+        monkeypatch.setattr(app.store.batches.socket, "gethostname", lambda: "node-b")
+        async for on_b in proxy(settings, url):
+            (a_file,) = answers.glob("host-node-a-*/00000/replay.sqlite3")
+            (b_file,) = answers.glob("host-node-b-*/00000/replay.sqlite3")
+            first = await until(on_a, await create_batch(on_a, file_id), final)
+            assert (first["status"], fake.generations) == ("completed", 10)
+            await eventually(lambda a=str(a_file): count_rows(a) == 10, "node a's answers were not kept in its file")
+            assert count_rows(str(b_file)) == 0
+
+            deleted = await on_b.delete(f"/v1/files/{first['output_file_id']}")
+            assert deleted.status_code == 200, deleted.text
+            await eventually(lambda a=str(a_file): count_rows(a) == 0, "node a kept the answers of a deleted output")
+            again = await until(on_a, await create_batch(on_a, file_id), final)
+            assert (again["status"], fake.generations) == ("completed", 20)  # each line generated again
+
+
+async def test_an_output_whose_answers_cannot_be_forgotten_is_not_deleted(
+    settings: Settings, upstream: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The answers are forgotten before the file goes: a full disk then refuses the deletion (507), rather
+    # than a deleted output whose answers other hosts' proxies keep serving.
+    url, fake = upstream
+    file_id = put_file(settings.checkpoints_dir, [chat_line(f"r{i}", f"q{i}") for i in range(3)])
+    async for client in proxy(settings, url):
+        first = await until(client, await create_batch(client, file_id), final)
+
+        def full(*_: Any, **__: Any) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(app.store.batches, "atomic_write_bytes", full)
+        refused = await client.delete(f"/v1/files/{first['output_file_id']}")
+        assert refused.status_code == 507, refused.text
+        assert refused.json()["error"]["message"].startswith(f"file {first['output_file_id']} is not deleted: ")
+        assert (await client.get(f"/v1/files/{first['output_file_id']}")).status_code == 200
+        monkeypatch.undo()
+        assert (await client.delete(f"/v1/files/{first['output_file_id']}")).status_code == 200
+        again = await until(client, await create_batch(client, file_id), final)
+        assert (again["status"], fake.generations) == ("completed", 6)

@@ -5,7 +5,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from app.store.batches import CANCEL, BatchDir, BatchRecord, Result
+import pytest
+
+import app.store.batches
+from app.store.batches import CANCEL, SHARED_RANK, BatchDir, BatchRecord, Result, host_answers, take_shared_answers
 
 
 def running(root: Path) -> tuple[BatchDir, BatchRecord]:
@@ -57,3 +60,28 @@ def test_a_line_of_nul_bytes_a_power_cut_left_in_the_results_is_skipped_by_every
     assert [done.line for done in folder.results()] == [1, 2]
     assert [result.line for result in folder.results_in_order()] == [1, 2]
     assert list(folder.outputs()) == [(1, True, b'{"a":1}'), (2, True, b'{"a":2}')]
+
+
+def test_each_host_keeps_its_answers_in_a_folder_of_its_own_named_by_hostname_and_boot(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # SQLite's WAL shares a file's index through memory, which processes on two hosts cannot: a proxy per
+    # node on a shared checkpoints dir wrote one answers' file from every node.
+    monkeypatch.setattr(app.store.batches.socket, "gethostname", lambda: "gpu-node-7")
+    mine = host_answers(str(tmp_path))
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip().replace("-", "")[:8]
+    assert mine == str(tmp_path / f"host-gpu-node-7-{boot}")
+    monkeypatch.setattr(app.store.batches.socket, "gethostname", lambda: "../a b/\u00e9")
+    assert Path(host_answers(str(tmp_path))).name == f"host-.._a_b__-{boot}"  # never a path of its own
+
+
+def test_the_one_answers_file_of_before_goes_to_the_first_host_and_no_other(tmp_path: Path) -> None:
+    legacy = tmp_path / SHARED_RANK
+    legacy.mkdir()
+    (legacy / "replay.sqlite3").write_bytes(b"the answers")
+    first, second = str(tmp_path / "host-a-1"), str(tmp_path / "host-b-2")
+    take_shared_answers(str(tmp_path), first)
+    take_shared_answers(str(tmp_path), second)
+    assert (Path(first) / SHARED_RANK / "replay.sqlite3").read_bytes() == b"the answers"
+    assert not legacy.exists()
+    assert not Path(second).exists()  # made by its cache, empty

@@ -5,8 +5,9 @@ A batch goes `validating` -> `in_progress` -> `finalizing` -> `completed` (or `f
 (`app.store.batches`). This module keeps the life cycle (start, adopt, close), the routes' operations and
 the running of each batch; its lines are read from the input file as they are needed, never held whole:
 
-- each line's answer is looked up in the answers' cache (every batch's answers, keyed by the line's
-  `custom_id`, its endpoint and its body's hash), else joins an identical line in flight (`Flights`),
+- each line's answer is looked up in the answers' cache (every batch's answers on this host: one SQLite
+  WAL file cannot be shared by hosts, `host_answers`; keyed by the line's `custom_id`, its endpoint and
+  its body's hash), else joins an identical line in flight (`Flights`),
   else is sent upstream as a background request, tried again on a 429, a 5xx, a timeout or a lost
   connection (`answers.py`);
 - a line is done once its result is fsynced in `results.jsonl`: after a crash, the done lines are read
@@ -51,7 +52,19 @@ from app.service.coalescing import Flights
 from app.service.errors import FileInUse
 from app.service.settings import Settings
 from app.service.upstream import UpstreamPool
-from app.store.batches import ACTIVE, ANSWERS, FINAL, BatchDir, BatchRecord, is_batch_id, new_batch_id
+from app.store.batches import (
+    ACTIVE,
+    ANSWERS,
+    FINAL,
+    BatchDir,
+    BatchRecord,
+    forget_answers,
+    forgotten_answers,
+    host_answers,
+    is_batch_id,
+    new_batch_id,
+    take_shared_answers,
+)
 from app.store.cache import CacheWriteError, RequestCache
 from app.store.durable import (
     CorruptFileError,
@@ -117,7 +130,11 @@ class BatchEngine:
         files: FileStore,
         root: str,
         counts: RankCounters | None = None,
+        *,
+        per_host: bool = False,
     ) -> None:
+        """`per_host`: keep the answers' cache in this host's own folder (`host_answers`), for a proxy, whose
+        checkpoints dir other hosts' proxies may share; else in one (`inferproxy run-batch`: one process)."""
         self.settings = settings
         self.pool = pool
         self.flights = flights
@@ -129,9 +146,15 @@ class BatchEngine:
         # is what a kill can make the next start pay for again.
         self.upstream_slots = asyncio.Semaphore(slots)
         self.share = FairShare(2 * slots)
+        self.answers_root = str(self.root / ANSWERS)
+        self.per_host = per_host
         self.answers = RequestCache(
-            str(self.root / ANSWERS), flush_interval_ms=settings.flush_interval_ms, replay_same_run=True
+            host_answers(self.answers_root) if per_host else self.answers_root,
+            flush_interval_ms=settings.flush_interval_ms,
+            replay_same_run=True,
         )
+        #: the serials whose answers this proxy's cache dropped (`FORGOTTEN`, looked at by `adopt`)
+        self._forgotten: set[int] = set()
         self.answerer = Answerer(settings, pool, flights, self.answers, counts or RankCounters())
         self.running: dict[str, Running] = {}
         #: The final status of each batch in the dir that this proxy saw end or found ended (`adopt`, at the
@@ -148,6 +171,9 @@ class BatchEngine:
 
     async def start(self) -> None:
         await asyncio.to_thread(make_dirs_durable, str(self.root))
+        if self.per_host:
+            assert self.answers.base_dir is not None
+            await asyncio.to_thread(take_shared_answers, self.answers_root, self.answers.base_dir)
         await self.answers.initialize(0)
         await self.adopt()
         self._adopter = asyncio.create_task(self._adopt_forever(), name="batches-adopt")
@@ -193,7 +219,9 @@ class BatchEngine:
             )
 
     async def adopt(self) -> None:
-        """Run every active batch no proxy runs: this one's after a restart, a dead proxy's."""
+        """Run every active batch no proxy runs: this one's after a restart, a dead proxy's; and forget the
+        answers of the batches whose output another proxy deleted."""
+        await self._drop_forgotten()
         for folder in await asyncio.to_thread(self._folders):
             if folder.id in self.running or folder.id in self.ended or self._closing:
                 continue
@@ -351,12 +379,26 @@ class BatchEngine:
         expiry until those batches end."""
         return {record.input_file_id for record in self.all() if reads_input(record)}
 
-    async def file_deleted(self, file_id: str) -> None:
-        """A batch's output file deleted: the answers of that batch are forgotten (a later batch with the
-        same lines generates them again)."""
+    async def forget_output(self, file_id: str) -> None:
+        """A file about to be deleted: if it is a batch's output, the answers of that batch are forgotten (a
+        later batch with the same lines generates them again), by this proxy's cache at once and by the other
+        hosts' at their next `adopt` (the serial written under `FORGOTTEN`). `OSError` if that cannot be
+        written: the file is then not to be deleted."""
         for record in self.all():
             if record.output_file_id == file_id:
-                await self.answers.drop_chunk(record.serial)
+                await asyncio.to_thread(forget_answers, self.answers_root, record.serial)
+                await self._drop(record.serial)
+
+    async def _drop(self, serial: int) -> None:
+        self._forgotten.add(serial)
+        with contextlib.suppress(CacheWriteError):  # a full disk: the drop stays queued, and is retried
+            await self.answers.drop_chunk(serial)
+
+    async def _drop_forgotten(self) -> None:
+        """Drop the answers of the batches forgotten through another proxy (`file_deleted`) from this one's cache."""
+        for serial in await asyncio.to_thread(forgotten_answers, self.answers_root):
+            if serial not in self._forgotten:
+                await self._drop(serial)
 
     # -- running a batch ----------------------------------------------------------------------
 

@@ -105,6 +105,19 @@ async def create(services: Services, scope: Scope, receive: Receive) -> dict[str
     return batch_object(record)
 
 
+async def forget_output(services: Services, file_id: str) -> None:
+    """Before a file is deleted: a batch output's answers are forgotten first, so that a crash in between
+    leaves a file whose answers are gone (generated again if asked again), never a deleted output whose
+    answers are still served."""
+    assert services.batches is not None
+    try:
+        await services.batches.forget_output(file_id)
+    except OSError as exc:
+        raise refused(
+            exc, services, f"file {file_id} is not deleted", "its batch's answers are kept", "delete it again"
+        ) from exc
+
+
 def refused(exc: OSError, services: Services, what: str, kept: str, again: str) -> Exception:
     """What to answer for a write of the batches' that the checkpoints dir refused: 507 for a full disk, 503 for
     one that takes no write (read-only, its permissions gone), else `exc` itself (a 500)."""
