@@ -59,13 +59,35 @@ def _non_negative(text: str) -> int:
     return _integer(text, 0)
 
 
+def _port(text: str) -> int:
+    value = _integer(text, 0)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port from 0 to 65535, got {text!r}")
+    return value
+
+
+def _rank(text: str) -> int:
+    from app.service.keys import MAX_RANK
+
+    value = _integer(text, 0)
+    if value > MAX_RANK:
+        raise argparse.ArgumentTypeError(f"must be a rank from 0 to {MAX_RANK}, got {text!r}")
+    return value
+
+
+#: The longest fake generation time: an hour (an infinite one left a process that no signal stopped).
+MAX_LATENCY_MS = 3_600_000.0
+
+
 def _milliseconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = -1.0
-    if not value >= 0:  # also refuses nan
-        raise argparse.ArgumentTypeError(f"must be a number of milliseconds >= 0, got {text!r}")
+    if not 0 <= value <= MAX_LATENCY_MS:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(
+            f"must be a number of milliseconds from 0 to {MAX_LATENCY_MS:.0f}, got {text!r}"
+        )
     return value
 
 
@@ -250,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
         "fake-upstream", help="run a vLLM-shaped OpenAI-compatible simulator", formatter_class=shows_defaults
     )
     fake.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    fake.add_argument("--port", type=_non_negative, default=8000, help="port to listen on (0: any free one)")
+    fake.add_argument("--port", type=_port, default=8000, help="port to listen on (0: any free one)")
     fake.add_argument("--latency-ms", type=_milliseconds, default=0.0, help="delay before every answer")
     fake.add_argument("--model", default="fake-model", help="the one model name served")
 
@@ -282,9 +304,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Read a checkpoints dir (a running proxy's or a dead one's) without writing anything.",
     )
     inspect_parser.add_argument("checkpoints_dir", metavar="CHECKPOINTS_DIR", help="the proxy's --checkpoints-dir")
-    inspect_parser.add_argument(
-        "--rank", type=_non_negative, action="append", metavar="N", help="only this rank; repeatable"
-    )
+    inspect_parser.add_argument("--rank", type=_rank, action="append", metavar="N", help="only this rank; repeatable")
     inspect_parser.add_argument("--json", action="store_true", help="JSON for machines (docs/contract.md)")
     inspect_parser.add_argument(
         "--records-per-chunk",
@@ -380,6 +400,7 @@ def serve(args: argparse.Namespace) -> int:
         # Before the lifespan takes its lock: a start that fails here has created nothing.
         check_checkpoints_dir(settings, setting_source("checkpoints_dir", config_file, flags))
         check_output(settings.output, name=setting_source("output", config_file, flags))
+        check_output_apart(settings, setting_source("output", config_file, flags))
         check_port(settings.host, settings.port)
     except ValidationError as exc:
         print(f"inferproxy serve: invalid settings:\n{describe_errors(exc, config_file, flags)}", file=sys.stderr)
@@ -517,6 +538,24 @@ def check_checkpoints_dir(settings: Settings, name: str = "--checkpoints-dir") -
 
     check_folder(str(settings.checkpoints_dir), name, room=True)
     check_records_per_chunk(CheckpointsLayout(str(settings.checkpoints_dir)), settings.records_per_chunk, record=False)
+
+
+def check_output_apart(settings: Settings, name: str = "--output") -> None:
+    """Refuse a local output that is the checkpoints dir or inside it: a chunk published there may be a
+    checkpoint file itself (`--output-filename '${rank}/chunk_${chunk_index}.jsonl'` makes the rank's chunk
+    file its own publication), which the proxy then deletes as published."""
+    from app.checkpoints.output import is_remote
+
+    if is_remote(settings.output):
+        return
+    output = os.path.realpath(settings.output.removeprefix("file://"))
+    checkpoints = os.path.realpath(settings.checkpoints_dir)
+    if output == checkpoints or output.startswith(checkpoints.rstrip(os.sep) + os.sep):
+        raise ValueError(
+            f"{name} {settings.output} is inside the checkpoints dir {settings.checkpoints_dir} (or is it): chunks "
+            f"published there could be checkpoint files, which are deleted once published: give an output "
+            f"folder outside it"
+        )
 
 
 def run_batch(args: argparse.Namespace) -> int:

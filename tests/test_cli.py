@@ -141,7 +141,12 @@ def test_run_batch_with_a_bad_setting_names_it_in_one_line_and_exits_2(tmp_path:
     ("argv", "message"),
     [
         (["fake-upstream", "--port", "abc"], "argument --port: must be an integer >= 0, got 'abc'"),
-        (["fake-upstream", "--latency-ms", "x"], "argument --latency-ms: must be a number of milliseconds >= 0"),
+        (["fake-upstream", "--latency-ms", "x"], "argument --latency-ms: must be a number of milliseconds from 0 to"),
+        # an endless generation made a process that SIGTERM did not stop; a port past 65535 a traceback
+        (["fake-upstream", "--latency-ms", "inf"], "argument --latency-ms: must be a number of milliseconds from 0 to"),
+        (["demo", "--latency-ms", "1e300"], "argument --latency-ms: must be a number of milliseconds from 0 to"),
+        (["fake-upstream", "--port", "70000"], "argument --port: must be a port from 0 to 65535, got '70000'"),
+        (["inspect", "x", "--rank", "100000"], "argument --rank: must be a rank from 0 to 99999, got '100000'"),
         (["demo", "--documents", "0"], "argument --documents: must be an integer > 0, got '0'"),
         (["demo", "--kills", "two"], "argument --kills: must be an integer >= 0, got 'two'"),
         (["demo", "--seed", "x"], "argument --seed: must be an integer, got 'x'"),
@@ -232,6 +237,19 @@ def test_demo_against_an_upstream_that_does_not_answer_says_so_in_one_line(tmp_p
     assert len(lines) == 1, done.stderr
     assert f"the upstream {upstream} does not answer" in lines[0]
     assert "leave --upstream out" in lines[0]
+
+
+@pytest.mark.parametrize("output", ["ckpt", "ckpt/out", "ckpt/./out/.."])
+def test_serve_with_its_output_in_its_checkpoints_dir_refuses_in_one_line_creating_nothing(
+    tmp_path: Path, output: str
+) -> None:
+    # With --output-filename '${rank}/chunk_${chunk_index}.jsonl' a rank's chunk file was its own
+    # publication, deleted as published: the documents were gone from both.
+    done = serve_once(tmp_path / "ckpt", tmp_path / output)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr.startswith(f"inferproxy serve: --output {tmp_path / output} is inside the checkpoints dir ")
+    assert done.stderr.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_serve_on_a_checkpoints_dir_whose_meta_file_is_a_link_refuses_in_one_line(tmp_path: Path) -> None:
