@@ -11,6 +11,7 @@ import contextvars
 import difflib
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -315,10 +316,8 @@ class Settings(BaseSettings):
         given = config_file
         config_file = config_file_path(config_file)
         source = f" (from {CONFIG_ENV})" if given is None else ""
-        if config_file is not None and config_file.is_dir():
-            raise FileNotFoundError(f"config file {config_file}{source} is a folder: give the TOML file in it")
-        if config_file is not None and not config_file.is_file():
-            raise FileNotFoundError(f"config file {config_file}{source} does not exist")
+        if config_file is not None:
+            check_config_file(config_file, source)
         token = _CONFIG_FILE.set(config_file)
         try:
             return cls(**{name: value for name, value in flags.items() if value is not None})
@@ -331,6 +330,26 @@ class Settings(BaseSettings):
             ) from None
         finally:
             _CONFIG_FILE.reset(token)
+
+
+def check_config_file(path: Path, source: str = "") -> None:
+    """`FileNotFoundError` or `ValueError`, in one line, for a config file that is not a readable regular
+    file; never opens one that is not (a FIFO would block the open)."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {path}{source} does not exist") from None
+    except OSError as exc:
+        raise ValueError(f"config file {path}{source} cannot be read: {exc.strerror}") from None
+    if stat.S_ISDIR(mode):
+        raise FileNotFoundError(f"config file {path}{source} is a folder: give the TOML file in it")
+    if not stat.S_ISREG(mode):
+        raise ValueError(f"config file {path}{source} is not a regular file: give a TOML file")
+    try:
+        with path.open("rb"):
+            pass
+    except OSError as exc:
+        raise ValueError(f"config file {path}{source} cannot be read: {exc.strerror}") from None
 
 
 def _split(value: Any) -> Any:

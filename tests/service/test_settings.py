@@ -2,7 +2,10 @@ from __future__ import annotations
 
 import ast
 import logging
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -307,6 +310,39 @@ def test_a_config_file_that_is_a_folder_or_not_utf8_is_named_with_what_to_do(
     assert capsys.readouterr().err == (
         f"inferproxy serve: config file {latin1} is not UTF-8 text (byte 18): save it as UTF-8 TOML\n"
     )
+
+
+@pytest.mark.parametrize("command", ["serve", "run-batch"])
+def test_a_config_file_that_cannot_be_read_or_is_no_file_is_one_line(tmp_path: Path, command: str) -> None:
+    # An unreadable file (or one in a folder that cannot be entered) was a PermissionError traceback from
+    # the TOML reader; a FIFO was said not to exist.
+    without_capabilities = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
+    unreadable, shut, fifo = tmp_path / "c.toml", tmp_path / "shut", tmp_path / "fifo.toml"
+    unreadable.write_text("port = 1\n")
+    unreadable.chmod(0)
+    shut.mkdir()
+    (shut / "c.toml").write_text("port = 1\n")
+    shut.chmod(0)
+    os.mkfifo(fifo)
+    extra = ["-i", str(tmp_path / "in"), "-o", str(tmp_path / "out")] if command == "run-batch" else []
+    expected = {
+        unreadable: f"config file {unreadable} cannot be read: Permission denied",
+        shut / "c.toml": f"config file {shut / 'c.toml'} cannot be read: Permission denied",
+        fifo: f"config file {fifo} is not a regular file: give a TOML file",
+    }
+    try:
+        for config, message in expected.items():
+            done = subprocess.run(
+                [*without_capabilities, sys.executable, "-m", "app.cli", command, *extra, f"--config={config}"],
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=False,
+            )
+            assert (done.returncode, done.stderr) == (2, f"inferproxy {command}: {message}\n")
+    finally:
+        shut.chmod(0o755)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "fifo.toml", "shut"]  # nothing made
 
 
 def test_a_refused_value_the_message_already_shows_is_not_repeated(capsys: pytest.CaptureFixture[str]) -> None:
