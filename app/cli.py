@@ -517,8 +517,28 @@ def describe_errors(exc: ValidationError, config_file: Path | None = None, flags
         if ", got " in error["msg"]:  # the validator's own message shows the value it refused
             given = ""
         # pydantic prefixes a validator's own message with "Value error, ": the message says it all
-        lines.append(f"  {where}: {error['msg'].removeprefix('Value error, ')}{given}")
+        lines.append(without_secrets(f"  {where}: {error['msg'].removeprefix('Value error, ')}{given}", error))
     return "\n".join(lines)
+
+
+#: The settings whose values may hold credentials: keys, and URLs with `user:password@` or a signed query.
+SECRET_SETTINGS = {"api_key": False, "upstream_api_key": False, "upstream": True, "output": True}
+
+
+def without_secrets(line: str, error: Any) -> str:
+    """`line`, about a bad value of `error`'s setting, with the credentials that value holds as `***`."""
+    from app.checkpoints.output import scrub
+
+    name = str(error["loc"][0]) if error["loc"] else ""
+    if name not in SECRET_SETTINGS or not error.get("input"):
+        return line
+    given = error["input"]
+    if not SECRET_SETTINGS[name]:  # a key, whole: as given, and as its repr shows it
+        return line.replace(repr(str(given))[1:-1], "***").replace(str(given), "***")
+    for value in given if isinstance(given, list) else str(given).split(","):
+        if isinstance(value, str) and value.strip():
+            line = scrub(line, value.strip())
+    return line
 
 
 def warn_of_unknown_variables(command: str) -> None:

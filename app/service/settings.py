@@ -271,6 +271,15 @@ class Settings(BaseSettings):
             raise ValueError("the checkpoints dir is a local path (a shared filesystem works), not a URL")
         return value
 
+    @field_validator("api_key", "upstream_api_key")
+    @classmethod
+    def _header_safe_key(cls, value: str | None) -> str | None:
+        # sent or compared as an HTTP header's value: a line break or other control character would be
+        # refused at each request (a client's key could never match), so it is refused here, once
+        if value is not None and (not value or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value)):
+            raise ValueError("a key is a non-empty line of text, without control characters (a line break?)")
+        return value
+
     @field_validator("output_filename")
     @classmethod
     def _safe_output_filename(cls, value: str) -> str:

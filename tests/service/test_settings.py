@@ -345,6 +345,29 @@ def test_a_config_file_that_cannot_be_read_or_is_no_file_is_one_line(tmp_path: P
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c.toml", "fifo.toml", "shut"]  # nothing made
 
 
+def test_credentials_in_a_refused_setting_are_never_shown(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from app.cli import main
+
+    assert main(["serve", "--upstream=ftp://admin:hunter2@gpu:8000"]) == 2
+    assert capsys.readouterr().err == (
+        "inferproxy serve: invalid settings:\n  --upstream: an upstream is an http(s) URL such as "
+        "http://127.0.0.1:8000, got 'ftp://***:***@gpu:8000'\n"
+    )
+    monkeypatch.setenv("INFERPROXY_UPSTREAM", "http://admin:hunter2@gpu:8000,http://admin:hunter2@gpu:8000/v1")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "given twice" in err
+    assert "hunter2" not in err
+    assert "admin" not in err
+    monkeypatch.delenv("INFERPROXY_UPSTREAM")
+    assert main(["serve", "--upstream=http://127.0.0.1:9", "--upstream-api-key=hunter2\nsecond-line"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("inferproxy serve: invalid settings:\n  --upstream-api-key: a key is a non-empty line")
+    assert "hunter2" not in err
+
+
 def test_a_refused_value_the_message_already_shows_is_not_repeated(capsys: pytest.CaptureFixture[str]) -> None:
     from app.cli import main
 
