@@ -4,9 +4,11 @@ fake upstream, its input files in the proxy's file store as an upload leaves the
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import errno
 import logging
 import shutil
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -24,7 +26,7 @@ from app.service.batches.engine import BatchEngine
 from app.service.coalescing import Flights
 from app.service.settings import Settings
 from app.service.upstream import UpstreamPool
-from app.store.batches import BatchDir
+from app.store.batches import BatchDir, BatchRecord
 from app.store.cache import count_rows
 from app.store.files import FileStore
 from app.store.hashing import payload_hash
@@ -873,3 +875,72 @@ async def test_an_output_whose_answers_cannot_be_forgotten_is_not_deleted(
         assert (await client.delete(f"/v1/files/{first['output_file_id']}")).status_code == 200
         again = await until(client, await create_batch(client, file_id), final)
         assert (again["status"], fake.generations) == ("completed", 6)
+
+
+async def test_a_cancel_is_in_batch_json_when_it_is_answered_even_as_a_save_of_the_counts_is_under_way(
+    settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The periodic save of the counts and the cancel's own save wrote batch.json at once: the one begun first
+    # (in_progress) could land last, and a kill then lost the acknowledged cancel: the batch ran every line.
+    real_save = BatchDir.save
+    slow_save_began = threading.Event()
+
+    def slow_save(folder: BatchDir, record: BatchRecord) -> None:
+        snapshot = dataclasses.replace(record)  # what a save's thread serializes as it begins
+        if snapshot.status == "in_progress":
+            slow_save_began.set()
+            time.sleep(0.5)
+        real_save(folder, snapshot)
+
+    monkeypatch.setattr(app.service.batches.engine, "SAVE_EVERY_S", 0.02)
+    monkeypatch.setattr(BatchDir, "save", slow_save)
+    async with fake_upstream(latency_ms=50) as (url, _):
+        file_id = put_file(settings.checkpoints_dir, [chat_line(f"d{i}", f"q{i}") for i in range(2000)])
+        async for client in proxy(settings.model_copy(update={"max_inflight_per_upstream": 4}), url):
+            batch_id = await create_batch(client, file_id)
+            await until(client, batch_id, lambda b: b["status"] == "in_progress" and b["request_counts"]["completed"])
+            slow_save_began.clear()
+            await asyncio.to_thread(slow_save_began.wait, 10)  # a save of the counts is under way
+            cancelled = await client.post(f"/v1/batches/{batch_id}/cancel")
+            assert cancelled.json()["status"] == "cancelling"
+            on_disk = orjson.loads((settings.checkpoints_dir / "batches" / batch_id / "batch.json").read_bytes())
+            assert on_disk["status"] == "cancelling"
+            await asyncio.sleep(0.6)  # the save of the counts has landed by now
+            on_disk = orjson.loads((settings.checkpoints_dir / "batches" / batch_id / "batch.json").read_bytes())
+            assert on_disk["status"] in ("cancelling", "cancelled")
+            assert (await until(client, batch_id, final))["status"] == "cancelled"
+
+
+async def test_a_batch_cancelled_while_its_input_is_checked_ends_cancelled_whatever_the_check_finds(
+    settings: Settings, upstream: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A check that found a bad line after the cancel ended the batch `failed` (never `cancelled`, which a
+    # client waiting after `cancelling` waits for); a good file got an `in_progress_at` it never ran at.
+    url, fake = upstream
+    real_check = app.service.batches.engine.check_input
+    checking = threading.Event()
+    go_on = threading.Event()
+
+    def held_check(*args: Any) -> Any:
+        checking.set()
+        go_on.wait(10)
+        return real_check(*args)
+
+    monkeypatch.setattr(app.service.batches.engine, "check_input", held_check)
+    good = put_file(settings.checkpoints_dir, [chat_line("a", "q")])
+    bad = put_file(settings.checkpoints_dir, [], raw=orjson.dumps(chat_line("a", "q")) + b"\n{not json\n")
+    async for client in proxy(settings, url):
+        for file_id in (bad, good):
+            checking.clear()
+            go_on.clear()
+            batch_id = await create_batch(client, file_id)
+            await asyncio.to_thread(checking.wait, 10)
+            assert (await client.post(f"/v1/batches/{batch_id}/cancel")).json()["status"] == "cancelling"
+            go_on.set()
+            ended = await until(client, batch_id, final)
+            assert (ended["status"], ended["failed_at"], ended["in_progress_at"]) == ("cancelled", None, None)
+            assert ended["cancelling_at"] is not None
+            assert ended["cancelled_at"] is not None
+            if file_id == bad:
+                assert [error["code"] for error in ended["errors"]["data"]] == ["invalid_json_line"]
+    assert fake.requests == 0

@@ -119,6 +119,25 @@ class BatchNotFound(LookupError):
     pass
 
 
+def _kept_cancel(record: BatchRecord, changes: dict[str, Any]) -> dict[str, Any]:
+    """`changes` to `record` with a cancel kept: a batch cancelled (while its input was checked, or as its
+    last lines ended) is not run, nor failed, nor ended otherwise; it ends `cancelled`, with the errors its
+    check found."""
+    status = changes.get("status")
+    if "cancelled" not in (record.ending, changes.get("ending")) or status not in (
+        "in_progress",
+        "failed",
+        "finalizing",
+    ):
+        return changes
+    kept = {name: value for name, value in changes.items() if name not in ("in_progress_at", "failed_at")}
+    if status == "finalizing":
+        kept["ending"] = "cancelled"
+    else:
+        kept["status"] = "cancelling"
+    return kept
+
+
 class BatchEngine:
     """Every batch under `<checkpoints_dir>/batches`: created, run, cancelled, listed, resumed at start."""
 
@@ -206,7 +225,7 @@ class BatchEngine:
             await asyncio.gather(*tasks, return_exceptions=True)
         for batch in running:
             with contextlib.suppress(Exception):
-                await asyncio.to_thread(batch.dir.save, batch.record)
+                await self._save(batch)
             batch.dir.release()
         self.running.clear()
         try:
@@ -361,7 +380,10 @@ class BatchEngine:
             await asyncio.to_thread(folder.ask_cancel, cancel["cancelling_at"])
             return dataclasses.replace(record, **cancel)
         # kept before it is shown and carried out: a cancel the disk refused is neither (the client's retry is)
-        await self._transition(running, **cancel)
+        async with running.saving:  # decided on the record as no other change can make it meanwhile
+            if running.record.status not in ("validating", "in_progress"):
+                return running.record
+            await self._saved(running, cancel)
         running.stopping.set()
         return record
 
@@ -488,9 +510,7 @@ class BatchEngine:
         fresh = await asyncio.to_thread(batch.dir.load)
         if fresh.status == "cancelling" and record.ending != "cancelled":  # through another proxy, meanwhile
             changes.update(cancelling_at=fresh.cancelling_at, ending="cancelled")
-        if changes.get("ending", record.ending) == "cancelled" and changes["status"] == "in_progress":
-            changes["status"] = "cancelling"  # cancelled while it was being checked
-        await self._transition(batch, **changes)
+        await self._transition(batch, **changes)  # cancelled while it was being checked: `cancelling` (`_saved`)
 
     async def _load_results(self, batch: Running) -> None:
         """The lines done so far, from results.jsonl (the counts are its: a crash cannot set them back)."""
@@ -584,22 +604,34 @@ class BatchEngine:
             return  # or stopped (shutdown): carries on at the next start
         await self._transition(batch, status="finalizing", finalizing_at=now, ending=ending)
 
-    async def _save(self, batch: Running, record: BatchRecord | None = None) -> None:
-        """`batch.json` replaced with `record` (the batch's own by default)."""
-        try:
-            await asyncio.to_thread(batch.dir.save, record or batch.record)
-        except OSError as exc:
-            if is_disk_full(exc):
-                self._refused(batch, "record", exc)
-            raise
-        self._written(batch, "record")
+    async def _save(self, batch: Running) -> None:
+        """`batch.json` replaced with the batch's record."""
+        async with batch.saving:
+            await self._saved(batch, {})
 
     async def _transition(self, batch: Running, **changes: Any) -> None:
         """The record's `changes` (a status and what goes with it) saved, then made: one the disk refuses
         leaves the record as it was, and as `batch.json` says, so that the step that asked for them is done
         again once it takes them. Made first, a status would be shown (and acted on) that no restart finds,
         and the step that saves it not done again (a batch `finalizing` for ever, one never sent)."""
-        await self._save(batch, dataclasses.replace(batch.record, **changes))
+        async with batch.saving:
+            await self._saved(batch, changes)
+
+    async def _saved(self, batch: Running, changes: dict[str, Any]) -> None:
+        """Save the record with `changes`, then make them; with `batch.saving` held, so that saves land in the
+        order they were made (a save of the counts begun before a cancel and ending after it put `in_progress`
+        back in `batch.json`: a kill then, and the batch ran every line). A cancel made meanwhile is kept
+        over a change decided before it (`_kept_cancel`). The save's thread is waited for even if the caller
+        is cancelled: the next save must not land before it."""
+        changes = _kept_cancel(batch.record, changes)
+        record = dataclasses.replace(batch.record, **changes) if changes else batch.record
+        try:
+            await run_to_end(asyncio.to_thread(batch.dir.save, record))
+        except OSError as exc:
+            if is_disk_full(exc):
+                self._refused(batch, "record", exc)
+            raise
+        self._written(batch, "record")
         for name, value in changes.items():
             setattr(batch.record, name, value)
 

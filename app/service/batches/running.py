@@ -91,6 +91,8 @@ class Running:
         #: notified once a round is on disk (`_write_results`)
         self.written = asyncio.Condition()
         self.saved_counts = (-1, -1)
+        #: held by each save of batch.json (`BatchEngine._saved`): one at a time, in order
+        self.saving = asyncio.Lock()
         self.hits = 0
         self.started_at = time.monotonic()
         self.completed_at_start = 0
