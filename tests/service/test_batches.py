@@ -594,6 +594,11 @@ def test_a_lines_body_is_sent_as_written_its_long_integers_exact() -> None:
         body == '{"seed":123456789012345678901234567890,"n":1,"messages":[{"role":"user","content":"café"}]}'.encode()
     )
     assert line_request(raw)[2] == digest  # the same line, the same key
+    # past -2**63 in 19 digits: -1e+19 went upstream
+    negative = b'{"custom_id": "n", "method": "POST", "url": "/v1/chat/completions", "body": {"seed": '
+    assert line_request(negative + b"-9999999999999999999}}")[1] == b'{"seed":-9999999999999999999}'
+    assert line_request(negative + b"-9223372036854775809}}")[1] == b'{"seed":-9223372036854775809}'
+    assert line_request(negative + b"-9223372036854775808}}")[1] == b'{"seed":-9223372036854775808}'
     usual = orjson.dumps(chat_line("b", "question"))
     assert line_request(usual) == (
         "b",
