@@ -830,6 +830,23 @@ async def test_a_create_with_a_field_of_the_wrong_kind_names_the_kind_json_calls
             assert answer.json()["error"]["message"].startswith(expected), answer.text
 
 
+async def test_deleting_the_error_file_of_a_batch_whose_lines_all_failed_forgets_its_kept_errors(
+    settings: Settings, upstream: Any
+) -> None:
+    # A batch whose every line got a kept 400 has no output file to delete: its errors were replayed to
+    # every later batch of the same lines, even once the cause was fixed.
+    url, fake = upstream
+    line = chat_line("a", "q", fake_upstream={"status": 400, "fail_times": 1})
+    file_id = put_file(settings.checkpoints_dir, [line])
+    async for client in proxy(settings, url):
+        first = await until(client, await create_batch(client, file_id), final)
+        assert (first["output_file_id"], first["request_counts"]["failed"]) == (None, 1)
+        assert (await client.delete(f"/v1/files/{first['error_file_id']}")).status_code == 200
+        again = await until(client, await create_batch(client, file_id), final)
+    assert again["request_counts"] == {"total": 1, "completed": 1, "failed": 0}
+    assert fake.requests == 2
+
+
 async def test_proxies_of_two_hosts_keep_answers_apart_and_both_forget_an_output_deleted_through_either(
     settings: Settings, upstream: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -48,8 +48,8 @@ def line_request(raw: bytes) -> tuple[str, bytes, str]:
     """A batch line's `custom_id`, the body to send and the body's hash (its answers' key).
 
     The body is sent as the line holds it: an integer past 64 bits (a `seed` of 30 digits) is kept exact, not
-    sent as orjson's float of it; such a body (rarely: a run of 20 digits, or 19 negative, anywhere in the line) is read and
-    written by the standard library, and hashed from its sorted JSON alike.
+    sent as orjson's float of it; such a body (rarely: a run of 20 digits, or 19 negative, anywhere in the
+    line) is read and written by the standard library, and hashed from its sorted JSON alike.
     """
     if _LONG_NUMBER.search(raw) is None:
         line = orjson.loads(raw)

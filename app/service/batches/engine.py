@@ -402,12 +402,13 @@ class BatchEngine:
         return {record.input_file_id for record in self.all() if reads_input(record)}
 
     async def forget_output(self, file_id: str) -> None:
-        """A file about to be deleted: if it is a batch's output, the answers of that batch are forgotten (a
-        later batch with the same lines generates them again), by this proxy's cache at once and by the other
-        hosts' at their next `adopt` (the serial written under `FORGOTTEN`). `OSError` if that cannot be
-        written: the file is then not to be deleted."""
+        """A file about to be deleted: if it is a batch's output or error file, the answers of that batch are
+        forgotten (a later batch with the same lines generates them again; an error kept, a 400, is the only
+        answer a batch whose lines all failed has, and the error file its only file), by this proxy's cache
+        at once and by the other hosts' at their next `adopt` (the serial written under `FORGOTTEN`).
+        `OSError` if that cannot be written: the file is then not to be deleted."""
         for record in self.all():
-            if record.output_file_id == file_id:
+            if file_id in (record.output_file_id, record.error_file_id):
                 await asyncio.to_thread(forget_answers, self.answers_root, record.serial)
                 await self._drop(record.serial)
 
