@@ -356,7 +356,7 @@ async def file_content_head(request: Request, file_id: FILE_ID) -> Response:
 async def delete_file(request: Request, file_id: FILE_ID) -> Response:
     services = services_of(request)
     if services.batches is not None and services.files.get(file_id) is not None:  # expired: 404, as if deleted
-        services.batches.check_deletable(file_id)
+        await services.batches.check_deletable(file_id)
         await batches.forget_output(services, file_id)
     deleted = await asyncio.to_thread(files.delete, services, file_id)
     return json_answer(orjson.dumps(deleted))
@@ -440,7 +440,7 @@ async def create_batch(request: Request) -> Response:
     responses=errors(400),
 )
 async def list_batches(request: Request, after: str | None = None, limit: str = "20") -> Response:
-    return json_answer(orjson.dumps(batches.listing(services_of(request), after, limit)))
+    return json_answer(orjson.dumps(await asyncio.to_thread(batches.listing, services_of(request), after, limit)))
 
 
 @route(

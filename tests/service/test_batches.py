@@ -966,3 +966,30 @@ async def test_a_batch_cancelled_while_its_input_is_checked_ends_cancelled_whate
             if file_id == bad:
                 assert [error["code"] for error in ended["errors"]["data"]] == ["invalid_json_line"]
     assert fake.requests == 0
+
+
+async def test_a_page_of_batches_reads_its_own_records_and_one_more_not_every_batchs(
+    settings: Settings, upstream: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each GET /v1/batches read every batch.json ever written, on the event loop: 100 ms a page at 2,000
+    # batches, every other request (cache hits too) waiting meanwhile.
+    url, _ = upstream
+    file_id = put_file(settings.checkpoints_dir, [chat_line("a", "q")])
+    real_load = BatchDir.load
+    loaded: list[str] = []
+
+    def counted(folder: BatchDir) -> BatchRecord:
+        loaded.append(folder.id)
+        return real_load(folder)
+
+    async for client in proxy(settings, url):
+        made = [await create_batch(client, file_id) for _ in range(12)]
+        for batch_id in made:
+            await until(client, batch_id, final)
+        monkeypatch.setattr(BatchDir, "load", counted)
+        first = (await client.get("/v1/batches", params={"limit": 3})).json()
+        assert [b["id"] for b in first["data"]] == made[::-1][:3]
+        assert first["has_more"] is True
+        assert len(loaded) <= 4
+        last = (await client.get("/v1/batches", params={"limit": 5, "after": made[4]})).json()
+        assert ([b["id"] for b in last["data"]], last["has_more"]) == (made[:4][::-1], False)

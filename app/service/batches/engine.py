@@ -387,9 +387,24 @@ class BatchEngine:
         running.stopping.set()
         return record
 
-    def check_deletable(self, file_id: str) -> None:
+    def page(self, after: str | None, limit: int) -> tuple[list[BatchRecord], bool]:
+        """The newest `limit` batches made before `after` (any if None: ids sort as the batches were made), and
+        whether there are more; reading only those records (and one more), not every batch's: in a thread."""
+        names = sorted((folder.id for folder in self._folders() if after is None or folder.id < after), reverse=True)
+        found: list[BatchRecord] = []
+        for name in names:
+            running = self.running.get(name)
+            try:
+                found.append(running.record if running is not None else BatchDir(self.root / name).load())
+            except (OSError, ValueError):
+                continue  # damaged, or removed meanwhile: listed by none
+            if len(found) > limit:
+                return found[:limit], True
+        return found, False
+
+    async def check_deletable(self, file_id: str) -> None:
         """`FileInUse` for the input file of a batch that still reads it."""
-        for record in self.all():  # every proxy's on a shared dir, not only this one's
+        for record in await asyncio.to_thread(self.all):  # every proxy's on a shared dir, not only this one's
             if record.input_file_id == file_id and reads_input(record):
                 raise FileInUse(
                     f"file {file_id} is the input of batch {record.id}, which is {record.status}: cancel the batch "
@@ -407,7 +422,7 @@ class BatchEngine:
         answer a batch whose lines all failed has, and the error file its only file), by this proxy's cache
         at once and by the other hosts' at their next `adopt` (the serial written under `FORGOTTEN`).
         `OSError` if that cannot be written: the file is then not to be deleted."""
-        for record in self.all():
+        for record in await asyncio.to_thread(self.all):
             if file_id in (record.output_file_id, record.error_file_id):
                 await asyncio.to_thread(forget_answers, self.answers_root, record.serial)
                 await self._drop(record.serial)

@@ -157,21 +157,20 @@ def get(services: Services, batch_id: str) -> dict[str, Any]:
 
 
 def listing(services: Services, after: str | None, asked_limit: str) -> dict[str, Any]:
+    """`GET /v1/batches`: in a thread (it reads a page of batch.json files)."""
     limit = int(asked_limit) if asked_limit.isascii() and asked_limit.isdigit() else 0
     if not 1 <= limit <= LIST_LIMIT:
         raise BadRequest(f"`limit` must be an integer from 1 to {LIST_LIMIT}, got {asked_limit[:40]!r}", param="limit")
-    records = engine_of(services).all()
-    if after is not None:
-        if not is_batch_id(after):
-            raise BadRequest(f"`after` must be a batch id (batch_...), got {shown_value(after)}", param="after")
-        records = [r for r in records if r.id < after]  # newest first: those made before it, even if it is gone
-    page = records[:limit]
+    if after is not None and not is_batch_id(after):
+        raise BadRequest(f"`after` must be a batch id (batch_...), got {shown_value(after)}", param="after")
+    # newest first: those made before `after`, even if it is gone
+    page, more = engine_of(services).page(after, limit)
     return {
         "object": "list",
         "data": [batch_object(r) for r in page],
         "first_id": page[0].id if page else None,
         "last_id": page[-1].id if page else None,
-        "has_more": len(records) > limit,
+        "has_more": more,
     }
 
 
