@@ -83,10 +83,14 @@ class ChunkConflict(ProxyError):
 
 
 class FileInUse(ProxyError):
-    """A file a batch still reads (its input, while it runs): not deleted."""
+    """A file a batch still reads (its input, while it runs): not deleted. Not to be retried at once: the
+    `openai` client retries a 409 (twice, over a second and a half) unless told not to."""
 
     status = 409
     type = "conflict_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers=[(b"x-should-retry", b"false")])
 
 
 class RankOwned(ProxyError):

@@ -387,7 +387,7 @@ class UpstreamPool:
                     replica.errors += 1
                     self._mark_failed(replica, str(exc) or type(exc).__name__)
                     if attempt >= self.retries:
-                        tries = f"after {attempt + 1} tries"
+                        tries = "after 1 try" if attempt == 0 else f"after {attempt + 1} tries"
                         if isinstance(exc, ConnectTimeout):
                             raise UpstreamTimeout(
                                 f"the upstream {replica.url} is not answering {tries}: {exc}", replica=replica.url

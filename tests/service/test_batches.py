@@ -993,3 +993,23 @@ async def test_a_page_of_batches_reads_its_own_records_and_one_more_not_every_ba
         assert len(loaded) <= 4
         last = (await client.get("/v1/batches", params={"limit": 5, "after": made[4]})).json()
         assert ([b["id"] for b in last["data"]], last["has_more"]) == (made[:4][::-1], False)
+
+
+async def test_the_input_of_a_cancelling_batch_is_refused_saying_to_wait_and_not_to_be_retried_at_once(
+    settings: Settings,
+) -> None:
+    # The refusal said to cancel a batch already cancelling; and the openai client retried the 409 twice.
+    hung = Hung()
+    file_id = put_file(settings.checkpoints_dir, [chat_line(f"r{i}", f"q{i}") for i in range(4)])
+    async with serve_in_loop(hung) as url:
+        async for client in proxy(settings.model_copy(update={"read_timeout_s": 30.0, "shutdown_grace_s": 1.0}), url):
+            batch_id = await create_batch(client, file_id)
+            await hung.until(1)  # a line in flight, which the cancel lets finish
+            assert (await client.post(f"/v1/batches/{batch_id}/cancel")).json()["status"] == "cancelling"
+            refused = await client.delete(f"/v1/files/{file_id}")
+            assert refused.status_code == 409
+            assert refused.headers["x-should-retry"] == "false"
+            assert refused.json()["error"]["message"] == (
+                f"file {file_id} is the input of batch {batch_id}, which is cancelling: wait for it to end (its "
+                f"lines in flight), then delete the file"
+            )

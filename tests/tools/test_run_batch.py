@@ -41,7 +41,7 @@ UNWRITTEN = 2 * INFLIGHT
 #: What a line answered 500 every time says in its `error.message`.
 REASON_500 = (
     'the upstream answered 500: {"error":{"message":"injected failure 500","type":"InternalServerError","param":null,'
-    '"code":500}} (2 times)'
+    '"code":500}} (the line tried 2 times)'
 )
 
 

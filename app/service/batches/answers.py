@@ -161,4 +161,4 @@ class Answerer:
                 continue
             return StoredResponse(status, data, content_type), got
         tries = self.settings.batch_retries + 1
-        return why if tries == 1 else f"{why} ({tries} times)"
+        return why if tries == 1 else f"{why} (the line tried {tries} times)"

@@ -406,10 +406,14 @@ class BatchEngine:
         """`FileInUse` for the input file of a batch that still reads it."""
         for record in await asyncio.to_thread(self.all):  # every proxy's on a shared dir, not only this one's
             if record.input_file_id == file_id and reads_input(record):
-                raise FileInUse(
-                    f"file {file_id} is the input of batch {record.id}, which is {record.status}: cancel the batch "
-                    f"(POST /v1/batches/{record.id}/cancel) or wait for it to end, then delete the file"
-                )
+                if record.status == "cancelling":
+                    todo = "wait for it to end (its lines in flight), then delete the file"
+                else:
+                    todo = (
+                        f"cancel the batch (POST /v1/batches/{record.id}/cancel) or wait for it to end, then delete "
+                        f"the file"
+                    )
+                raise FileInUse(f"file {file_id} is the input of batch {record.id}, which is {record.status}: {todo}")
 
     def inputs_read(self) -> set[str]:
         """The input files of the batches that still read them, every proxy's on a shared dir: kept past their
