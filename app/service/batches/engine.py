@@ -119,16 +119,17 @@ class BatchNotFound(LookupError):
     pass
 
 
+#: The changes of status a cancel made before them overrides: the end of the input's check, and the end of
+#: the lines.
+_CANCEL_OVERRIDES = frozenset({"in_progress", "failed", "finalizing"})
+
+
 def _kept_cancel(record: BatchRecord, changes: dict[str, Any]) -> dict[str, Any]:
     """`changes` to `record` with a cancel kept: a batch cancelled (while its input was checked, or as its
     last lines ended) is not run, nor failed, nor ended otherwise; it ends `cancelled`, with the errors its
     check found."""
     status = changes.get("status")
-    if "cancelled" not in (record.ending, changes.get("ending")) or status not in (
-        "in_progress",
-        "failed",
-        "finalizing",
-    ):
+    if status not in _CANCEL_OVERRIDES or "cancelled" not in (record.ending, changes.get("ending")):
         return changes
     kept = {name: value for name, value in changes.items() if name not in ("in_progress_at", "failed_at")}
     if status == "finalizing":
@@ -437,7 +438,7 @@ class BatchEngine:
             await self.answers.drop_chunk(serial)
 
     async def _drop_forgotten(self) -> None:
-        """Drop the answers of the batches forgotten through another proxy (`file_deleted`) from this one's cache."""
+        """Drop the answers of the batches forgotten through another proxy (`forget_output`) from this one's cache."""
         for serial in await asyncio.to_thread(forgotten_answers, self.answers_root):
             if serial not in self._forgotten:
                 await self._drop(serial)
