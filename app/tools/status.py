@@ -48,9 +48,9 @@ Rank = dict[str, Any]
 #: Orders of the ranks; a rank with nothing to sort on goes last, ties by rank (the page's orders).
 SORTS: dict[str, Callable[[Rank], tuple[Any, ...]]] = {
     "rank": lambda r: (r["rank"],),
-    "progress": lambda r: (r["progress"] is None, r["progress"] or 0.0, r["rank"]),
-    "eta": lambda r: (r["eta_s"] is None, -(r["eta_s"] or 0.0), r["rank"]),
-    "rate": lambda r: (r["documents_per_s"] is None, r["documents_per_s"] or 0.0, r["rank"]),
+    "progress": lambda r: (r.get("progress") is None, r.get("progress") or 0.0, r["rank"]),
+    "eta": lambda r: (r.get("eta_s") is None, -(r.get("eta_s") or 0.0), r["rank"]),
+    "rate": lambda r: (r.get("documents_per_s") is None, r.get("documents_per_s") or 0.0, r["rank"]),
 }
 
 
@@ -210,7 +210,8 @@ class Added:
 
 
 #: The shape of `/stats` as `render` reads it (docs/contract.md §10); other keys are let through.
-#: A key whose value may be null may also be missing, and so may an object whose keys all may.
+#: A key whose value may be null may also be missing (`render` reads it with `.get`), and so may an object
+#: whose keys all may. Every key `render` reads is here: a value of another type is one line, not a traceback.
 NUMBER, NUMBER_OR_NULL, TEXT_OR_NULL = "a number >= 0", "a number >= 0 or null", "text or null"
 _UPSTREAM = {
     "url": str,
@@ -237,6 +238,8 @@ _BATCH = {
     "status": str,
     **dict.fromkeys(("total", "completed", "failed", "in_flight", "lines_per_s"), NUMBER),
     "eta_s": NUMBER_OR_NULL,
+    "hits": Added(NUMBER),  # proxies before the answers' cache have none
+    "paused": TEXT_OR_NULL,  # proxies before a full disk paused batches have none
 }
 #: The final statuses of a batch, as `/stats`' `batches_done` counts them.
 BATCH_ENDINGS = ("completed", "failed", "cancelled", "expired")
@@ -245,6 +248,7 @@ STATS_SHAPE: dict[str, Any] = {
     **dict.fromkeys(("now", "uptime_s", "in_flight"), NUMBER),
     "totals": {**dict.fromkeys(("hits", "coalesced", "tokens_saved"), NUMBER), "hit_ratio": NUMBER_OR_NULL},
     "rates": dict.fromkeys(("requests_per_s", "documents_per_s"), NUMBER_OR_NULL),
+    "routing": Added(str),  # proxies before affinity routing have none
     "upstreams": [_UPSTREAM],
     "ranks": [_RANK],
     "forgotten": {"ranks": NUMBER_OR_NULL},  # proxies before `max_tracked_ranks` have none
@@ -321,7 +325,7 @@ def _shown(value: Any) -> str:
 def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int | None = None) -> list[str]:
     """The snapshot as lines of text; with `height`, rank rows are cut to fit it (a line says how many)."""
     totals = stats["totals"]
-    rates = stats["rates"]
+    rates = stats.get("rates", {})
     ranks: list[Rank] = stats["ranks"]
     saved = totals["hits"] + totals["coalesced"]
     try:
@@ -334,7 +338,7 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
     head = [
         f"inferproxy {printable(stats['version'])} at {printable(url)} · up {duration(stats['uptime_s'])} · {clock}",
         "",
-        f"hit ratio {percent(totals['hit_ratio'])} · tokens saved {count(totals['tokens_saved'])}"
+        f"hit ratio {percent(totals.get('hit_ratio'))} · tokens saved {count(totals['tokens_saved'])}"
         f" · generations saved {count(saved)} · {rate(rates.get('requests_per_s'))} requests/s"
         f" · {rate(rates.get('documents_per_s'))} documents/s · {count(stats['in_flight'])} in flight",
         *([_documents_done(ranks)] if ranks or not busy else []),  # "no job yet", unless batches ran
@@ -359,8 +363,8 @@ def render(stats: dict[str, Any], url: str, *, sort: str = "rank", height: int |
                 count(u.get("spilled", 0)),
                 count(u["errors"]),
                 count(u["retries"]),
-                latency(u["latency_p50_s"]),
-                latency(u["latency_p99_s"]),
+                latency(u.get("latency_p50_s")),
+                latency(u.get("latency_p99_s")),
             ]
             for u in stats["upstreams"]
         ],
@@ -412,7 +416,7 @@ def _batch_table(batches: list[dict[str, Any]]) -> list[str]:
             count(b["in_flight"]),
             count(b.get("hits", 0)),
             rate(b["lines_per_s"]),
-            duration(b["eta_s"]),
+            duration(b.get("eta_s")),
         ]
         for b in batches
     ]
@@ -486,7 +490,7 @@ def job_line(job: dict[str, Any] | None) -> str:
     ("" from a proxy too old to say, or before any rank declared or finished anything; the page's rule too)."""
     if not job:
         return ""
-    declared, finished = job["ranks_declared"], job["ranks_finished"]
+    declared, finished = job.get("ranks_declared"), job["ranks_finished"]
     if job["finished"]:
         return f"job finished: {count(declared)} of {count(declared)} ranks"
     if declared is not None:
@@ -500,19 +504,19 @@ def job_line(job: dict[str, Any] | None) -> str:
 def is_finished(r: Rank) -> bool:
     """The rank's last chunk is published (a proxy too old to say: its progress reached 1)."""
     finished = r.get("finished")
-    return bool(finished) if finished is not None else r["progress"] == 1
+    return bool(finished) if finished is not None else r.get("progress") == 1
 
 
 def _documents_done(ranks: list[Rank]) -> str:
-    done = sum(r["done_documents"] for r in ranks if r["done_documents"] is not None)
-    declared = [r["total_documents"] for r in ranks if r["total_documents"] is not None]
+    done = sum(r.get("done_documents") or 0 for r in ranks)
+    declared = [r["total_documents"] for r in ranks if r.get("total_documents") is not None]
     if not ranks:
         return "no job yet"
     if len(declared) < len(ranks):
         on = f"{len(ranks)} rank" + ("s" if len(ranks) > 1 else "")
         return f"documents done {count(done)} on {on} (totals declared by {len(declared)})"
     total = sum(declared)
-    unfinished = [r["eta_s"] for r in ranks if not is_finished(r)]
+    unfinished: list[Any] = [r.get("eta_s") for r in ranks if not is_finished(r)]
     if not unfinished:
         eta = "finished"
     elif None in unfinished:
@@ -526,20 +530,20 @@ def _documents_done(ranks: list[Rank]) -> str:
 
 
 def _rank_row(r: Rank) -> list[str]:
-    done, total = r["done_documents"], r["total_documents"]
+    done, total, ratio = r.get("done_documents"), r.get("total_documents"), r.get("progress")
     if done is None:
         progress = "nothing checkpointed yet"
     elif total is None:
         progress = f"{count(done)} done (no total declared)"
     else:
-        filled = math.floor(min(r["progress"] or 0.0, 1.0) * BAR_WIDTH)
+        filled = math.floor(min(ratio or 0.0, 1.0) * BAR_WIDTH)
         bar = "[" + "#" * filled + "." * (BAR_WIDTH - filled) + "]"
-        progress = f"{bar} {count(done)} / {count(total)} · {percent(r['progress'])}"
+        progress = f"{bar} {count(done)} / {count(total)} · {percent(ratio)}"
     return [
         str(r["rank"]),
         progress,
-        rate(r["documents_per_s"]),
-        "finished" if r.get("finished") else "done" if r["progress"] == 1 else duration(r["eta_s"]),
+        rate(r.get("documents_per_s")),
+        "finished" if r.get("finished") else "done" if ratio == 1 else duration(r.get("eta_s")),
         count(r["chunks_published"]),
         count(r["hits"] + r["coalesced"]),
         count(r["misses"]),

@@ -271,6 +271,21 @@ RANK: dict[str, Any] = {
     "eta_s": 5.0,
 }
 
+#: A batch as /stats has it while it runs (`progress()` of app/service/batches/engine.py), paused.
+BATCH: dict[str, Any] = {
+    "id": "batch_0123",
+    "status": "in_progress",
+    "total": 2000,
+    "completed": 480,
+    "failed": 20,
+    "in_flight": 16,
+    "usage": {"input_tokens": 10, "output_tokens": 20, "total_tokens": 30},
+    "hits": 7,
+    "lines_per_s": 12.5,
+    "eta_s": 120.0,
+    "paused": "the checkpoints disk is full (No space left on device): free space under /ckpt",
+}
+
 Handler = Callable[[asyncio.StreamWriter], Awaitable[None]]
 
 
@@ -376,6 +391,19 @@ NOT_STATS = {
         orjson.dumps({**STATS, "ranks": [{**RANK, "chunks_lost": [0, "2"]}]}),
         'ranks[0].chunks_lost[1] is "2", not an integer',
     ),
+    # Each of these three was a traceback (an attack run): the shape did not say what the display reads of them.
+    "a batch's hits as text": (
+        orjson.dumps({**STATS, "batches": [{**BATCH, "hits": "x"}]}),
+        'batches[0].hits is "x", not a number >= 0',
+    ),
+    "why a batch is paused as a number": (
+        orjson.dumps({**STATS, "batches": [{**BATCH, "paused": 5}]}),
+        "batches[0].paused is 5, not text or null",
+    ),
+    "the routing as a number": (
+        orjson.dumps({**STATS, "routing": 5, "upstreams": STATS["upstreams"] * 2}),
+        "routing is 5, not text",
+    ),
 }
 
 
@@ -390,6 +418,112 @@ async def test_an_answer_that_is_not_stats_is_one_line_saying_what_is_wrong(
     assert (code, out) == (1, "")
     assert err.startswith(f"inferproxy status: {url} did not answer with inferproxy's /stats: {wrong}")
     assert err.count("\n") == 1
+
+
+#: A value of each JSON type, and the key taken away.
+OTHER_VALUES: list[Any] = ["x", 7, 2.5, True, None, ["x"], {"x": 1}]
+MISSING = object()
+
+
+def kind(value: Any) -> str:
+    return "number" if isinstance(value, int | float) and not isinstance(value, bool) else type(value).__name__
+
+
+def paths(value: Any, at: tuple[str | int, ...] = ()) -> Iterator[tuple[str | int, ...]]:
+    """The path of every key and list item in `value`, at every depth."""
+    inner = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in inner:
+        yield (*at, key)
+        yield from paths(item, (*at, key))
+
+
+def named(path: tuple[str | int, ...]) -> str:
+    """`ranks[0].hits`, as status names a field."""
+    return "".join(f"[{key}]" if isinstance(key, int) else f".{key}" for key in path).removeprefix(".")
+
+
+def checked(path: tuple[str | int, ...]) -> bool:
+    """Whether `status.STATS_SHAPE` says what `path` holds (the keys status does not read are let through)."""
+    shape: Any = status.STATS_SHAPE
+    for key in path:
+        while isinstance(shape, status.Added):
+            shape = shape.shape
+        if isinstance(shape, list) and isinstance(key, int):
+            shape = shape[0]
+        elif isinstance(shape, dict) and key in shape:
+            shape = shape[key]
+        else:
+            return False
+    return True
+
+
+async def test_any_field_of_a_real_stats_of_another_type_is_one_line_never_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A batch's hits as text, why it is paused or the routing as a number were tracebacks: the shape left
+    # out fields the display reads. Here every field of a real /stats, at every depth, is given a value of
+    # each other type, or taken away: status shows the snapshot, or says in one line which field is wrong.
+    async with fake_upstream() as (one, _), fake_upstream() as (other, _):
+        replicas = settings(tmp_path, one).model_copy(update={"upstream": [one, other]})
+        async with serve_proxy(replicas) as proxy:
+            await run_rank(proxy, 0, 6, total=6)
+            await run_rank(proxy, 1, 3, total=10)
+            async with httpx.AsyncClient(base_url=proxy) as client:
+                real = (await client.get("/stats")).json()
+    # What a proxy says only while a batch runs, a rank's publications fail and the job declared its ranks,
+    # given too, with a value where /stats may have null (in place of null, text or a number may be right).
+    real["batches"] = [BATCH]
+    real["ranks"][1] |= {key: FAILING[key] for key in FAILING if key.startswith(("publication_", "chunks_"))}
+    real["ranks"][1] |= {"chunks_lost": [2], "eta_s": 30.0}
+    real["ranks"][0]["finished_at"] = real["now"]
+    real["job"]["ranks_declared"] = 2
+    real["forgotten"]["ranks"] = 3
+    assert real["routing"] == "affinity"
+    assert real["totals"]["hit_ratio"] is not None
+    assert real["upstreams"][0]["latency_p50_s"] is not None
+
+    answer: list[bytes] = []
+    monkeypatch.setattr(status, "fetch", lambda url, api_key, timeout_s: answer[0])
+
+    def status_of_answer(stats: Any) -> tuple[int, str, str]:
+        answer[:] = [orjson.dumps(stats)]
+        out, err = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(["status", "u", "--once"])
+        if code == 0:  # and on a terminal, in each order
+            for sort in status.SORTS:
+                status.render(status.decode(answer[0], "u"), "u", sort=sort, height=30)
+        return code, out.getvalue(), err.getvalue()
+
+    code, out, _ = status_of_answer(real)
+    assert code == 0
+    assert "upstream (routing: affinity)" in out
+    assert "  batch_0123 is paused: the checkpoints disk is full" in out
+    refused = 0
+    for path in paths(real):
+        for value in [*OTHER_VALUES, MISSING]:
+            stats = json.loads(json.dumps(real))
+            parent = stats
+            for key in path[:-1]:
+                parent = parent[key]
+            original = parent[path[-1]]
+            if value is MISSING:
+                del parent[path[-1]]
+            elif kind(value) == kind(original):
+                continue
+            else:
+                parent[path[-1]] = value
+            code, out, err = status_of_answer(stats)
+            case = f"{named(path)} = {'missing' if value is MISSING else json.dumps(value)}"
+            if code == 0:
+                assert (out[:11], err) == ("inferproxy ", ""), case
+                assert value in (MISSING, None) or original is None or not checked(path), f"{case}: taken"
+            else:
+                refused += 1
+                assert (code, out) == (1, ""), case
+                assert err.startswith(f"inferproxy status: u did not answer with inferproxy's /stats: {named(path)}")
+                assert err.count("\n") == 1, case
+    assert refused > 500  # most of them: the fields status reads, of another type
 
 
 async def test_a_server_that_trickles_its_answer_is_given_up_at_the_timeout() -> None:
