@@ -28,6 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
+from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
@@ -147,10 +148,22 @@ def size(num_bytes: int | None) -> str:
 
 
 def stats_url(url: str) -> str:
-    """`/stats` under the proxy's URL (a path prefix kept); `host:port` is taken as http."""
+    """`/stats` under the proxy's URL (a path prefix kept); `host:port` is taken as http. A fragment is dropped,
+    as by every HTTP client (no request carries one: a page's URL copied from a browser may have it); a query is
+    a `ValueError`: /stats takes none, and whether it was meant for something in front of the proxy is not known."""
     if "://" not in url:
         url = "http://" + url
-    return url.rstrip("/") + "/stats"
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:  # "Invalid IPv6 URL"
+        raise ValueError(f"{url} is no URL: {exc}") from None
+    root = urlunsplit(parts._replace(query="", fragment=""))
+    if parts.query:
+        given = urlunsplit(parts._replace(fragment=""))
+        raise ValueError(
+            f"{given} has a query: status takes the proxy's root URL and asks its /stats, which takes none: try {root}"
+        )
+    return root.rstrip("/") + "/stats"
 
 
 def fetch(url: str, api_key: str | None, timeout_s: float = TIMEOUT_S) -> bytes:
@@ -192,11 +205,10 @@ async def _fetch(url: str, api_key: str | None, timeout_s: float) -> bytes:
             f"give the proxy's own URL",
             final=True,
         )
-    root = url.rstrip("/")
-    if status == 404 and root.endswith("/v1"):  # the OpenAI clients' base_url, given as the proxy's
+    if status == 404 and target.endswith("/v1/stats"):  # the OpenAI clients' base_url, given as the proxy's
         raise StatusError(
             f"GET {target} answered 404: status takes the proxy's root, not the /v1 base_url: "
-            f"try {root.removesuffix('/v1')}",
+            f"try {target.removesuffix('/v1/stats')}",
             final=True,
         )
     raise StatusError(f"GET {target} answered {status}: is {url} an inferproxy?")
@@ -576,6 +588,11 @@ def main(
     out: TextIO | None = None,
 ) -> int:
     out = out or sys.stdout
+    try:
+        stats_url(url)
+    except ValueError as exc:  # the URL given cannot be the proxy's: trying cannot help
+        print(f"inferproxy status: {printable(str(exc))}", file=sys.stderr)
+        return 2
     if not (once or raw) and out.isatty():
         # Ctrl-C is how one stops watching: quietly. A handler of our own, which raises wherever it lands:
         # under asyncio.run's, one landing as a fetch's task has just ended was taken for nothing.

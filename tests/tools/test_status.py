@@ -341,6 +341,29 @@ async def status_of(url: str, *args: str) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
+async def test_a_fragment_in_the_url_is_dropped_and_a_query_refused_before_any_request() -> None:
+    # /stats went after them, into the fragment or the query: `URL#top` and `URL?x=1` fetched the page at /.
+    async with answering(answer(orjson.dumps(STATS))) as (url, heads):
+        for given in (f"{url}#top", f"{url}/#top", f"{url}/prefix/#top/x"):
+            code, out, err = await status_of(given)
+            assert (code, err) == (0, ""), given
+            assert out.startswith("inferproxy 0.1.0 at "), given
+        assert [head.split(b"\r\n")[0] for head in heads] == [
+            b"GET /stats HTTP/1.1",
+            b"GET /stats HTTP/1.1",
+            b"GET /prefix/stats HTTP/1.1",
+        ]
+        for given, root in ((f"{url}?x=1", url), (f"{url}/prefix/?x=1#top", f"{url}/prefix/")):
+            code, out, err = await status_of(given)
+            assert (code, out) == (2, ""), given
+            assert err == (
+                f"inferproxy status: {given.split('#')[0]} has a query: status takes the proxy's root URL and asks "
+                f"its /stats, which takes none: try {root}\n"
+            )
+        assert len(heads) == 3  # nothing asked
+    assert await status_of("http://[::1") == (2, "", "inferproxy status: http://[::1 is no URL: Invalid IPv6 URL\n")
+
+
 async def test_a_redirect_is_not_followed_and_the_api_key_goes_nowhere_else() -> None:
     # urllib followed it, sending "Authorization: Bearer KEY" to whatever host the answer named.
     async with answering(answer(orjson.dumps(STATS)), host="127.0.0.2") as (elsewhere, taken):
