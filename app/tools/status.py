@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import shutil
 import signal
 import sys
@@ -32,6 +33,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
+from app.checkpoints.output import redact_url
 from app.tools.terminal import printable
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -156,14 +158,25 @@ def stats_url(url: str) -> str:
     try:
         parts = urlsplit(url)
     except ValueError as exc:  # "Invalid IPv6 URL"
-        raise ValueError(f"{url} is no URL: {exc}") from None
+        raise ValueError(f"{shown_url(url)} is no URL: {exc}") from None
     root = urlunsplit(parts._replace(query="", fragment=""))
     if parts.query:
-        given = urlunsplit(parts._replace(fragment=""))
+        given = shown_url(urlunsplit(parts._replace(fragment="")))
         raise ValueError(
-            f"{given} has a query: status takes the proxy's root URL and asks its /stats, which takes none: try {root}"
+            f"{given} has a query: status takes the proxy's root URL and asks its /stats, which takes none: "
+            f"try {shown_url(root)}"
         )
     return root.rstrip("/") + "/stats"
+
+
+def shown_url(url: str) -> str:
+    """`url` as status shows it: its credentials (`user:password@`, a query's values) as `***`, as the proxy's
+    logs show them (`host:port` is left without a scheme)."""
+    scheme = "" if "://" in url else "http://"
+    try:
+        return redact_url(scheme + url).removeprefix(scheme)
+    except ValueError:  # no URL ("Invalid IPv6 URL"): a user:password@ in it is hidden all the same
+        return re.sub(r"^([^:/?#]*://)?[^/?#]*@", r"\1***@", url)
 
 
 def fetch(url: str, api_key: str | None, timeout_s: float = TIMEOUT_S) -> bytes:
@@ -175,6 +188,7 @@ async def _fetch(url: str, api_key: str | None, timeout_s: float) -> bytes:
     from app.http.client import HTTPClient, HTTPClientError, ResponseTooLarge
 
     target = stats_url(url)
+    where, asked = shown_url(url), shown_url(target)
     headers = [(b"authorization", f"Bearer {api_key}".encode())] if api_key else []
     client = HTTPClient(
         connect_timeout=timeout_s, read_timeout=timeout_s, max_idle=0, max_response_bytes=MAX_BODY_BYTES
@@ -185,33 +199,34 @@ async def _fetch(url: str, api_key: str | None, timeout_s: float) -> bytes:
                 return await answer.read()
             status, location = answer.status, answer.header(b"location")
     except TimeoutError:
-        raise StatusError(f"{url} did not answer within {timeout_s:g} s (--timeout)") from None
+        raise StatusError(f"{where} did not answer within {timeout_s:g} s (--timeout)") from None
     except ResponseTooLarge:
         raise StatusError(
-            f"{url} did not answer with inferproxy's /stats: a body over {MAX_BODY_BYTES} bytes"
+            f"{where} did not answer with inferproxy's /stats: a body over {MAX_BODY_BYTES} bytes"
         ) from None
     except (HTTPClientError, ValueError) as exc:  # ValueError: not an http(s) URL
-        raise StatusError(f"cannot reach {url}: {exc}", final=isinstance(exc, ValueError)) from None
+        reason = str(exc).replace(target, asked)
+        raise StatusError(f"cannot reach {where}: {reason}", final=isinstance(exc, ValueError)) from None
     finally:
         await client.close()
     if status == 401 and api_key:
-        raise StatusError(f"{url} refused the API key given (401)", final=True)
+        raise StatusError(f"{where} refused the API key given (401)", final=True)
     if status == 401:
-        raise StatusError(f"{url} needs its API key (401): pass --api-key or set INFERPROXY_API_KEY", final=True)
+        raise StatusError(f"{where} needs its API key (401): pass --api-key or set INFERPROXY_API_KEY", final=True)
     if 300 <= status < 400:
-        to = location.decode("latin-1")[:200] if location else "nowhere"
+        to = shown_url(location.decode("latin-1"))[:200] if location else "nowhere"
         raise StatusError(
-            f"GET {target} answered {status}, a redirect to {to}: not followed (the API key would go along); "
+            f"GET {asked} answered {status}, a redirect to {to}: not followed (the API key would go along); "
             f"give the proxy's own URL",
             final=True,
         )
     if status == 404 and target.endswith("/v1/stats"):  # the OpenAI clients' base_url, given as the proxy's
         raise StatusError(
-            f"GET {target} answered 404: status takes the proxy's root, not the /v1 base_url: "
-            f"try {target.removesuffix('/v1/stats')}",
+            f"GET {asked} answered 404: status takes the proxy's root, not the /v1 base_url: "
+            f"try {asked.removesuffix('/v1/stats')}",
             final=True,
         )
-    raise StatusError(f"GET {target} answered {status}: is {url} an inferproxy?")
+    raise StatusError(f"GET {asked} answered {status}: is {where} an inferproxy?")
 
 
 class Added:
@@ -605,12 +620,12 @@ def main(
         finally:
             signal.signal(signal.SIGINT, previous)
     try:
-        stats = decode(fetch(url, api_key, timeout_s), url)
+        stats = decode(fetch(url, api_key, timeout_s), shown_url(url))
     except StatusError as exc:
         print(f"inferproxy status: {printable(str(exc))}", file=sys.stderr)
         return 1
     # --json: the object as it came, with anything but ASCII escaped (no byte of it can act on a terminal).
-    text = json.dumps(stats, separators=(",", ":")) if raw else "\n".join(render(stats, url, sort=sort))
+    text = json.dumps(stats, separators=(",", ":")) if raw else "\n".join(render(stats, shown_url(url), sort=sort))
     print(text, file=out)
     return 0
 
@@ -623,10 +638,11 @@ def watch(url: str, api_key: str | None, sort: str, out: TextIO, timeout_s: floa
     """Redraw every `REFRESH_S`; while the proxy does not answer, say so above its last numbers."""
     last: list[str] = []
     last_at = 0.0
+    where = shown_url(url)
     while True:
         columns, lines = shutil.get_terminal_size()
         try:
-            frame = last = render(decode(fetch(url, api_key, timeout_s), url), url, sort=sort, height=lines - 2)
+            frame = last = render(decode(fetch(url, api_key, timeout_s), where), where, sort=sort, height=lines - 2)
             last_at = time.monotonic()
         except StatusError as exc:
             if exc.final:

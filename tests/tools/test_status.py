@@ -357,11 +357,29 @@ async def test_a_fragment_in_the_url_is_dropped_and_a_query_refused_before_any_r
             code, out, err = await status_of(given)
             assert (code, out) == (2, ""), given
             assert err == (
-                f"inferproxy status: {given.split('#')[0]} has a query: status takes the proxy's root URL and asks "
+                f"inferproxy status: {root}?x=*** has a query: status takes the proxy's root URL and asks "
                 f"its /stats, which takes none: try {root}\n"
             )
         assert len(heads) == 3  # nothing asked
     assert await status_of("http://[::1") == (2, "", "inferproxy status: http://[::1 is no URL: Invalid IPv6 URL\n")
+
+
+async def test_credentials_in_the_url_are_shown_as_stars_as_in_the_proxys_logs() -> None:
+    # The header line said "inferproxy 0.1.0 at http://user:hunter2@127.0.0.1:PORT" (an attack run).
+    async with answering(answer(orjson.dumps(STATS))) as (url, _), answering(answer(b"<html>")) as (page, _):
+        code, out, err = await status_of(url.replace("://", "://user:hunter2@"))
+        assert (code, err) == (0, "")
+        assert out.startswith(f"inferproxy 0.1.0 at {url.replace('://', '://***@')} · up 12s")
+        code, out, err = await status_of(url.replace("http://", "user:hunter2@"))  # host:port, taken as http
+        assert out.startswith(f"inferproxy 0.1.0 at {url.replace('http://', '***@')} · up 12s")
+        _, _, err = await status_of(page.replace("://", "://user:hunter2@"))
+        assert err.startswith(f"inferproxy status: {page.replace('://', '://***@')} did not answer with inferproxy's")
+    dead = f"http://user:hunter2@127.0.0.1:{free_port()}"
+    _, _, err = await status_of(dead)
+    assert err.startswith(f"inferproxy status: cannot reach {dead.replace('user:hunter2', '***')}: ")
+    _, _, err = await status_of(dead + "/?token=hunter2")
+    assert err.startswith(f"inferproxy status: {dead.replace('user:hunter2', '***')}/?token=*** has a query: ")
+    assert "hunter2" not in err
 
 
 async def test_a_redirect_is_not_followed_and_the_api_key_goes_nowhere_else() -> None:
