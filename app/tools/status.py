@@ -3,7 +3,8 @@
 On a terminal the screen is cleared and redrawn every `REFRESH_S` until Ctrl-C; with `--once`, or
 where stdout is not a terminal, one snapshot is printed; `--json` prints `/stats`' JSON object. An
 unreachable proxy is one line and exit code 1 for a single snapshot, and "retrying" above the last
-numbers while refreshing. A missing or refused API key ends either (trying again cannot help).
+numbers while refreshing. A missing or refused API key ends either (trying again cannot help); a key no
+header can carry (a line break) and a URL with a query are refused before any request, with exit code 2.
 A rank's chunks waiting for the output (and why, while publishing them fails) and chunks lost from it
 are a column and lines under the ranks table, as the page has them; older proxies' /stats lack them.
 A rank whose last chunk is published is "finished", and a line says whether the whole job is (every rank
@@ -177,6 +178,15 @@ def shown_url(url: str) -> str:
         return redact_url(scheme + url).removeprefix(scheme)
     except ValueError:  # no URL ("Invalid IPv6 URL"): a user:password@ in it is hidden all the same
         return re.sub(r"^([^:/?#]*://)?[^/?#]*@", r"\1***@", url)
+
+
+def check_api_key(api_key: str | None) -> None:
+    """`ValueError` for a key no `Authorization` header can carry (a control character: a line break, NUL)."""
+    if api_key is not None and any(ord(c) < 0x20 or ord(c) == 0x7F for c in api_key):
+        raise ValueError(
+            "the API key given (--api-key or INFERPROXY_API_KEY) holds a control character (a line break?): "
+            "a key is one line of text"
+        )
 
 
 def fetch(url: str, api_key: str | None, timeout_s: float = TIMEOUT_S) -> bytes:
@@ -603,9 +613,10 @@ def main(
     out: TextIO | None = None,
 ) -> int:
     out = out or sys.stdout
-    try:
+    try:  # what no try can help, said before any
         stats_url(url)
-    except ValueError as exc:  # the URL given cannot be the proxy's: trying cannot help
+        check_api_key(api_key)
+    except ValueError as exc:
         print(f"inferproxy status: {printable(str(exc))}", file=sys.stderr)
         return 2
     if not (once or raw) and out.isatty():

@@ -115,6 +115,39 @@ async def test_a_proxy_with_an_api_key_takes_it_from_the_flag_or_the_environment
         assert "no job yet" in out
 
 
+#: What status says of a key no HTTP header can carry.
+KEY_REFUSED = (
+    "inferproxy status: the API key given (--api-key or INFERPROXY_API_KEY) holds a control character "
+    "(a line break?): a key is one line of text\n"
+)
+
+
+async def test_a_key_with_a_line_break_is_refused_at_once_in_one_line() -> None:
+    # It was "cannot reach URL: the header b'authorization' has a CR, LF...": it is the key that is wrong.
+    async with answering(answer(orjson.dumps(STATS))) as (url, heads):
+        for key in ("sek\nrit", "sek\r\nrit", "sek\x00rit", "sek\x7frit"):
+            assert await status_of(url, "--api-key", key) == (2, "", KEY_REFUSED), repr(key)
+    assert heads == []
+
+
+def test_a_key_with_a_line_break_is_refused_at_once_on_a_terminal_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Redrawing as well: refused before the first frame, and not tried again (no try can send it).
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    def redrawn(seconds: float) -> None:
+        raise AssertionError("redrawn and waiting to try again, not refused")
+
+    monkeypatch.setattr(status.time, "sleep", redrawn)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = status.main(
+            f"http://127.0.0.1:{free_port()}", api_key="sek\nrit", once=False, raw=False, sort="rank", out=Terminal()
+        )
+    assert (code, err.getvalue()) == (2, KEY_REFUSED)
+
+
 async def test_an_unreachable_proxy_is_one_line_and_exit_code_1() -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     code, out, err = await inferproxy_status(dead, "--once")
