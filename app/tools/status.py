@@ -561,7 +561,7 @@ def _documents_done(ranks: list[Rank]) -> str:
     else:
         eta = "ETA " + duration(max(unfinished))
     finished = len(ranks) - len(unfinished)
-    progress = percent(min(done / total, 1.0) if total else 1.0)
+    progress = percent(done / total if done < total else 1.0)  # inf / inf, of huge counts, is no ratio
     seen = f"{finished} of {len(ranks)} ranks seen finished"
     return f"documents done {count(done)} / {count(total)} ({progress}) · {eta} · {seen}"
 

@@ -702,6 +702,9 @@ def test_absurd_numbers_are_shown_in_a_few_characters() -> None:
     assert lines[-1].endswith("> 999d  1h 06m")
     assert [status.duration(s) for s in (-5, 86_400_000, 86_399_999)] == ["0s", "> 999d", "999d 23h"]
     assert [status.count(n) for n in (999e15, 1e18, 2.0**64)] == ["999P", "1e+18", "1.84e+19"]
+    # Two ranks' 1e308 documents done of 1e308 add up to inf of inf: a ValueError, of its NaN percentage.
+    both = [{**RANK, "rank": r, "done_documents": huge, "total_documents": huge} for r in (0, 1)]
+    assert status._documents_done(both).startswith("documents done inf / inf (100.0%) · ")
 
 
 # -- a rank's chunks and the output ---------------------------------------------------------------
