@@ -121,24 +121,30 @@ class CheckpointsLayout:
     def batches_dir(self) -> str:
         return os.path.join(self.root, "batches")
 
-    def known_ranks(self) -> list[int]:
+    def known_ranks(self, unlisted: list[OSError] | None = None) -> list[int]:
         """Ranks with anything in the checkpoints dir: a rank folder (or anything named as one), a last_chunk
-        file or an owner lock file; `last_chunk/` and `owners/` are not listed where they are links."""
-        ranks = {int(name) for name in _names(self.root) if _RANK_NAME.match(name)}
+        file or an owner lock file; `last_chunk/` and `owners/` are not listed where they are links. A folder
+        that cannot be listed (its permissions) names no rank: why goes to `unlisted`, raised without it."""
+        ranks = {int(name) for name in _names(self.root, unlisted) if _RANK_NAME.match(name)}
         for folder, suffix in (("last_chunk", ".txt"), ("owners", ".lock")):
             path = os.path.join(self.root, folder)
             ranks.update(
                 int(name.removesuffix(suffix))
-                for name in ([] if os.path.islink(path) else _names(path))
+                for name in ([] if os.path.islink(path) else _names(path, unlisted))
                 if name.endswith(suffix) and _RANK_NAME.match(name.removesuffix(suffix))
             )
         return sorted(ranks)
 
 
-def _names(directory: str) -> list[str]:
+def _names(directory: str, unlisted: list[OSError] | None) -> list[str]:
     try:
         return os.listdir(directory)
     except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as exc:
+        if unlisted is None:
+            raise
+        unlisted.append(exc)
         return []
 
 

@@ -109,7 +109,12 @@ def inspect_dir(
     names = _check_dir(root)
     problems: list[str] = []
     notes: list[str] = []
-    checkpointed = _any_checkpoint(layout)
+    unlisted: list[OSError] = []  # last_chunk/ or owners/, which cannot be listed
+    known = layout.known_ranks(unlisted)
+    problems += [
+        f"cannot list {exc.filename}: {exc.strerror}: a rank named only there is not shown" for exc in unlisted
+    ]
+    checkpointed = _any_checkpoint(layout, known)
     try:
         recorded = recorded_records_per_chunk(layout)
     except (CorruptFileError, OSError) as exc:
@@ -120,14 +125,14 @@ def inspect_dir(
             check_records_per_chunk(layout, records_per_chunk, record=False)
         except RecordsPerChunkMismatch as exc:
             problems.append(f"--records-per-chunk {records_per_chunk}: a proxy started with it refuses to: {exc}")
-    elif recorded is None and META_FILENAME not in names and layout.known_ranks() and not checkpointed:
+    elif recorded is None and META_FILENAME not in names and known and not checkpointed:
         # A proxy records it with the first document it checkpoints: before, its ranks hold caches only,
         # and every rank resumes at its start whatever the value.
         notes.append(
             f"{META_FILENAME} is not written yet: no document checkpointed yet, the ranks hold request caches "
             f"only (a proxy records records_per_chunk with the first one)"
         )
-    elif recorded is None and META_FILENAME not in names and layout.known_ranks():
+    elif recorded is None and META_FILENAME not in names and known:
         given = (
             f"the numbers below use --records-per-chunk {records_per_chunk}"
             if records_per_chunk is not None
@@ -140,7 +145,7 @@ def inspect_dir(
         )
     publisher = ChunkPublisher(output, root, output_filename or DEFAULT_OUTPUT_FILENAME) if output else None
     rpc = recorded if recorded is not None else records_per_chunk
-    chosen = layout.known_ranks() if ranks is None else sorted(set(ranks))
+    chosen = known if ranks is None else sorted(set(ranks))
     shared = layout.rank(0).folders[1:]  # last_chunk/ and owners/
     refused = [f"a restarted proxy refuses every rank: {why}" for folder in shared if (why := _unsafe(folder, True))]
     problems += refused
@@ -149,9 +154,9 @@ def inspect_dir(
     return DirReport(root, recorded, reports, problems + api.problems, api, notes, checkpointed)
 
 
-def _any_checkpoint(layout: CheckpointsLayout) -> bool:
-    """Whether any rank has a chunk file or a last_chunk file (one that cannot be listed is taken to)."""
-    for rank in layout.known_ranks():
+def _any_checkpoint(layout: CheckpointsLayout, ranks: list[int]) -> bool:
+    """Whether any of `ranks` has a chunk file or a last_chunk file (one that cannot be listed is taken to)."""
+    for rank in ranks:
         try:
             if layout.rank(rank).has_checkpoints():
                 return True
@@ -194,7 +199,9 @@ def _check_dir(root: str) -> list[str]:
 
 def _is_checkpoints_dir(root: str, names: list[str]) -> bool:
     layout = CheckpointsLayout(root)
-    return META_FILENAME in names or bool(layout.known_ranks()) or inspect_batches.has_batch_api(layout)
+    unlisted: list[OSError] = []  # an owners/ or last_chunk/ that cannot be read is one all the same
+    ranks = layout.known_ranks(unlisted)
+    return META_FILENAME in names or bool(ranks or unlisted) or inspect_batches.has_batch_api(layout)
 
 
 def _child_is_checkpoints_dir(path: str) -> bool:
@@ -227,8 +234,15 @@ def _rank_report(
         report.last_chunk_index = last.value
         if last.problem is not None:
             report.problems.append(last.problem)
-    restorable = _read_chunks(paths, records_per_chunk, report)
-    refused = not _read_cache(paths, report) or refused
+    try:
+        files = paths.chunk_files()
+    except OSError as exc:
+        # Its chunk files and cache are unknown, and so what a restore finds: the cache is not looked for.
+        report.problems.append(f"cannot list {paths.rank_dir}: {exc.strerror}: its chunks and cache are not read")
+        restorable = None
+    else:
+        restorable = _read_chunks(files, records_per_chunk, report)
+        refused = not _read_cache(paths, report) or refused
     try:
         owner = probe_owner(paths.owner_file)
     except UnsafeFileError as exc:
@@ -297,13 +311,11 @@ def _checked_owner(path: str, lock: OwnerLock, report: RankReport) -> OwnerLock:
     return OwnerLock(lock.held, kept)
 
 
-def _read_chunks(paths: RankPaths, records_per_chunk: int | None, report: RankReport) -> dict[int, set[str]] | None:
-    """Fill `report.chunks`; return the ids of each chunk a restart restores, None if one cannot be."""
-    try:
-        files = paths.chunk_files()
-    except OSError as exc:
-        report.problems.append(f"cannot list {paths.rank_dir}: {exc}")
-        return None
+def _read_chunks(
+    files: list[tuple[int, str]], records_per_chunk: int | None, report: RankReport
+) -> dict[int, set[str]] | None:
+    """Fill `report.chunks` from the rank's chunk `files`; return the ids of each chunk a restart restores,
+    None if one cannot be."""
     restorable: dict[int, set[str]] | None = {}
     for chunk_index, path in files:
         published = chunk_index <= report.last_chunk_index  # a restart deletes it unread
@@ -344,14 +356,16 @@ def _read_cache(paths: RankPaths, report: RankReport) -> bool:
 def _cache_numbers(cache_file: str, problems: list[str]) -> tuple[int | None, int] | None:
     """`(entries, bytes)` of a request cache file and its WAL (entries None if it cannot be read, a problem
     line saying why), None without the file; `UnsafeFileError` where a proxy would refuse to open it."""
-    for suffix in SQLITE_SUFFIXES:
-        check_safe(cache_file + suffix)
     try:
+        for suffix in SQLITE_SUFFIXES:
+            check_safe(cache_file + suffix)
         size = os.lstat(cache_file).st_size
     except FileNotFoundError:
         return None
-    except OSError as exc:
-        problems.append(f"cannot read {cache_file}: {exc}")
+    except UnsafeFileError:
+        raise
+    except OSError as exc:  # a folder on the way that cannot be searched
+        problems.append(f"cannot read {cache_file}: {exc.strerror}")
         return None
     try:
         wal = os.lstat(cache_file + "-wal").st_size

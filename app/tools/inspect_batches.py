@@ -88,17 +88,18 @@ def inspect_api(layout: CheckpointsLayout, read_cache: CacheReader) -> ApiReport
     if not report.present:
         return report
     store = _file_store(layout, report)
-    if store is not None:
-        report.files = _files(store, report)
+    files = [] if store is None else _files(store, report)
+    report.files = files or []
     if _safe_folder(layout.batches_dir, report.problems) and os.path.isdir(layout.batches_dir):
         try:
             names = sorted(os.listdir(layout.batches_dir))
         except OSError as exc:
             report.problems.append(f"cannot list {layout.batches_dir}: {exc.strerror}")
-            names = []
+            return report
         for name in names:
             if is_batch_id(name):
-                report.batches.append(_batch(os.path.join(layout.batches_dir, name), store))
+                # files/ that cannot be listed: whether a batch's input is there is unknown, not missing
+                report.batches.append(_batch(os.path.join(layout.batches_dir, name), store, files is not None))
         report.answers = _answers(os.path.join(layout.batches_dir, ANSWERS), read_cache, report.problems)
     return report
 
@@ -138,6 +139,9 @@ def _safe_folder(path: str, problems: list[str]) -> bool:
     except UnsafeFileError as exc:
         problems.append(f"not read: {exc}")
         return False
+    except OSError as exc:  # in a folder that cannot be searched
+        problems.append(f"cannot read {path}: {exc.strerror}")
+        return False
     return True
 
 
@@ -148,14 +152,14 @@ def _file_store(layout: CheckpointsLayout, report: ApiReport) -> FileStore | Non
     return FileStore(layout.files_dir, fsync=False)
 
 
-def _files(store: FileStore, report: ApiReport) -> list[StoredFile]:
-    """Every file the store lists, oldest first. Each is read alone (`FileStore.get`), so that one
-    unreadable metadata file is a problem line, not a missing listing."""
+def _files(store: FileStore, report: ApiReport) -> list[StoredFile] | None:
+    """Every file the store lists, oldest first (None: its folder cannot be listed). Each is read alone
+    (`FileStore.get`), so that one unreadable metadata file is a problem line, not a missing listing."""
     try:
         names = os.listdir(store.root)
     except OSError as exc:
         report.problems.append(f"cannot list {store.root}: {exc.strerror}")
-        return []
+        return None
     found = []
     for file_id in sorted(name.removesuffix(".json") for name in names if name.endswith(".json")):
         if not is_file_id(file_id):
@@ -174,7 +178,7 @@ def _files(store: FileStore, report: ApiReport) -> list[StoredFile]:
     return found
 
 
-def _batch(path: str, store: FileStore | None) -> BatchReport:
+def _batch(path: str, store: FileStore | None, inputs_known: bool) -> BatchReport:
     folder = BatchDir(path)
     report = BatchReport(folder.id)
     if not _safe_folder(path, report.problems):
@@ -199,7 +203,7 @@ def _batch(path: str, store: FileStore | None) -> BatchReport:
     else:
         report.held = None if owner is None else owner.held
     record = report.record
-    if record is not None:
+    if record is not None and inputs_known:
         report.input_exists = store is not None and _exists(store, record.input_file_id)
         if not report.input_exists and record.status in ACTIVE:
             report.problems.append(_missing_input(record))
@@ -344,7 +348,7 @@ def _batch_row(batch: BatchReport) -> tuple[str, ...]:
         recorded,
         on_disk,
         torn,
-        record.input_file_id + ("" if batch.input_exists else " (missing)"),
+        record.input_file_id + {True: "", False: " (missing)", None: " (?)"}[batch.input_exists],
         record.output_file_id or "-",
         record.error_file_id or "-",
         owner,

@@ -6,6 +6,9 @@ import errno
 import os
 import shutil
 import stat
+import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,8 @@ import pytest
 
 from app.checkpoints.manager import META_FILENAME
 from app.cli import main
+from app.store.batches import BatchDir, BatchRecord, new_batch_id
+from app.store.files import FileStore
 from app.store.layout import CheckpointsLayout
 from app.store.ownership import RankOwnedError, RankOwnership
 from app.tools.inspect import inspect_dir, render, to_json
@@ -371,6 +376,76 @@ def test_an_unreadable_dir_gets_one_line_and_exit_2(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err == f"inferproxy inspect: cannot read {root}: Permission denied\n"
+
+
+#: A folder of a checkpoints dir made unreadable (its mode), and the problem line that says so: the dir's, a
+#: rank's (`rank N`, its resume then null) or a batch's (`batch`).
+UNREADABLE = {
+    "owners/": ("owners", 0, "dir", "cannot list {root}/owners: Permission denied"),
+    "last_chunk/": ("last_chunk", 0, "dir", "cannot list {root}/last_chunk: Permission denied"),
+    "a rank folder": ("00001", 0, "rank 1", "cannot list {root}/00001: Permission denied"),
+    "a rank folder not searchable": ("00001", 0o444, "rank 1", "cannot read {root}/00001/replay.sqlite3"),
+    "files/": ("files", 0, "dir", "cannot list {root}/files: Permission denied"),
+    "batches/": ("batches", 0, "dir", "cannot list {root}/batches: Permission denied"),
+    "batches/ not searchable": ("batches", 0o444, "batch", "cannot read {root}/batches/{batch}: Permission denied"),
+    "a host's answers": ("batches/answers/host-x", 0, "dir", "cannot read {root}/batches/answers/host-x/00000"),
+    "a host's answers' folder": (
+        "batches/answers/host-x/00000",
+        0,
+        "dir",
+        "cannot read {root}/batches/answers/host-x/00000/replay.sqlite3: Permission denied",
+    ),
+}
+
+
+@pytest.mark.parametrize(("where", "mode", "whose", "problem"), UNREADABLE.values(), ids=UNREADABLE.keys())
+def test_a_folder_that_cannot_be_read_is_a_problem_line_not_a_traceback(
+    tmp_path: Path, where: str, mode: int, whose: str, problem: str
+) -> None:
+    # A dir another user left, or a folder of it made private: each was a PermissionError traceback and exit
+    # 1. Modes stop only a process without CAP_DAC_OVERRIDE: as root, inspect runs without any capability.
+    without_capabilities = ["setpriv", "--bounding-set=-all", "--inh-caps=-all"] if os.geteuid() == 0 else []
+    root = checkpoints(tmp_path / "checkpoints", "0", {1: ["a"]})
+    write_chunk_file(root, 0, ["b"], rank=1)
+    owner = RankOwnership(CheckpointsLayout(str(root)))
+    owner.claim(1)
+    owner.release_all()
+    store = FileStore(root / "files")
+    store.open()
+    with store.writing("in.jsonl", "batch") as upload:
+        upload.write(b"{}\n")
+    batch_id = new_batch_id(time.time())
+    folder = BatchDir(root / "batches" / batch_id)
+    folder.create(BatchRecord(batch_id, "/v1/chat/completions", upload.id, "24h", 0, 86400, 7, status="in_progress"))
+    folder.release()
+    (root / "batches" / "answers" / "host-x" / "00000").mkdir(parents=True)
+    os.chmod(root / where, mode)
+    try:
+        done = subprocess.run(
+            [*without_capabilities, sys.executable, "-m", "app.cli", "inspect", str(root), "--json"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    finally:
+        os.chmod(root / where, stat.S_IRWXU)
+    assert (done.returncode, done.stderr) == (0, "")
+    report = orjson.loads(done.stdout)
+    expected = problem.format(root=root, batch=batch_id)
+    ranks = {rank["rank"]: rank for rank in report["ranks"]}
+    if whose == "dir":
+        assert any(line.startswith(expected) for line in report["problems"]), report["problems"]
+    elif whose == "batch":
+        (batch,) = report["batches"]
+        assert any(line.startswith(expected) for line in batch["problems"]), batch["problems"]
+    else:
+        assert any(line.startswith(expected) for line in ranks[1]["problems"]), ranks[1]["problems"]
+        assert ranks[1]["resume"] is None
+    assert ranks[0]["resume"] is not None  # the rest is read
+    if where == "files":  # its input may be there: unknown, not missing
+        (batch,) = report["batches"]
+        assert (batch["input_file_exists"], batch["problems"]) == (None, [])
 
 
 def test_json_has_every_key_and_rank_restricts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
