@@ -270,6 +270,7 @@ def _rank_report(
                     f"{redact_url(publisher.output)}: a restarted proxy refuses the rank (409 output_lost_error) "
                     f"until they are put back, or {missing[0] - 1} is written into {paths.last_chunk_file}"
                 )
+                return report  # /resume answers 409: nothing to predict
     if not checkpoints:
         # A restarted proxy first recovers such a rank's last chunk from the output's listing.
         report.resume_source = "unchecked_output"

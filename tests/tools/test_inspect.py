@@ -641,3 +641,20 @@ def test_chunks_recorded_as_published_but_missing_from_the_output_are_a_problem_
     assert "0 is written into" in problem
     (unchecked,) = inspect_dir(str(root)).ranks  # without --output the output is not looked at
     assert unchecked.problems == []
+
+
+def test_a_rank_a_restart_refuses_for_chunks_missing_from_the_output_has_no_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its resume was predicted beside the problem line saying a restarted proxy refuses the rank: /resume
+    # answers it 409 output_lost_error, nothing to predict.
+    root = checkpoints(tmp_path / "checkpoints", "0", {1: ["a"]})
+    output = tmp_path / "output"
+    output.mkdir()
+    assert main(["inspect", str(root), "--json", "--output", str(output)]) == 0
+    (rank,) = orjson.loads(capsys.readouterr().out)["ranks"]
+    assert "a restarted proxy refuses the rank (409 output_lost_error)" in rank["problems"][0]
+    assert rank["resume"] is None
+    assert main(["inspect", str(root), "--output", str(output)]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("0 "))
+    assert row.endswith("?")
