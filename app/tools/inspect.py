@@ -25,6 +25,7 @@ import os
 import sqlite3
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from app.checkpoints.documents import Document
@@ -104,6 +105,8 @@ def inspect_dir(
     not record it; `output` (and its `output_filename`) is looked at for ranks without any
     checkpoint, as a restarted proxy does. Raises `NotACheckpointsDir`.
     """
+    if not root:  # os.path.abspath would make it the current folder
+        raise NotACheckpointsDir("the path is empty: give the --checkpoints-dir of the proxy to inspect")
     root = os.path.abspath(root)
     layout = CheckpointsLayout(root)
     names = _check_dir(root)
@@ -181,6 +184,9 @@ def _check_dir(root: str) -> list[str]:
     except FileNotFoundError:
         raise NotACheckpointsDir(f"{root} does not exist: give the --checkpoints-dir of the proxy to inspect") from None
     except NotADirectoryError:
+        above = _file_above(root)
+        if above is not None:
+            raise NotACheckpointsDir(f"{root} cannot be a checkpoints dir: {above} is a file, not a folder") from None
         raise NotACheckpointsDir(f"{root} is a file, not a checkpoints dir") from None
     except OSError as exc:
         raise NotACheckpointsDir(f"cannot read {root}: {exc.strerror}") from None
@@ -195,6 +201,14 @@ def _check_dir(root: str) -> list[str]:
             raise NotACheckpointsDir(f"{root} is not a checkpoints dir: it holds {held}: did you mean {meant}?")
         raise NotACheckpointsDir(f"{root} is not a checkpoints dir: it holds none of {what}")
     return names
+
+
+def _file_above(path: str) -> str | None:
+    """The first of the folders on the way to `path` that is a file, if one is."""
+    for parent in reversed(Path(path).parents):
+        if os.path.lexists(parent) and not os.path.isdir(parent):
+            return str(parent)
+    return None
 
 
 def _is_checkpoints_dir(root: str, names: list[str]) -> bool:

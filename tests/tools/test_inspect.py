@@ -352,6 +352,28 @@ def test_a_path_that_is_not_a_checkpoints_dir_gets_one_line_and_exit_2(
     assert err.count("\n") == 1
 
 
+def test_a_path_under_a_file_or_an_empty_one_gets_one_line_naming_what_is_wrong(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A path under a file was said to be the file itself, and '' inspected the current folder.
+    (tmp_path / "afile").write_text("x")
+    assert main(["inspect", str(tmp_path / "afile" / "sub")]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == (
+        "",
+        f"inferproxy inspect: {tmp_path / 'afile' / 'sub'} cannot be a checkpoints dir: "
+        f"{tmp_path / 'afile'} is a file, not a folder\n",
+    )
+    checkpoints(tmp_path / "checkpoints")
+    monkeypatch.chdir(tmp_path / "checkpoints")
+    assert main(["inspect", ""]) == 2
+    out, err = capsys.readouterr()
+    assert (out, err) == (
+        "",
+        "inferproxy inspect: the path is empty: give the --checkpoints-dir of the proxy to inspect\n",
+    )
+
+
 def test_an_unreadable_dir_gets_one_line_and_exit_2(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
