@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import secrets
@@ -474,7 +475,13 @@ class JsonlLines:
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         torn_at: int | None = None
         with open_to_read(self.path) as f:
-            for line in f:
+            # A torn last line may be as large as the file (a crash mid-append of a huge document, a disk's
+            # garbage): read whole, it would be held twice over. Where the end holds no newline, it is not.
+            size = os.fstat(f.fileno()).st_size
+            tail = os.pread(f.fileno(), _LONG_LINE, max(0, size - _LONG_LINE))
+            long_tail: list[int] = []
+            lines = f if size <= _LONG_LINE or b"\n" in tail else _lines_but_a_long_tail(f, long_tail)
+            for line in lines:
                 try:
                     record = loads(line)  # the newline and the blanks around a record are JSON whitespace
                 except decode_error:
@@ -491,6 +498,8 @@ class JsonlLines:
                 else:
                     yield record
             self.size = f.tell()
+        if long_tail and torn_at is None:
+            torn_at = long_tail[0]
         self.torn_at = torn_at
         self.torn_line = 0 if torn_at is None else self._line_at(torn_at)
 
@@ -513,6 +522,27 @@ class JsonlLines:
             f.truncate(self.torn_at)
             f.flush()
             os.fsync(f.fileno())
+
+
+#: A last line longer than this without a newline is not read whole (`JsonlLines`).
+_LONG_LINE = 1 << 20
+
+
+def _lines_but_a_long_tail(f: BinaryIO, long_tail: list[int]) -> Iterator[bytes]:
+    """The lines of `f` as iterating it gives them, but for a last one over `_LONG_LINE` bytes without a
+    newline, read a piece at a time and not given: its offset goes to `long_tail`."""
+    for line in iter(functools.partial(f.readline, _LONG_LINE), b""):
+        if len(line) == _LONG_LINE and line[-1] != 0x0A:
+            start = f.tell() - len(line)
+            while piece := f.readline(_LONG_LINE):
+                if piece[-1] == 0x0A:
+                    break
+            else:
+                long_tail.append(start)
+                return
+            f.seek(start)
+            line = f.readline()  # a long line that ends: read whole, as any other
+        yield line
 
 
 def scan_jsonl(path: str) -> JsonlScan:

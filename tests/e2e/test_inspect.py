@@ -5,6 +5,7 @@ on from the lines inspect counted."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import sqlite3
@@ -81,6 +82,38 @@ def entries_of_the_main_file(rank_dir: Path) -> int:
         return int(conn.execute("SELECT COUNT(*) FROM request_cache").fetchone()[0]) if tables else 0
     finally:
         conn.close()
+
+
+def peak_rss_of_inspect(checkpoints: Path) -> int:
+    """The peak resident memory of `inferproxy inspect CHECKPOINTS`, run to its end, in bytes."""
+    with subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "inspect", str(checkpoints), "--json"], stdout=subprocess.DEVNULL
+    ) as done:
+        _, status, usage = os.wait4(done.pid, 0)
+        done.returncode = os.waitstatus_to_exitcode(status)
+    assert done.returncode == 0
+    return usage.ru_maxrss * 1024  # KiB on Linux
+
+
+def test_a_huge_torn_last_line_is_reported_without_holding_it(tmp_path: Path) -> None:
+    # A crash mid-append of a huge document (or a disk's garbage without a newline): its tail was read whole
+    # as one line, twice over (about 2 x 256 MiB at the peak here), to find it torn.
+    checkpoints = tmp_path / "checkpoints"
+    rank_dir = checkpoints / "00000"
+    rank_dir.mkdir(parents=True)
+    (checkpoints / "checkpoint_meta.json").write_text('{"records_per_chunk": 4}')
+    chunk = rank_dir / "chunk_00000.jsonl"
+    chunk.write_bytes(b'{"id": "a", "text": "text of a"}\n')
+    whole = chunk.stat().st_size
+    before = peak_rss_of_inspect(checkpoints)
+    with open(chunk, "ab") as f:
+        f.write(b'{"id": "b", "text": "')
+        for _ in range(256):
+            f.write(b"x" * (1 << 20))
+    grown = peak_rss_of_inspect(checkpoints) - before
+    (rank,) = inspect_json(checkpoints)["ranks"]
+    assert rank["chunks"][0]["torn"] == {"offset": whole, "bytes": chunk.stat().st_size - whole}
+    assert grown < 32 << 20, f"inspect's peak memory grew by {grown >> 20} MiB for a 256 MiB torn line"
 
 
 def test_inspect_of_a_killed_proxys_dir_writes_nothing_and_predicts_resume_after_a_restart(
