@@ -62,19 +62,15 @@ HOST_PREFIX = "host-"
 
 
 def host_answers(answers_dir: str) -> str:
-    """This host's answers' cache folder under `answers_dir`: `host-<hostname>-<boot id, 8 digits>`.
+    """This host's answers' cache folder under `answers_dir`: `host-<hostname>`.
 
     Proxies on many hosts may share a checkpoints dir, and SQLite's WAL keeps a file's index in memory
     shared by its processes, which only processes on one kernel can share: one file written from two hosts
-    is corrupted. The boot id tells kernels apart where hostnames collide (containers named alike); the
-    proxies of one host share its file."""
+    is corrupted. So each host has its own, named by its hostname (distinct on a cluster: Slurm's node
+    names, Kubernetes' pod names), which the proxies of one host share, and which a host finds again
+    after a reboot (a name with the boot's id in it would leave a folder behind at each)."""
     host = re.sub(r"[^A-Za-z0-9._-]", "_", socket.gethostname())[:64] or "unnamed"
-    try:
-        with open("/proc/sys/kernel/random/boot_id", encoding="ascii") as f:
-            boot = f.read().strip().replace("-", "")[:8]
-    except OSError:  # not Linux: the hostname alone
-        boot = ""
-    return os.path.join(answers_dir, f"{HOST_PREFIX}{host}-{boot}" if boot else f"{HOST_PREFIX}{host}")
+    return os.path.join(answers_dir, HOST_PREFIX + host)
 
 
 def take_shared_answers(answers_dir: str, folder: str) -> None:

@@ -861,8 +861,8 @@ async def test_proxies_of_two_hosts_keep_answers_apart_and_both_forget_an_output
     async for on_a in proxy(settings, url):
         monkeypatch.setattr(app.store.batches.socket, "gethostname", lambda: "node-b")
         async for on_b in proxy(settings, url):
-            (a_file,) = answers.glob("host-node-a-*/00000/replay.sqlite3")
-            (b_file,) = answers.glob("host-node-b-*/00000/replay.sqlite3")
+            (a_file,) = answers.glob("host-node-a/00000/replay.sqlite3")
+            (b_file,) = answers.glob("host-node-b/00000/replay.sqlite3")
             first = await until(on_a, await create_batch(on_a, file_id), final)
             assert (first["status"], fake.generations) == ("completed", 10)
             await eventually(lambda a=str(a_file): count_rows(a) == 10, "node a's answers were not kept in its file")
