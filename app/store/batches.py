@@ -57,6 +57,8 @@ FORGOTTEN = "forgotten"
 #: Under ANSWERS: the rank folder of a cache of all the batches in one file, as proxies kept it before
 #: `host_answers` (and as `inferproxy run-batch` keeps it: one process).
 SHARED_RANK = "00000"
+#: Serials are below this (62 random bits): under SQLite's 64-bit integers.
+SERIALS = 2**62
 #: The start of a host's folder under ANSWERS (`host_answers`).
 HOST_PREFIX = "host-"
 
@@ -103,19 +105,28 @@ def is_batch_id(value: str) -> bool:
 
 
 def forget_answers(answers_dir: str, serial: int) -> None:
-    """Record, durably, that the answers of batch `serial` are forgotten: every host's cache drops them."""
+    """Record, durably, that the answers of batch `serial` are forgotten: every host's cache drops them.
+    `UnsafeFileError` (an `OSError`) for a link or a file planted as the folder: never written through."""
     folder = os.path.join(answers_dir, FORGOTTEN)
+    check_safe(folder, folder=True)
     make_dirs_durable(folder)
+    check_safe(folder, folder=True)  # made, or found, a folder, not a link put there meanwhile
     atomic_write_bytes(os.path.join(folder, str(serial)), b"")
 
 
 def forgotten_answers(answers_dir: str) -> list[int]:
-    """The serials `forget_answers` recorded."""
+    """The serials `forget_answers` recorded; names that are no serial (anything planted, a number past 62
+    bits, which SQLite could not even compare) are not. `OSError` if the folder cannot be read (a link or a
+    file planted there is `UnsafeFileError`)."""
+    folder = os.path.join(answers_dir, FORGOTTEN)
     try:
-        names = os.listdir(os.path.join(answers_dir, FORGOTTEN))
+        check_safe(folder, folder=True)
+        names = os.listdir(folder)
     except FileNotFoundError:
         return []
-    return [int(name) for name in names if name.isdigit() and name.isascii()]
+    return [
+        int(name) for name in names if name.isascii() and name.isdigit() and len(name) <= 19 and int(name) < SERIALS
+    ]
 
 
 @dataclass(slots=True)

@@ -20,6 +20,8 @@ from app.service.coalescing import Flights
 from app.service.settings import Settings
 from app.service.upstream import UpstreamPool
 from app.store.batches import BatchDir, BatchRecord
+from app.store.cache import count_rows
+from app.store.durable import UnsafeFileError
 from app.store.files import FileStore, FileWriter
 from tests.servers import fake_upstream
 from tests.service.test_batches import CHAT, batch_settings, chat_line, put_file
@@ -197,3 +199,51 @@ async def test_a_stopping_proxy_lets_a_batch_go_only_once_its_output_file_is_wri
     final = on_disk(settings, record.id)
     output = settings.checkpoints_dir / "files" / str(final.output_file_id)
     assert len(output.read_bytes().splitlines()) == 300
+
+
+async def test_a_forgotten_name_past_64_bits_does_not_stop_the_answers_cache_from_keeping_answers(
+    settings: Settings,
+) -> None:
+    # Anyone who can write in a shared checkpoints dir could plant it: 20 digits passed `isdigit`, and SQLite
+    # refused the int at every commit of the drop, which stayed queued with every answer stored after it.
+    forgotten = settings.checkpoints_dir / "batches" / "answers" / "forgotten"
+    forgotten.mkdir(parents=True)
+    for name in ("9" * 20, str(2**62), "-1", "\u0661\u0662"):
+        (forgotten / name).write_bytes(b"")
+    async with fake_upstream() as (url, _):
+        file_id = put_file(settings.checkpoints_dir, lines(3))
+        async with engine_on(settings, url) as engine:
+            record = await engine.create(file_id, CHAT, "24h", None)
+            await eventually(lambda: record.id not in engine.running, "the batch never ended")
+            assert engine.get(record.id).status == "completed"
+            db = engine.answers.db_path
+            assert db is not None
+            await eventually(lambda: count_rows(db) == 3, "the batch's answers were never committed", timeout_s=5)
+
+
+@pytest.mark.parametrize("planted", ["file", "link"])
+async def test_a_forgotten_folder_planted_as_a_file_or_link_stops_nothing_and_is_never_written_through(
+    settings: Settings, tmp_path: Path, planted: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A file there failed the engine's start (NotADirectoryError), and every look for batches to carry on
+    # after; a link was written through at each deletion (contract §9: never through a link planted there).
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    answers = settings.checkpoints_dir / "batches" / "answers"
+    answers.mkdir(parents=True)
+    if planted == "file":
+        (answers / "forgotten").write_bytes(b"")
+    else:
+        (answers / "forgotten").symlink_to(elsewhere)
+    async with fake_upstream() as (url, _):
+        file_id = put_file(settings.checkpoints_dir, lines(3))
+        async with engine_on(settings, url) as engine:
+            record = await engine.create(file_id, CHAT, "24h", None)
+            await eventually(lambda: record.id not in engine.running, "the batch never ended")
+            output = engine.get(record.id).output_file_id
+            assert output is not None
+            with pytest.raises(UnsafeFileError):
+                await engine.forget_output(output)  # and so the file is not deleted (the route's 503)
+    assert list(elsewhere.iterdir()) == []
+    said = [r.getMessage() for r in caplog.records if "whose output was deleted cannot be read" in r.getMessage()]
+    assert len(said) == 1

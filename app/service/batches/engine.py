@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import errno
 import logging
+import os
 import re
 import secrets
 import shutil
@@ -56,6 +57,8 @@ from app.store.batches import (
     ACTIVE,
     ANSWERS,
     FINAL,
+    FORGOTTEN,
+    SERIALS,
     BatchDir,
     BatchRecord,
     forget_answers,
@@ -175,6 +178,7 @@ class BatchEngine:
         )
         #: the serials whose answers this proxy's cache dropped (`FORGOTTEN`, looked at by `adopt`)
         self._forgotten: set[int] = set()
+        self._forgotten_unread = False  # said once, while the folder of them cannot be read
         self.answerer = Answerer(settings, pool, flights, self.answers, counts or RankCounters())
         self.running: dict[str, Running] = {}
         #: The final status of each batch in the dir that this proxy saw end or found ended (`adopt`, at the
@@ -313,7 +317,7 @@ class BatchEngine:
             completion_window=completion_window,
             created_at=now,
             expires_at=now + window,
-            serial=secrets.randbits(62),
+            serial=secrets.randbelow(SERIALS),
             metadata=metadata,
         )
         folder = BatchDir(self.root / record.id)
@@ -438,8 +442,24 @@ class BatchEngine:
             await self.answers.drop_chunk(serial)
 
     async def _drop_forgotten(self) -> None:
-        """Drop the answers of the batches forgotten through another proxy (`forget_output`) from this one's cache."""
-        for serial in await asyncio.to_thread(forgotten_answers, self.answers_root):
+        """Drop the answers of the batches forgotten through another proxy (`forget_output`) from this one's
+        cache. A folder of them that cannot be read is said once (WARNING), and again once it can."""
+        try:
+            serials = await asyncio.to_thread(forgotten_answers, self.answers_root)
+        except OSError as exc:
+            if not self._forgotten_unread:
+                self._forgotten_unread = True
+                logger.warning(
+                    "the batches whose output was deleted cannot be read (%s): answers deleted through other "
+                    "proxies may be served by this one until it can; fix or remove %s",
+                    exc,
+                    os.path.join(self.answers_root, FORGOTTEN),
+                )
+            return
+        if self._forgotten_unread:
+            self._forgotten_unread = False
+            logger.info("the batches whose output was deleted can be read again")
+        for serial in serials:
             if serial not in self._forgotten:
                 await self._drop(serial)
 

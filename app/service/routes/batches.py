@@ -11,10 +11,10 @@ from typing import Any
 from app.service.asgi import Receive, Scope, json_kind, json_object, read_body, shown_value
 from app.service.batches.answers import ENDPOINTS
 from app.service.batches.engine import BatchEngine, BatchNotFound, window_seconds
-from app.service.errors import BadRequest, InsufficientStorage, NotFound
+from app.service.errors import BadRequest, InsufficientStorage, NotFound, ServiceUnavailable
 from app.service.services import UNWRITABLE_ERRNOS, Services, checkpoints_unwritable
 from app.store.batches import BatchRecord, is_batch_id
-from app.store.durable import is_disk_full, refusal_reason
+from app.store.durable import UnsafeFileError, is_disk_full, refusal_reason
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +112,8 @@ async def forget_output(services: Services, file_id: str) -> None:
     assert services.batches is not None
     try:
         await services.batches.forget_output(file_id)
+    except UnsafeFileError as exc:  # planted where the deleted outputs are recorded: never written through
+        raise ServiceUnavailable(f"file {file_id} is not deleted: {exc}") from exc
     except OSError as exc:
         raise refused(
             exc, services, f"file {file_id} is not deleted", "its batch's answers are kept", "delete it again"
