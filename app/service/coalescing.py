@@ -24,10 +24,12 @@ CacheKey = tuple[int, str, int, str, str]
 
 class Landing(NamedTuple):
     """What a flight's leader got, for its followers: the upstream's whole answer with the headers passed on
-    beside it (`Retry-After`), or the proxy's own error the leader was answered."""
+    beside it (`Retry-After`), or the proxy's own error the leader was answered; `kept`: whether the
+    answer was stored (a generation its followers saved, as a later hit would)."""
 
     answer: StoredResponse | ProxyError
     headers: tuple[tuple[bytes, bytes], ...] = ()
+    kept: bool = False
 
 
 class Flight:

@@ -41,9 +41,10 @@ def store_if_kept(
     whole: bool,
     error_statuses: list[int],
     path: str,
-) -> None:
+) -> bool:
     """Store `answer` in `cache` if the policy keeps it, for the request's `path` (`/v1/chat/completions` or
-    `/v1/completions`: it is served to that route only); say so when a 2xx is an error in disguise."""
+    `/v1/completions`: it is served to that route only); say so when a 2xx is an error in disguise. Whether
+    it was stored."""
     disguised = error_in_disguise(answer) if whole and 200 <= answer.status < 300 else None
     if disguised is not None:
         logger.warning(
@@ -64,13 +65,15 @@ def store_if_kept(
         chunk_index = NO_CHUNK if key.chunk_index is None else key.chunk_index
         if key.datatrove_hash is None:
             cache.store_response(chunk_index, key.doc_id, key.rollout_idx, digest, answer, endpoint=path)
-            return
+            return True
         stored = datatrove_form(answer, chat=path == "/v1/chat/completions")
         if stored is not None:
             form, error_message = stored
             cache.store_response(
                 chunk_index, key.doc_id, key.rollout_idx, digest, form, error_message=error_message, endpoint=path
             )
+            return True
+    return False
 
 
 def datatrove_form(answer: StoredResponse, *, chat: bool) -> tuple[StoredResponse, str | None] | None:

@@ -296,3 +296,19 @@ async def test_readyz_takes_no_replica_out_of_the_routing(tmp_path: Path) -> Non
         after = await client.post("/v1/completions", json={"prompt": "y"}, headers={"X-Doc-Id": doc})
     assert healthy == {slow: True, fast: True}
     assert after.json()["model"] == "slow"
+
+
+async def test_an_identical_request_sharing_a_2xx_error_the_cache_does_not_keep_is_not_counted_coalesced(
+    tmp_path: Path,
+) -> None:
+    # A 2xx whose body is an error envelope is passed on and never stored: sharing it saved no generation.
+    body = chat_request(fake_upstream={"error_with_status": 200, "latency_ms": 300})
+    async with fake_upstream() as (url, _), proxy_client(settings(tmp_path, url)) as client:
+        answers = await asyncio.gather(
+            *(client.post("/v1/chat/completions", json=body, headers=doc_headers()) for _ in range(2))
+        )
+        again = await client.post("/v1/chat/completions", json=body, headers=doc_headers())
+        totals = (await client.get("/stats")).json()["totals"]
+    assert sorted((a.status_code, a.headers["x-cache"]) for a in answers) == [(200, "COALESCED"), (200, "MISS")]
+    assert again.headers["x-cache"] == "MISS"  # not kept: generated again
+    assert totals["coalesced"] == 0

@@ -42,7 +42,7 @@ from app.service.coalescing import Landing
 from app.service.errors import NotFound, ProxyError
 from app.service.keys import LOOKUP, Lookup, RequestKey, lookup, stored_answer
 from app.service.services import Services
-from app.service.storage_policy import cacheable_status, is_whole, store_if_kept
+from app.service.storage_policy import is_whole, store_if_kept
 from app.service.upstream import UpstreamResponse, response_headers
 from app.store.cache import RequestCache, StoredResponse
 from app.tasks import cancel_and_wait
@@ -120,13 +120,13 @@ async def cached_or_forwarded(services: Services, scope: Scope, receive: Receive
 
 
 async def send_landed(services: Services, send: Send, key: RequestKey, digest: str, landed: Landing) -> None:
-    """A follower's answer: what its flight's leader got. Counted as coalesced (a generation saved) if it is
-    an answer the cache would keep: a 429 or a 5xx shared saved nothing."""
+    """A follower's answer: what its flight's leader got. Counted as coalesced (a generation saved) if the
+    leader's answer was kept: a 429, a 5xx or an error in a 2xx shared saved nothing."""
     shared = landed.answer
     if isinstance(shared, ProxyError):
         await send_error(send, shared, [(b"x-cache", b"COALESCED"), (b"x-payload-hash", digest.encode())])
         return
-    if cacheable_status(shared.status, services.settings.cache_error_statuses):
+    if landed.kept:
         services.metrics.replayed(key.rank, True, shared.body)
     answer = stored_answer(shared, b"COALESCED", digest)
     answer.headers.extend(landed.headers)
@@ -201,7 +201,7 @@ async def forward(
     except ProxyError as error:
         await send_error(send, error, ours)
         return Landing(error)
-    store_if_kept(
+    kept = store_if_kept(
         cache,
         key,
         digest,
@@ -210,7 +210,7 @@ async def forward(
         error_statuses=services.settings.cache_error_statuses,
         path=scope["path"],
     )
-    return Landing(answer, passed_on) if whole else None
+    return Landing(answer, passed_on, kept) if whole else None
 
 
 async def stream_through(
