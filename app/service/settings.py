@@ -276,9 +276,9 @@ class Settings(BaseSettings):
     def _header_safe_key(cls, value: str | None) -> str | None:
         # sent or compared as an HTTP header's value: a line break or other control character would be
         # refused at each request (a client's key could never match), so it is refused here, once
-        if value is not None and (not value or any(ord(c) < 0x20 or ord(c) == 0x7F for c in value)):
-            raise ValueError("a key is a non-empty line of text, without control characters (a line break?)")
-        return value
+        if value is not None and any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+            raise ValueError("a key is a line of text, without control characters (a line break?)")
+        return value or None  # an empty one (INFERPROXY_API_KEY=) is none, as it always was
 
     @field_validator("output_filename")
     @classmethod

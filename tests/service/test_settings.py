@@ -364,8 +364,9 @@ def test_credentials_in_a_refused_setting_are_never_shown(
     monkeypatch.delenv("INFERPROXY_UPSTREAM")
     assert main(["serve", "--upstream=http://127.0.0.1:9", "--upstream-api-key=hunter2\nsecond-line"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("inferproxy serve: invalid settings:\n  --upstream-api-key: a key is a non-empty line")
+    assert err.startswith("inferproxy serve: invalid settings:\n  --upstream-api-key: a key is a line of text")
     assert "hunter2" not in err
+    assert Settings.load(api_key="", upstream_api_key="").api_key is None  # INFERPROXY_API_KEY=: no key
 
 
 def test_a_refused_value_the_message_already_shows_is_not_repeated(capsys: pytest.CaptureFixture[str]) -> None:
