@@ -561,9 +561,10 @@ def check_checkpoints_dir(settings: Settings, name: str = "--checkpoints-dir") -
 
 
 def check_output_apart(settings: Settings, name: str = "--output") -> None:
-    """Refuse a local output that is the checkpoints dir or inside it: a chunk published there may be a
-    checkpoint file itself (`--output-filename '${rank}/chunk_${chunk_index}.jsonl'` makes the rank's chunk
-    file its own publication), which the proxy then deletes as published."""
+    """Refuse a local output whose chunks may land among the checkpoint files, which the proxy deletes once
+    published: the output is the checkpoints dir or inside it (`--output-filename
+    '${rank}/chunk_${chunk_index}.jsonl'` makes the rank's chunk file its own publication), or holds it and
+    the output filename's folders lead into it (`ckpt/${rank}/...` with the checkpoints in `OUTPUT/ckpt`)."""
     from app.checkpoints.output import is_remote
 
     if is_remote(settings.output):
@@ -575,6 +576,19 @@ def check_output_apart(settings: Settings, name: str = "--output") -> None:
             f"{name} {settings.output} is inside the checkpoints dir {settings.checkpoints_dir} (or is it): chunks "
             f"published there could be checkpoint files, which are deleted once published: give an output "
             f"folder outside it"
+        )
+    if not checkpoints.startswith(output.rstrip(os.sep) + os.sep):
+        return
+    inside = Path(os.path.relpath(checkpoints, output)).parts
+    literal = settings.output_filename.split("$", 1)[0]  # the folders named before any ${...}
+    folders = Path(os.path.normpath(literal.rsplit("/", 1)[0])).parts if "/" in literal else ()
+    shared = min(len(inside), len(folders))
+    if folders and inside[:shared] == folders[:shared]:
+        raise ValueError(
+            f"--output-filename {settings.output_filename!r} puts chunks under {os.path.join(*folders)} in "
+            f"{name} {settings.output}, which holds the checkpoints dir {settings.checkpoints_dir}: chunks "
+            f"published there could be checkpoint files, which are deleted once published: give an output "
+            f"filename or folder apart from it"
         )
 
 

@@ -252,6 +252,32 @@ def test_serve_with_its_output_in_its_checkpoints_dir_refuses_in_one_line_creati
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("template", "refused"),
+    [
+        ("ckpt/${rank}/chunk_0000${chunk_index}.jsonl", True),  # rank 0's chunk 0 onto its own chunk file
+        ("./ckpt/x/${rank}_${chunk_index}.jsonl", True),
+        ("${rank}/chunk_${chunk_index}.jsonl", False),
+        ("other/${rank}_chunk_${chunk_index}.jsonl", False),
+        ("${rank}_chunk_${chunk_index}.jsonl", False),
+    ],
+)
+def test_an_output_holding_the_checkpoints_dir_is_refused_where_its_filename_leads_into_them(
+    tmp_path: Path, template: str, refused: bool
+) -> None:
+    # A review: the output the checkpoints dir's parent, the template walking into it, published rank 0's
+    # chunk 0 onto its own checkpoint file, as the output inside the checkpoints dir did.
+    from app.cli import check_output_apart
+
+    data = tmp_path / "data"
+    settings = Settings(checkpoints_dir=data / "ckpt", output=str(data), output_filename=template)
+    if refused:
+        with pytest.raises(ValueError, match="which holds the checkpoints dir"):
+            check_output_apart(settings)
+    else:
+        check_output_apart(settings)
+
+
 def test_serve_on_a_checkpoints_dir_whose_meta_file_is_a_link_refuses_in_one_line(tmp_path: Path) -> None:
     checkpoints = tmp_path / "ckpt"
     checkpoints.mkdir()
