@@ -497,15 +497,22 @@ for _name, _type in DOCS_ASSETS.items():
 
 
 def routes(app: FastAPI) -> frozenset[str]:
-    """Every route added to `app`, in order (after FastAPI's `/openapi.json`); the paths served without the key."""
+    """Every route added to `app`, in order (after FastAPI's `/openapi.json`); the paths served without the key.
+    A `GET` route answers `HEAD` too (RFC 9110: a health checker may ask so), as its `GET` without the body,
+    which the servers do not send, unless a `HEAD` of its own is declared (a file's content: no bytes read)."""
+    declared_heads = {control.path for control in CONTROL if control.method == "HEAD"}
     for control in CONTROL:
-        app.router.add_api_route(
-            control.path,
-            control.endpoint,
-            methods=[control.method],
-            route_class_override=ProxyRoute,
-            dependencies=[Security(BEARER)] if control.keyed else None,
-            **control.options,
-        )
+        answers = [(control.method, control.options)]
+        if control.method == "GET" and control.path not in declared_heads:
+            answers.append(("HEAD", {**control.options, "include_in_schema": False}))
+        for method, options in answers:
+            app.router.add_api_route(
+                control.path,
+                control.endpoint,
+                methods=[method],
+                route_class_override=ProxyRoute,
+                dependencies=[Security(BEARER)] if control.keyed else None,
+                **options,
+            )
     app.router.routes.extend(RAW_ROUTES)
     return frozenset({OPENAPI_URL, *(control.path for control in CONTROL if not control.keyed)})

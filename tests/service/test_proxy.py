@@ -677,9 +677,9 @@ async def test_a_content_length_with_whitespace_around_its_digits_is_accepted(tm
     ("method", "path", "allow"),
     [
         ("GET", "/documents", "POST"),
-        ("DELETE", "/resume", "GET"),
+        ("DELETE", "/resume", "GET, HEAD"),
         ("GET", "/lookup", "POST"),
-        ("POST", "/healthz", "GET"),
+        ("POST", "/healthz", "GET, HEAD"),
         ("GET", "/chunks/3/complete", "POST"),
     ],
 )
@@ -689,6 +689,15 @@ async def test_a_method_a_route_does_not_serve_is_405_with_allow(env: Env, metho
     assert answer.headers["allow"] == allow
     assert answer.json()["error"]["code"] == 405
     assert (await env.upstream_stats())["requests"] == 0
+
+
+@pytest.mark.parametrize("path", ["/healthz", "/readyz", "/stats", "/metrics", "/", "/docs", "/openapi.json"])
+async def test_a_get_route_answers_head_with_its_status_and_headers_and_no_body(env: Env, path: str) -> None:
+    # RFC 9110 §9.1: a server answers HEAD where it answers GET; a health checker asking so got 405.
+    got = await env.client.get(path)
+    head = await env.client.head(path)
+    assert (head.status_code, head.content) == (got.status_code, b"")
+    assert head.headers["content-type"] == got.headers["content-type"]
 
 
 @pytest.mark.parametrize("path", ["/v1/models", "/v1/chat/completions", "/healthz"])
