@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
+import re
 from typing import Any
 
 import orjson
@@ -79,6 +82,32 @@ def check_json_cost(body: bytes) -> None:
                 f"the request body holds about {values} JSON values; the limit is {MAX_JSON_VALUES}: "
                 f"split it (a batch of documents or lookups into several requests)"
             )
+
+
+#: A run of digits that may be an integer past 64 bits, which orjson reads as a float (and writes as one):
+#: 20 digits (past 2**64 - 1 from 18446744073709551616), or 19 after a minus (past -2**63).
+LONG_NUMBER = re.compile(rb"[0-9]{20,}|-[0-9]{19}")
+
+
+def check_integers(body: bytes, where: str) -> None:
+    """`BadRequest` for a JSON body holding an integer past 64 bits, which orjson would read as a float, changing
+    it without a word (and which datatrove's writer refuses); the common body, without 19 digits in a row, is
+    not parsed again."""
+    if LONG_NUMBER.search(body) is None:
+        return
+
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # past Python's own limit of digits
+            value = 2**64
+        if not -(2**63) <= value < 2**64:
+            shown = text if len(text) <= 40 else text[:20] + "..." + text[-8:]
+            raise BadRequest(f"{where} holds the integer {shown}, past 64 bits: no JSON writer here keeps it exact")
+        return value
+
+    with contextlib.suppress(ValueError):  # bad JSON otherwise: said by the caller's own parse
+        json.loads(body, parse_int=integer)
 
 
 def json_object(body: bytes) -> dict[str, Any]:

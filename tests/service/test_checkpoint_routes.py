@@ -176,6 +176,27 @@ async def test_malformed_documents_get_400_and_nothing_is_written(
     assert not (tmp_path / "ckpt" / "00000" / "chunk_00000.jsonl").exists()
 
 
+@pytest.mark.parametrize("number", ["123456789012345678901234567890", "-9223372036854775809", "18446744073709551616"])
+async def test_a_document_holding_an_integer_past_64_bits_gets_400_and_nothing_is_written(
+    client: httpx.AsyncClient, tmp_path: Path, number: str
+) -> None:
+    # orjson read it as a float: the document was acknowledged and written changed (1.2345678901234568e+29),
+    # where datatrove's writer refuses such a value (an attack run).
+    body = b'{"id": "a", "text": "x", "metadata": {"user_id": ' + number.encode() + b"}}"
+    answer = await client.post("/documents", content=body, headers={"X-Rank": "0", "X-Chunk-Index": "0"})
+    assert answer.status_code == 400, answer.text
+    assert "past 64 bits" in answer.json()["error"]["message"]
+    assert not (tmp_path / "ckpt" / "00000" / "chunk_00000.jsonl").exists()
+
+
+async def test_a_documents_64_bit_integers_are_written_exactly(client: httpx.AsyncClient, tmp_path: Path) -> None:
+    body = b'{"id": "a", "text": "x", "metadata": {"u": 18446744073709551615, "i": -9223372036854775808}}'
+    answer = await client.post("/documents", content=body, headers={"X-Rank": "0", "X-Chunk-Index": "0"})
+    assert answer.status_code == 200, answer.text
+    line = (tmp_path / "ckpt" / "00000" / "chunk_00000.jsonl").read_text()
+    assert json.loads(line)["metadata"] == {"u": 2**64 - 1, "i": -(2**63)}
+
+
 async def test_missing_or_bad_headers_get_400(client: httpx.AsyncClient) -> None:
     assert (await post(client, doc("a"), chunk=None)).json()["error"]["param"] == "X-Chunk-Index"
     assert (await post(client, doc("a"), rank=100_000)).json()["error"]["param"] == "X-Rank"

@@ -14,13 +14,13 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-import re
 
 import orjson
 import xxhash
 
 from app.ops.metrics import RankCounters, tokens_in
 from app.service.affinity import request_key
+from app.service.asgi import LONG_NUMBER
 from app.service.batches.outputs import answer_result, failure_result
 from app.service.batches.running import Running
 from app.service.coalescing import Flights, Landing
@@ -39,11 +39,6 @@ BATCH_RANK = -1
 _RETRIED = frozenset({408, 409, 429, 500, 502, 503, 504})
 
 
-#: A run of digits that may be an integer past 64 bits, which orjson reads as a float (and writes as one):
-#: 20 digits (past 2**64 - 1 from 18446744073709551616), or 19 after a minus (past -2**63).
-_LONG_NUMBER = re.compile(rb"[0-9]{20,}|-[0-9]{19}")
-
-
 def line_request(raw: bytes) -> tuple[str, bytes, str]:
     """A batch line's `custom_id`, the body to send and the body's hash (its answers' key).
 
@@ -51,7 +46,7 @@ def line_request(raw: bytes) -> tuple[str, bytes, str]:
     sent as orjson's float of it; such a body (rarely: a run of 20 digits, or 19 negative, anywhere in the
     line) is read and written by the standard library, and hashed from its sorted JSON alike.
     """
-    if _LONG_NUMBER.search(raw) is None:
+    if LONG_NUMBER.search(raw) is None:
         line = orjson.loads(raw)
         return line["custom_id"], orjson.dumps(line["body"]), payload_hash(line["body"])
     exact = json.loads(raw)

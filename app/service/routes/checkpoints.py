@@ -33,7 +33,7 @@ from app.checkpoints.manager import (
 from app.checkpoints.output import is_remote
 from app.checkpoints.publish import ChunkFileGone, PublishError
 from app.checkpoints.resume import docs_to_skip
-from app.service.asgi import Receive, Scope, check_json_cost, read_body
+from app.service.asgi import Receive, Scope, check_integers, check_json_cost, read_body
 from app.service.errors import BadRequest, ChunkConflict, InsufficientStorage, OutputUnavailable, ProxyError
 from app.service.keys import MAX_RANK, parse_int, rank_of, single_header
 from app.service.services import UNWRITABLE_ERRNOS, Services, checkpoints_unwritable
@@ -212,6 +212,7 @@ def parse_documents(body: bytes) -> list[Document]:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as exc:
         raise BadRequest(f"the body must be a document or a JSON array of documents: {exc}") from None
+    check_integers(body, "the body")  # read exactly: a document is written as it came, or refused
     items = data if isinstance(data, list) else [data]
     if not items:
         raise BadRequest("the array of documents is empty")
