@@ -197,6 +197,25 @@ async def test_a_documents_64_bit_integers_are_written_exactly(client: httpx.Asy
     assert json.loads(line)["metadata"] == {"u": 2**64 - 1, "i": -(2**63)}
 
 
+async def test_a_last_chunk_before_chunks_holding_documents_is_refused_and_deletes_none(
+    client: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    # Completing chunk 1 as the rank's last removed the rank's folder, chunk 2's acknowledged document with
+    # it, and nothing said so (an attack run).
+    assert (await post(client, [doc("a"), doc("b"), doc("c")], chunk=0)).status_code == 200
+    assert (await post(client, doc("late"), chunk=2)).status_code == 200
+    refused = await client.post("/chunks/1/complete", headers={"X-Rank": "0"})
+    assert refused.status_code == 409
+    assert refused.json()["error"]["message"] == (
+        "chunk 1 cannot be the rank's last: chunks after it (2) hold documents, which completing it would "
+        "delete; complete the last chunk written to (2), nothing was changed"
+    )
+    chunk_2 = tmp_path / "ckpt" / "00000" / "chunk_00002.jsonl"
+    assert [json.loads(line)["id"] for line in chunk_2.read_text().splitlines()] == ["late"]
+    assert (await client.post("/chunks/2/complete", headers={"X-Rank": "0"})).status_code == 200
+    assert published(tmp_path)["00000_chunk_2.jsonl"] == ["late"]
+
+
 async def test_missing_or_bad_headers_get_400(client: httpx.AsyncClient) -> None:
     assert (await post(client, doc("a"), chunk=None)).json()["error"]["param"] == "X-Chunk-Index"
     assert (await post(client, doc("a"), rank=100_000)).json()["error"]["param"] == "X-Rank"

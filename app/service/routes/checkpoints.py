@@ -238,11 +238,26 @@ def parse_documents(body: bytes) -> list[Document]:
     return documents
 
 
+def check_last(manager: CheckpointManager, chunk_index: int) -> None:
+    """`ChunkConflict` if chunks after `chunk_index` hold documents (written, or published and not yet reached
+    by `last_chunk`): the rank's last chunk is complete once its files are removed, theirs with them."""
+    later = sorted(
+        {i for i in manager.per_chunk_counts if i > chunk_index}
+        | {i for i in manager.new_completed_chunks if i > chunk_index}
+    )
+    if later and chunk_index > manager.last_chunk_index:
+        shown = ", ".join(map(str, later[:10])) + (", ..." if len(later) > 10 else "")
+        raise ChunkConflict(
+            f"chunk {chunk_index} cannot be the rank's last: chunks after it ({shown}) hold documents, which "
+            f"completing it would delete; complete the last chunk written to ({later[-1]}), nothing was changed"
+        )
+
+
 async def complete_chunk(services: Services, scope: Scope, receive: Receive) -> dict[str, Any]:
     chunk_index = parse_int(scope["path_params"]["i"].encode(), "chunk index")
     rank = rank_of(scope)
     total, ranks = declared_total(scope), declared_ranks(scope, rank)
-    await manager_of(services, rank)
+    check_last(await manager_of(services, rank), chunk_index)
     try:
         manager = await services.checkpoints.complete(rank, chunk_index)
     except PublishError as exc:
