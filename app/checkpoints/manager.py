@@ -381,7 +381,10 @@ class CheckpointManager:
                     if chunk.count == self.records_per_chunk:
                         # Decided here, under the lock: a caller cancelled below cannot lose it.
                         chunk.mark_ready()
+                # The count and whether it is complete, read together: read after the fsync below, a
+                # chunk other writers filled meanwhile was "complete" beside this write's count of 1.
                 count = chunk.count
+                complete = chunk.state is not ChunkState.OPEN or chunk_index <= self.last_chunk_index
                 appended = set(chunk.unsynced)  # this write's and those before it: durable with its fsync
             finally:
                 chunk.lock.release()
@@ -395,14 +398,12 @@ class CheckpointManager:
             else:
                 # Shielded: once started, publishing finishes even if this caller is cancelled.
                 await asyncio.shield(self._publish_ready(rank))
-        now = self._chunks.get(chunk_index)  # may be finished, and dropped, by now
         return BatchOutcome(
             written=len(fresh),
             duplicates=len(documents) - len(fresh),
             chunk_index=chunk_index,
             chunk_count=count,
-            chunk_complete=chunk_index <= self.last_chunk_index
-            or (now is not None and now.state is not ChunkState.OPEN),
+            chunk_complete=complete,
             last_chunk_index=self.last_chunk_index,
         )
 

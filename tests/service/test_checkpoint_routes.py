@@ -216,6 +216,17 @@ async def test_a_last_chunk_before_chunks_holding_documents_is_refused_and_delet
     assert published(tmp_path)["00000_chunk_2.jsonl"] == ["late"]
 
 
+async def test_concurrent_writes_filling_a_chunk_each_say_its_count_and_completeness_together(
+    client: httpx.AsyncClient,
+) -> None:
+    # The count was read as the write appended, whether the chunk was complete after its fsync, which the
+    # other writes shared: three writes filling a chunk of 3 each said "complete", one with a count of 1.
+    for round_ in range(5):
+        answers = await asyncio.gather(*(post(client, doc(f"{round_}-{i}"), chunk=round_) for i in range(3)))
+        seen = sorted((a.json()["chunk_count"], a.json()["chunk_complete"]) for a in answers)
+        assert seen == [(1, False), (2, False), (3, True)]
+
+
 async def test_missing_or_bad_headers_get_400(client: httpx.AsyncClient) -> None:
     assert (await post(client, doc("a"), chunk=None)).json()["error"]["param"] == "X-Chunk-Index"
     assert (await post(client, doc("a"), rank=100_000)).json()["error"]["param"] == "X-Rank"
