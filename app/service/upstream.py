@@ -416,10 +416,10 @@ class UpstreamPool:
     async def probe(self, replica: Replica, timeout_s: float = 5.0) -> bool:
         """`GET /v1/models` on one replica; updates its health."""
         ok = await self.why_not_answering(replica, timeout_s) is None
-        if ok and not replica.healthy:
-            logger.info("upstream %s is healthy again", replica.url)
-        replica.healthy = ok
-        if not ok:
+        if ok:
+            self._mark_healthy(replica)
+        else:
+            replica.healthy = False
             replica.failed_at = time.monotonic()
         return ok
 
@@ -458,15 +458,19 @@ class UpstreamPool:
         listing of models slow on a busy server."""
         reasons = await asyncio.gather(*(self.why_not_answering(r, timeout_s=2.0) for r in self.replicas))
         for replica, reason in zip(self.replicas, reasons, strict=True):
-            if reason is None and not replica.healthy:
-                logger.info("upstream %s is healthy again", replica.url)
-                replica.healthy = True
+            if reason is None:
+                self._mark_healthy(replica)
         return [reason is None for reason in reasons]
 
     async def _probe_unhealthy_forever(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
             await asyncio.gather(*(self.probe(r) for r in self.replicas if not r.healthy))
+
+    def _mark_healthy(self, replica: Replica) -> None:
+        if not replica.healthy:
+            logger.info("upstream %s is healthy again", replica.url)
+        replica.healthy = True
 
     def _mark_failed(self, replica: Replica, why: str) -> None:
         if replica.healthy:
