@@ -346,14 +346,17 @@ class BatchEngine:
 
     def all(self) -> list[BatchRecord]:
         """Every batch, newest first."""
-        found = []
-        for folder in self._folders():
-            running = self.running.get(folder.id)  # one look-up: `inputs_read` calls this in a thread
-            try:
-                found.append(running.record if running is not None else folder.load())
-            except (OSError, ValueError):
-                continue
+        found = [record for folder in self._folders() if (record := self._record(folder.id)) is not None]
         return sorted(found, key=lambda r: r.id, reverse=True)  # ids sort as the batches were made
+
+    def _record(self, batch_id: str) -> BatchRecord | None:
+        """A batch's record: this proxy's own, if it runs the batch, else as `batch.json` has it; None for one
+        damaged, or removed meanwhile. Called in threads (`all`, `page`): one look-up of `running`."""
+        running = self.running.get(batch_id)
+        try:
+            return running.record if running is not None else BatchDir(self.root / batch_id).load()
+        except (OSError, ValueError):
+            return None
 
     def _see_cancel(self, batch: Running) -> None:
         """A cancel asked through another proxy sharing the folder (its `cancel` file), taken by this one, which
@@ -398,11 +401,9 @@ class BatchEngine:
         names = sorted((folder.id for folder in self._folders() if after is None or folder.id < after), reverse=True)
         found: list[BatchRecord] = []
         for name in names:
-            running = self.running.get(name)
-            try:
-                found.append(running.record if running is not None else BatchDir(self.root / name).load())
-            except (OSError, ValueError):
-                continue  # damaged, or removed meanwhile: listed by none
+            record = self._record(name)
+            if record is not None:
+                found.append(record)
             if len(found) > limit:
                 return found[:limit], True
         return found, False
@@ -647,8 +648,7 @@ class BatchEngine:
 
     async def _save(self, batch: Running) -> None:
         """`batch.json` replaced with the batch's record."""
-        async with batch.saving:
-            await self._saved(batch, {})
+        await self._transition(batch)
 
     async def _transition(self, batch: Running, **changes: Any) -> None:
         """The record's `changes` (a status and what goes with it) saved, then made: one the disk refuses
