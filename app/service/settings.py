@@ -276,7 +276,7 @@ class Settings(BaseSettings):
     def _header_safe_key(cls, value: str | None) -> str | None:
         # sent or compared as an HTTP header's value: a line break or other control character would be
         # refused at each request (a client's key could never match), so it is refused here, once
-        if value is not None and any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+        if value is not None and not header_safe_key(value):
             raise ValueError("a key is a line of text, without control characters (a line break?)")
         return value or None  # an empty one (INFERPROXY_API_KEY=) is none, as it always was
 
@@ -339,6 +339,11 @@ class Settings(BaseSettings):
             ) from None
         finally:
             _CONFIG_FILE.reset(token)
+
+
+def header_safe_key(key: str) -> bool:
+    """Whether an `Authorization: Bearer KEY` header can carry `key`: no control character (a line break, NUL)."""
+    return not any(ord(c) < 0x20 or ord(c) == 0x7F for c in key)
 
 
 def check_config_file(path: Path, source: str = "") -> None:

@@ -35,6 +35,7 @@ from urllib.parse import urlsplit, urlunsplit
 import orjson
 
 from app.checkpoints.output import redact_url
+from app.service.settings import header_safe_key
 from app.tools.terminal import printable
 
 DEFAULT_URL = "http://127.0.0.1:8080"
@@ -182,7 +183,7 @@ def shown_url(url: str) -> str:
 
 def check_api_key(api_key: str | None) -> None:
     """`ValueError` for a key no `Authorization` header can carry (a control character: a line break, NUL)."""
-    if api_key is not None and any(ord(c) < 0x20 or ord(c) == 0x7F for c in api_key):
+    if api_key is not None and not header_safe_key(api_key):
         raise ValueError(
             "the API key given (--api-key or INFERPROXY_API_KEY) holds a control character (a line break?): "
             "a key is one line of text"
