@@ -569,17 +569,17 @@ def check_output_apart(settings: Settings, name: str = "--output") -> None:
 
     if is_remote(settings.output):
         return
-    output = os.path.realpath(settings.output.removeprefix("file://"))
-    checkpoints = os.path.realpath(settings.checkpoints_dir)
-    if output == checkpoints or output.startswith(checkpoints.rstrip(os.sep) + os.sep):
+    output = Path(os.path.realpath(settings.output.removeprefix("file://")))
+    checkpoints = Path(os.path.realpath(settings.checkpoints_dir))
+    if output.is_relative_to(checkpoints):
         raise ValueError(
             f"{name} {settings.output} is inside the checkpoints dir {settings.checkpoints_dir} (or is it): chunks "
             f"published there could be checkpoint files, which are deleted once published: give an output "
             f"folder outside it"
         )
-    if not checkpoints.startswith(output.rstrip(os.sep) + os.sep):
+    if not checkpoints.is_relative_to(output):
         return
-    inside = Path(os.path.relpath(checkpoints, output)).parts
+    inside = checkpoints.relative_to(output).parts
     literal = settings.output_filename.split("$", 1)[0]  # the folders named before any ${...}
     folders = Path(os.path.normpath(literal.rsplit("/", 1)[0])).parts if "/" in literal else ()
     shared = min(len(inside), len(folders))
